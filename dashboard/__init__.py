@@ -1,0 +1,1 @@
+"""Streamlit dashboard over run directories (streamlit, plotly, polars; never imports torch)."""

@@ -1,0 +1,1 @@
+"""Attention kernels (torch and triton only): plain-torch references and, later, Triton kernels."""

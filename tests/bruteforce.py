@@ -1,0 +1,128 @@
+"""Test oracle: every DESIGN.md statistic computed from the full N x N score matrix in float64,
+with plain Python loops over blocks and rows, straight from the definitions. Slow on purpose;
+shares no code with kernels/ (only the definitions)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+NEG = -math.inf
+
+
+def _blocks(i, n, bm, bn):
+    """(rows, reachable blocks, candidate blocks) of query block i, from the definitions."""
+    last_row = min((i + 1) * bm, n) - 1
+    rows = list(range(i * bm, last_row + 1))
+    kb = -(-n // bn)
+    reach = [j for j in range(kb) if j * bn <= last_row]
+    cand = [j for j in reach if (j + 1) * bn <= i * bm]
+    return rows, reach, cand
+
+
+def _order(name, reach, cand):
+    diag = [j for j in reach if j not in cand]
+    if name == "forward":
+        return sorted(reach)
+    if name == "reverse":
+        return sorted(reach, reverse=True)
+    rest = [j for j in sorted(cand) if j != 0]
+    return [0] + [j for j in sorted(diag) if j != 0] + rest
+
+
+def _rowmax_table(s, n, bn):
+    """rm[r, j] = max of S over row r's visible keys in key block j (-inf if none visible)."""
+    return np.stack([s[:, j * bn: min((j + 1) * bn, n)].max(1) for j in range(-(-n // bn))], 1)
+
+
+def _scan(rm, rows, blocks_in_order):
+    """Per-order gap per block and per-row first stabilization step."""
+    gap = {j: NEG for j in blocks_in_order}
+    tstar = {}
+    for r in rows:
+        final = max(rm[r, j] for j in blocks_in_order)
+        running = NEG
+        for step, j in enumerate(blocks_in_order):
+            rm_rj = rm[r, j]
+            running = max(running, rm_rj)
+            if rm_rj > NEG:
+                gap[j] = max(gap[j], rm_rj - running)
+            if r not in tstar and running == final:
+                tstar[r] = step
+    return gap, tstar
+
+
+def brute_force(q, k, v, scale, bm, bn, orders, decode_rows):
+    """q [H, N, D], k/v [Hkv, N, D] numpy arrays. Returns a dict of float64 arrays shaped like the
+    reference TileStats fields (-inf for unreachable tiles)."""
+    h, n, _ = q.shape
+    group = h // k.shape[0]
+    p, kb = -(-n // bm), -(-n // bn)
+    res = {
+        "bmax": np.full((h, p, kb), NEG), "mass": np.zeros((h, p, kb)),
+        "gap": np.full((h, len(orders), p, kb), NEG), "tstar_step": np.zeros((h, len(orders), n), int),
+        "tstar_where": np.zeros((h, len(orders), n), int), "qinit_err": np.zeros((h, n)),
+        "out": np.zeros(q.shape), "cand": np.zeros(p, int),
+        "near_tie": np.zeros((h, n), bool),
+    }
+    for hh in range(h):
+        kk, vv = k[hh // group].astype(np.float64), v[hh // group].astype(np.float64)
+        s = scale * q[hh].astype(np.float64) @ kk.T
+        s[np.triu_indices(n, 1)] = NEG
+        prob = np.exp(s - s.max(1, keepdims=True))
+        prob /= prob.sum(1, keepdims=True)
+        res["out"][hh] = prob @ vv
+        rm = _rowmax_table(s, n, bn)
+        rep = []
+        for j in range(kb):
+            blk = kk[j * bn: min((j + 1) * bn, n)]
+            rep.append(np.array([blk[np.argmax(np.abs(blk[:, d])), d] for d in range(blk.shape[1])]))
+        for i in range(p):
+            rows, reach, cand = _blocks(i, n, bm, bn)
+            res["cand"][i] = len(cand)
+            for j in reach:
+                keys = range(j * bn, min((j + 1) * bn, n))
+                res["bmax"][hh, i, j] = max(rm[r, j] for r in rows)
+                res["mass"][hh, i, j] = np.mean([sum(prob[r, c] for c in keys) for r in rows])
+            for o, name in enumerate(orders):
+                seq = _order(name, reach, cand)
+                gap, tstar = _scan(rm, rows, seq)
+                for j, g in gap.items():
+                    res["gap"][hh, o, i, j] = g
+                for r, step in tstar.items():
+                    j = seq[step]
+                    res["tstar_step"][hh, o, r] = step
+                    res["tstar_where"][hh, o, r] = 0 if j == 0 else (1 if j not in cand else 2)
+            for r in rows:
+                bm_r = sorted((rm[r, j] for j in reach), reverse=True)
+                res["near_tie"][hh, r] = len(bm_r) > 1 and bm_r[0] - bm_r[1] < 1e-4
+                m_init = max(scale * float(q[hh, r].astype(np.float64) @ rep[j]) for j in reach)
+                res["qinit_err"][hh, r] = m_init - s[r].max()
+        res.setdefault("dec", []).append(_decode(rm, prob, n, bn, orders, decode_rows))
+    res["dec_gap"] = np.stack([d[0] for d in res["dec"]])
+    res["dec_mass"] = np.stack([d[1] for d in res["dec"]])
+    return res
+
+
+def _decode(rm, prob, n, bn, orders, decode_rows):
+    """Decode-mode gaps of one head: each of the last rows alone is a block with BM = 1."""
+    kb = -(-n // bn)
+    first = max(n - decode_rows, 0)
+    gap = np.full((len(orders), n - first, kb), NEG)
+    mass = np.zeros((n - first, kb))
+    for x, r in enumerate(range(first, n)):
+        reach = [j for j in range(kb) if j * bn <= r]
+        cand = [j for j in reach if (j + 1) * bn <= r]
+        for j in reach:
+            mass[x, j] = prob[r, j * bn: min((j + 1) * bn, n)].sum()
+        for o, name in enumerate(orders):
+            g, _ = _scan(rm, [r], _order(name, reach, cand))
+            for j, val in g.items():
+                gap[o, x, j] = val
+    return gap, mass
+
+
+def bsfa_thresholds(bmax_row, n_cand, k_values):
+    """Per position: midpoint of the k-th and (k+1)-th largest candidate bmax, -inf if A <= k."""
+    vals = sorted(bmax_row[:n_cand], reverse=True)
+    return [NEG if n_cand <= k else (vals[k - 1] + vals[k]) / 2 for k in k_values]
