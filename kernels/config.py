@@ -23,8 +23,8 @@ class StatsConfig:
     orders: tuple[str, ...] = ORDERS
     k_values: tuple[int, ...] = (4, 8, 16, 32, 64)
     top_bmax: int = 0  # sorted candidate block maxima kept per position; 0 = 2 * max(k_values)
-    gap_lo: float = -30.0
-    gap_step: float = 0.02
+    gap_lo: float = -25.0
+    gap_step: float = 0.05
     qinit_lo: float = -20.0
     qinit_hi: float = 20.0
     qinit_step: float = 0.25

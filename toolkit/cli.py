@@ -1,11 +1,93 @@
 """The ``sparsecal`` command line. Heavy layers are imported inside the subcommands so that
-``sparsecal --help`` answers instantly."""
+``sparsecal --help`` answers instantly. Bad input prints one ``error:`` line and exits 2."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+from .errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Calibrate block-sparse attention (BSFA, BLASST) on a real model.")
+
+DEFAULT_TASKS = "niah_single,niah_multikey,vt,cwe,text"
+DEFAULT_LENGTHS = "1024,2048,4096"
+
+
+def _user_errors(fn):
+    """Turn UserError into one line on stderr and exit code 2; Ctrl-C into a resume hint."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            typer.echo("interrupted: finished samples are kept; run the same command again to resume.", err=True)
+            raise typer.Exit(130)
+    return wrapper
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--{name} '{text}' is not a comma-separated list of integers (e.g. 1024,2048).")
+    if not values:
+        raise UserError(f"--{name} is empty; give a comma-separated list of integers.")
+    return values
 
 
 @app.callback()
 def main():
     """sparsecal: capture attention statistics, fit thresholds, browse and export them."""
+
+
+@app.command()
+@_user_errors
+def capture(
+    out: Path = typer.Option(..., "--out", help="Run directory (created, or resumed if it holds the same run)."),
+    model: str = typer.Option("smollm2", help="'smollm2' (embedded default) or a local HF checkpoint directory."),
+    task: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS}."),
+    lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens of the model's tokenizer."),
+    samples: int = typer.Option(1, min=1, help="Samples per task and length."),
+    seed: int = typer.Option(0, help="Base seed; each sample's own seed is recorded."),
+    prompts_file: Optional[Path] = typer.Option(None, help='JSONL of {"text": ...} or {"input_ids": [...]} lines.'),
+    block_m: int = typer.Option(128, min=1, help="Query block size BM."),
+    block_n: int = typer.Option(64, min=1, help="Key block size BN."),
+    k: str = typer.Option("4,8,16,32,64", help="BSFA k values (top-k key blocks kept)."),
+    decode_rows: int = typer.Option(64, min=0, help="Last rows captured as decode queries."),
+    raw: bool = typer.Option(False, "--raw", help="Also store raw tiles (bmax, gap, mass) for heatmaps."),
+    dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", help="torch device for the model."),
+):
+    """Run the model on prompts with instrumented attention and store the statistics in OUT."""
+    from .workflow import CaptureRequest, capture_command
+
+    tasks = task.split(",") if task else ([] if prompts_file else ["niah_single"])
+    req = CaptureRequest(out=out, model=model, tasks=[t.strip() for t in tasks if t.strip()],
+                         lengths=_int_list(lengths, "lengths"), samples=samples, seed=seed,
+                         prompts_file=prompts_file, block_m=block_m, block_n=block_n,
+                         k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
+                         dtype=dtype, device=device)
+    capture_command(req)
+
+
+@app.command()
+@_user_errors
+def demo(out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes.")):
+    """Capture the default model on the default prompt set on CPU and print a summary."""
+    from .workflow import CaptureRequest, capture_command
+
+    req = CaptureRequest(out=out, model="smollm2", tasks=DEFAULT_TASKS.split(","),
+                         lengths=_int_list(DEFAULT_LENGTHS, "lengths"), samples=1, seed=0)
+    capture_command(req)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

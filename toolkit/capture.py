@@ -1,0 +1,135 @@
+"""Instrumented capture through transformers' AttentionInterface.
+
+``sparsecal_capture`` is a registered attention function: every layer's call computes the real
+attention output (so the model keeps running correctly) and that layer's statistics, reduced on
+the device into the run's per-sample forms (kernels/reduce.py). A ``Collector`` set by
+``collecting()`` receives them; ``capture_sample`` stacks the layers into [L, ...] tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import UserError
+
+ATTN_NAME = "sparsecal_capture"
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sparsecal_collector", default=None)
+RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")
+
+
+@dataclass
+class Collector:
+    """Receives each layer's reduced statistics during one instrumented forward."""
+
+    cfg: object  # kernels.config.StatsConfig
+    backend: str = "reference"
+    layers: dict = field(default_factory=dict)
+
+
+def capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function. query [B, H, N, D], key/value [B, Hkv, N, D] -> ([B, N, H, D], None)."""
+    from sparsecal.kernels.reduce import reduce_tiles
+    from sparsecal.kernels.reference import instrumented_attention
+
+    col = _ACTIVE.get()
+    if col is None:
+        raise RuntimeError(f"attn_implementation='{ATTN_NAME}' runs only inside sparsecal.capture.collecting()")
+    if query.shape[2] != key.shape[2] or attention_mask is not None:
+        raise RuntimeError("capture instruments causal prefill of one unpadded sequence (no KV cache, no padding)")
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise RuntimeError("capture does not support sliding-window or soft-capped attention layers")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, tiles = instrumented_attention(query, key, value, scale, col.cfg)
+    col.layers[module.layer_idx] = reduce_tiles(tiles, query.shape[2], col.cfg)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``sparsecal_capture`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, capture_attention)
+
+
+@contextlib.contextmanager
+def collecting(cfg, backend: str = "reference"):
+    col = Collector(cfg, backend)
+    token = _ACTIVE.set(col)
+    try:
+        yield col
+    finally:
+        _ACTIVE.reset(token)
+
+
+@torch.no_grad()
+def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1):
+    """One instrumented forward. Returns (stats {name: [L, ...]}, raw {name: [L, ...]}, logits)."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        ids = torch.tensor([input_ids], device=model.device)
+        with collecting(cfg) as col:
+            logits = model(ids, use_cache=False, logits_to_keep=logits_to_keep).logits
+    finally:
+        model.set_attn_implementation(previous)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if sorted(col.layers) != list(range(num_layers)):
+        raise RuntimeError(f"captured layers {sorted(col.layers)} of {num_layers}: a layer bypassed the attention interface")
+    names = col.layers[0].keys()
+    stacked = {k: _compact(torch.stack([col.layers[i][k] for i in range(num_layers)]).cpu()) for k in names}
+    raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
+    return stacked, raw, logits
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """Storage dtypes: counts as int32, sums as float32 (analysis adds samples in float64)."""
+    if t.dtype == torch.int64:
+        return t.to(torch.int32)
+    return t.float() if t.dtype == torch.float64 else t
+
+
+def sample_record(prompt, sid: str) -> dict:
+    """The JSON record of a prompt sample (everything but its token ids)."""
+    return {"id": sid, "task": prompt.task, "length": prompt.length, "seed": prompt.seed,
+            "index": prompt.index, "answer": list(prompt.answer), "meta": dict(prompt.meta)}
+
+
+def run_capture(store, model, prompts, cfg, progress=None) -> dict:
+    """Capture every prompt not finished yet into ``store``. ``progress(done, total, record, secs)``
+    is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s}."""
+    from sparsecal.kernels.geometry import block_counts
+    from .runstore import sample_id
+
+    records = [(sample_record(p, sample_id(p.task, p.length, p.input_ids)), p) for p in prompts]
+    store.plan([r for r, _ in records])
+    finished = store.done_ids()
+    todo = [(r, p) for r, p in records if r["id"] not in finished]
+    total_start = time.perf_counter()
+    for n_done, (rec, prompt) in enumerate(todo, 1):
+        start = time.perf_counter()
+        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg)
+        cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
+        stats.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
+                     candidates=cand, reachable=reach)
+        secs = time.perf_counter() - start
+        rec = dict(rec, seconds=round(secs, 3), backend="reference")
+        store.write_sample(rec, stats, raw)
+        if progress:
+            progress(n_done, len(todo), rec, secs)
+    return {"done": len(todo), "skipped": len(records) - len(todo),
+            "seconds": time.perf_counter() - total_start}
+
+
+def check_lengths(lengths, max_context) -> None:
+    """Refuse lengths the model cannot attend over."""
+    for n in lengths:
+        if n < 1:
+            raise UserError(f"length {n} is not a positive token count.")
+        if max_context and n > max_context:
+            raise UserError(f"length {n} is over the model's context of {max_context} tokens; "
+                            f"use --lengths up to {max_context}.")

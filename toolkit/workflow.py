@@ -1,0 +1,129 @@
+"""The capture command's steps in the order that refuses bad input before any work: resolve the
+model, check the output directory and lengths, build the prompts, then load and capture."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import UserError
+
+console = Console(stderr=True)
+
+
+@dataclass
+class CaptureRequest:
+    out: Path
+    model: str = "smollm2"
+    tasks: list = field(default_factory=lambda: ["niah_single"])
+    lengths: list = field(default_factory=lambda: [1024, 2048, 4096])
+    samples: int = 1
+    seed: int = 0
+    prompts_file: Path | None = None
+    block_m: int = 128
+    block_n: int = 64
+    k_values: list = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    decode_rows: int = 64
+    raw: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def stats_config(req: CaptureRequest):
+    from sparsecal.kernels.config import StatsConfig
+
+    ks = sorted(set(req.k_values))
+    if ks[0] < 1:
+        raise UserError(f"--k values must be positive integers, got {req.k_values}.")
+    return StatsConfig(block_m=req.block_m, block_n=req.block_n, k_values=tuple(ks),
+                       decode_rows=req.decode_rows, raw=req.raw)
+
+
+def build_prompts(req: CaptureRequest, ms, max_context):
+    """Task prompts and/or the user's prompts file, validated against the model's context."""
+    from . import prompts as P
+    from .capture import check_lengths
+    from .models import load_tokenizer
+
+    for t in req.tasks:
+        if t not in P.TASKS:
+            from .errors import unknown
+            raise unknown("task", t, P.TASKS)
+    if req.tasks:
+        check_lengths(req.lengths, max_context)
+    tok = None
+    if req.tasks or (req.prompts_file and _file_needs_tokenizer(req.prompts_file)):
+        tok = load_tokenizer(ms)
+    out = P.build_task_prompts(tok, req.tasks, req.lengths, req.samples, req.seed) if req.tasks else []
+    if req.prompts_file:
+        from_file = P.load_prompts_file(req.prompts_file, tok)
+        for s in from_file:
+            if max_context and s.length > max_context:
+                raise UserError(f"{req.prompts_file} line {s.index}: {s.length} tokens is over the model's "
+                                f"context of {max_context}; shorten it.")
+        out += from_file
+    return out
+
+
+def _file_needs_tokenizer(path: Path) -> bool:
+    try:
+        return '"text"' in Path(path).read_text()
+    except OSError:
+        return False  # load_prompts_file reports the missing file
+
+
+def capture_command(req: CaptureRequest) -> None:
+    from .capture import run_capture
+    from .models import load_config, load_model, model_info, resolve_model
+    from .runstore import RunStore
+
+    cfg = stats_config(req)
+    ms = resolve_model(req.model)
+    info = model_info(ms, load_config(ms))
+    _check_existing(req.out, info, cfg, req.dtype)
+    prompts = build_prompts(req, ms, info["max_context"])
+    if not prompts:
+        raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
+    console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
+                  f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device})")
+    t0 = time.perf_counter()
+    model = load_model(ms, req.dtype, req.device)
+    console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
+    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, "reference")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as bar:
+        job = bar.add_task("capturing", total=len(prompts))
+
+        def progress(done, total, rec, secs):
+            bar.console.print(f"  {rec['id']:<32} {rec['length']:>6} tok  {secs:6.1f} s  "
+                              f"({rec['length'] / secs:,.0f} tok/s)")
+            bar.update(job, completed=len(prompts) - total + done)
+
+        result = run_capture(store, model, prompts, cfg, progress)
+    console.print(f"captured {result['done']} samples, skipped {result['skipped']} already finished, "
+                  f"in {result['seconds']:.1f} s")
+    print_summary(store)
+
+
+def _check_existing(out: Path, info: dict, cfg, dtype: str) -> None:
+    """Refuse a different run in OUT before loading anything heavy (writes nothing)."""
+    from .runstore import RunStore
+
+    RunStore.check_target(out, info, cfg.to_dict(), dtype)
+
+
+def print_summary(store) -> None:
+    from .summary import SUMMARY_LAMBDA, run_summary
+
+    table = Table(title=f"{store.root}: {store.manifest['model']['id']}")
+    for col in ("task", "length", "samples", "capture s", f"sparsity @λ={SUMMARY_LAMBDA:g}",
+                "retained mass", "sink-stabilized rows"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for r in run_summary(store):
+        table.add_row(r["task"], str(r["length"]), str(r["samples"]), f"{r['seconds']:.1f}",
+                      f"{r['sparsity']:.3f}", f"{r['retained_mass']:.4f}", f"{r['sink_rows']:.3f}")
+    Console().print(table)
