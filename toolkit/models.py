@@ -77,6 +77,7 @@ def model_info(ms: ModelSpec, cfg) -> dict:
         "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
         "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
         "max_context": getattr(text, "max_position_embeddings", None),
+        "vocab_size": getattr(text, "vocab_size", None),
     }
 
 

@@ -43,7 +43,7 @@ def stats_config(req: CaptureRequest):
                        decode_rows=req.decode_rows, raw=req.raw)
 
 
-def build_prompts(req: CaptureRequest, ms, max_context):
+def build_prompts(req: CaptureRequest, ms, max_context, vocab_size=None):
     """Task prompts and/or the user's prompts file, validated against the model's context."""
     from . import prompts as P
     from .capture import check_lengths
@@ -60,7 +60,7 @@ def build_prompts(req: CaptureRequest, ms, max_context):
         tok = load_tokenizer(ms)
     out = P.build_task_prompts(tok, req.tasks, req.lengths, req.samples, req.seed) if req.tasks else []
     if req.prompts_file:
-        from_file = P.load_prompts_file(req.prompts_file, tok)
+        from_file = P.load_prompts_file(req.prompts_file, tok, vocab_size)
         for s in from_file:
             if max_context and s.length > max_context:
                 raise UserError(f"{req.prompts_file} line {s.index}: {s.length} tokens is over the model's "
@@ -85,7 +85,7 @@ def capture_command(req: CaptureRequest) -> None:
     ms = resolve_model(req.model)
     info = model_info(ms, load_config(ms))
     _check_existing(req.out, info, cfg, req.dtype)
-    prompts = build_prompts(req, ms, info["max_context"])
+    prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
     if not prompts:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "

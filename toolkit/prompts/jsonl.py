@@ -23,8 +23,11 @@ from sparsecal.prompts.tasks import PromptSample
 _FORMAT = 'Each line must be one JSON object with "text" or "input_ids".'
 
 
-def load_prompts_file(path, tokenizer) -> list[PromptSample]:
-    """Read ``path`` (JSONL) into prompt samples; any bad line raises a one-line UserError."""
+def load_prompts_file(path, tokenizer, vocab_size: int | None = None) -> list[PromptSample]:
+    """Read ``path`` (JSONL) into prompt samples; any bad line raises a one-line UserError.
+
+    Token ids are checked against ``vocab_size`` (the model's), else ``len(tokenizer)``; the
+    tokenizer may be None when every line gives "input_ids"."""
     name = os.fspath(path)
     file = Path(name)
     if not file.is_file():
@@ -36,13 +39,15 @@ def load_prompts_file(path, tokenizer) -> list[PromptSample]:
     samples = []
     for number, line in enumerate(content.split("\n"), 1):
         if line.strip():
-            samples.append(_parse_line(line, f"{name} line {number}", number, tokenizer, name))
+            samples.append(_parse_line(line, f"{name} line {number}", number, tokenizer, name,
+                                       vocab_size))
     if not samples:
         raise UserError(f"{name}: the file has no prompts (it is empty or blank). {_FORMAT}")
     return samples
 
 
-def _parse_line(line: str, where: str, number: int, tokenizer, source: str) -> PromptSample:
+def _parse_line(line: str, where: str, number: int, tokenizer, source: str,
+                vocab_size: int | None = None) -> PromptSample:
     """Validate one JSONL line and turn it into a sample (``where`` prefixes every error)."""
     try:
         obj = json.loads(line)
@@ -55,7 +60,7 @@ def _parse_line(line: str, where: str, number: int, tokenizer, source: str) -> P
         found = "both" if has_text else "neither"
         raise UserError(f'{where}: found {found} of "text" and "input_ids"; give exactly one.')
     if has_ids:
-        ids = _check_ids(obj["input_ids"], where, tokenizer)
+        ids = _check_ids(obj["input_ids"], where, tokenizer, vocab_size)
     else:
         ids = _tokenize(obj["text"], where, tokenizer)
     task = obj.get("task", "file")
@@ -66,17 +71,17 @@ def _parse_line(line: str, where: str, number: int, tokenizer, source: str) -> P
     return PromptSample(task, len(ids), -1, ids, answer, number, meta)
 
 
-def _check_ids(value, where: str, tokenizer) -> list[int]:
+def _check_ids(value, where: str, tokenizer, vocab_size: int | None = None) -> list[int]:
     """``value`` as a list of token ids, each in the tokenizer's vocabulary."""
     valid = isinstance(value, list) and value and all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
     if not valid:
         raise UserError(f'{where}: "input_ids" must be a non-empty list of non-negative integers.')
-    vocab = len(tokenizer)
-    too_big = next((i for i in value if i >= vocab), None)
+    vocab = vocab_size or (len(tokenizer) if tokenizer is not None else None)
+    too_big = next((i for i in value if vocab is not None and i >= vocab), None)
     if too_big is not None:
         raise UserError(
-            f"{where}: token id {too_big} is out of range for this tokenizer (vocabulary size "
+            f"{where}: token id {too_big} is out of range for this model (vocabulary size "
             f"{vocab}). Use ids from the same model's tokenizer."
         )
     return list(value)
