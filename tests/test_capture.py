@@ -155,6 +155,9 @@ def test_bad_inputs_one_line_exit_2_nothing_written(tiny, tmp_path, seed):
     T5Config(vocab_size=300, d_model=32, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
     assert_user_error(cli("capture", "--model", tmp_path / "t5", "--prompts-file", good, "--out", out),
                       "not a decoder-only causal LM")
+    (tmp_path / "text.jsonl").write_text('{"text": "a prompt needs a tokenizer"}\n')
+    assert_user_error(cli("capture", "--model", tiny, "--prompts-file", tmp_path / "text.jsonl", "--out", out),
+                      "has no usable tokenizer", '{"input_ids": [...]}')
     assert not out.exists()
     # an output directory holding a different run: other geometry, other model, not a run at all
     ok = cli("capture", "--model", tiny, "--prompts-file", good, "--out", out, "--block-m", 32, "--block-n", 16)

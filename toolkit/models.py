@@ -87,8 +87,8 @@ def load_tokenizer(ms: ModelSpec):
     try:
         return AutoTokenizer.from_pretrained(str(ms.path), **ms.hf_kwargs())
     except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"{ms.spec} has no usable tokenizer ({str(e).splitlines()[0]}); give token ids "
-                        "with --prompts-file lines of the form {{\"input_ids\": [...]}}.")
+        raise UserError(f"{ms.spec} has no usable tokenizer ({type(e).__name__}); give token ids with "
+                        '--prompts-file lines of the form {"input_ids": [...]}.')
 
 
 def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):

@@ -55,10 +55,8 @@ def build_prompts(req: CaptureRequest, ms, max_context, vocab_size=None):
             raise unknown("task", t, P.TASKS)
     if req.tasks:
         check_lengths(req.lengths, max_context)
-    tok = None
-    if req.tasks or (req.prompts_file and _file_needs_tokenizer(req.prompts_file)):
-        tok = load_tokenizer(ms)
-    out = P.build_task_prompts(tok, req.tasks, req.lengths, req.samples, req.seed) if req.tasks else []
+    tok = _LazyTokenizer(lambda: load_tokenizer(ms))
+    out = P.build_task_prompts(tok.get(), req.tasks, req.lengths, req.samples, req.seed) if req.tasks else []
     if req.prompts_file:
         from_file = P.load_prompts_file(req.prompts_file, tok, vocab_size)
         for s in from_file:
@@ -69,11 +67,22 @@ def build_prompts(req: CaptureRequest, ms, max_context, vocab_size=None):
     return out
 
 
-def _file_needs_tokenizer(path: Path) -> bool:
-    try:
-        return '"text"' in Path(path).read_text()
-    except OSError:
-        return False  # load_prompts_file reports the missing file
+class _LazyTokenizer:
+    """Loads the tokenizer on first use, so token-id prompt files need none."""
+
+    def __init__(self, load):
+        self._load, self._tok = load, None
+
+    def get(self):
+        if self._tok is None:
+            self._tok = self._load()
+        return self._tok
+
+    def __call__(self, *args, **kwargs):
+        return self.get()(*args, **kwargs)
+
+    def __len__(self):
+        return len(self.get())
 
 
 def capture_command(req: CaptureRequest) -> None:
@@ -120,10 +129,12 @@ def print_summary(store) -> None:
     from .summary import SUMMARY_LAMBDA, run_summary
 
     table = Table(title=f"{store.root}: {store.manifest['model']['id']}")
-    for col in ("task", "length", "samples", "capture s", f"sparsity @λ={SUMMARY_LAMBDA:g}",
-                "retained mass", "sink-stabilized rows"):
+    for col in ("task", "tokens", "samples", "s/sample", f"sparsity λ={SUMMARY_LAMBDA:g}",
+                "mass kept", "sink rows"):
         table.add_column(col, justify="left" if col == "task" else "right")
     for r in run_summary(store):
         table.add_row(r["task"], str(r["length"]), str(r["samples"]), f"{r['seconds']:.1f}",
                       f"{r['sparsity']:.3f}", f"{r['retained_mass']:.4f}", f"{r['sink_rows']:.3f}")
-    Console().print(table)
+    Console(width=max(100, Console().width)).print(table)
+    console.print("sparsity and mass kept: BLASST at a fixed lambda, forward order; sink rows: share of rows "
+                  "whose running max settles on block 0 (means over layers, heads, samples)")
