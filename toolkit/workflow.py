@@ -99,10 +99,14 @@ def capture_command(req: CaptureRequest) -> None:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
                   f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device})")
+    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, "reference")
+    if _all_done(store, prompts):
+        console.print(f"all {len(prompts)} samples are already captured in {req.out}")
+        print_summary(store)
+        return
     t0 = time.perf_counter()
     model = load_model(ms, req.dtype, req.device)
     console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
-    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, "reference")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
         job = bar.add_task("capturing", total=len(prompts))
@@ -116,6 +120,13 @@ def capture_command(req: CaptureRequest) -> None:
     console.print(f"captured {result['done']} samples, skipped {result['skipped']} already finished, "
                   f"in {result['seconds']:.1f} s")
     print_summary(store)
+
+
+def _all_done(store, prompts) -> bool:
+    from .runstore import sample_id
+
+    done = store.done_ids()
+    return all(sample_id(p.task, p.length, p.input_ids) in done for p in prompts)
 
 
 def _check_existing(out: Path, info: dict, cfg, dtype: str) -> None:
