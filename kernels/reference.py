@@ -59,7 +59,7 @@ def _pad_blocks(x: torch.Tensor, bn: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def signed_absmax_keys(kp: torch.Tensor, n: int, bn: int) -> torch.Tensor:
+def signed_absmax_keys(kp: torch.Tensor, bn: int) -> torch.Tensor:
     """VFA key representative per block: kb[j, d] = k[t, d] with t = argmax_t |k[t, d]|.
 
     kp [Hkv, Kb*BN, D] (zero padded past n) -> [Hkv, Kb, D]. Padding rows are zero, so they can
@@ -129,7 +129,7 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig):
     qs = q[0].float() * scale
     kp = _pad_blocks(k[0].float(), bn)
     vp = _pad_blocks(v[0].float(), bn)
-    krep = signed_absmax_keys(kp, n, bn)
+    krep = signed_absmax_keys(kp, bn)
 
     out = torch.empty(h, n, d, dtype=torch.float32, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)

@@ -26,7 +26,6 @@ class Collector:
     """Receives each layer's reduced statistics during one instrumented forward."""
 
     cfg: object  # kernels.config.StatsConfig
-    backend: str = "reference"
     layers: dict = field(default_factory=dict)
 
 
@@ -56,8 +55,8 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def collecting(cfg, backend: str = "reference"):
-    col = Collector(cfg, backend)
+def collecting(cfg):
+    col = Collector(cfg)
     token = _ACTIVE.set(col)
     try:
         yield col
@@ -99,16 +98,22 @@ def sample_record(prompt, sid: str) -> dict:
             "index": prompt.index, "answer": list(prompt.answer), "meta": dict(prompt.meta)}
 
 
+def pending(store, prompts) -> tuple[list, list]:
+    """(all (record, prompt) pairs, those not finished in ``store`` yet)."""
+    from .runstore import sample_id
+
+    records = [(sample_record(p, sample_id(p.task, p.length, p.input_ids)), p) for p in prompts]
+    finished = store.done_ids()
+    return records, [(r, p) for r, p in records if r["id"] not in finished]
+
+
 def run_capture(store, model, prompts, cfg, progress=None) -> dict:
     """Capture every prompt not finished yet into ``store``. ``progress(done, total, record, secs)``
     is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s}."""
     from sparsecal.kernels.geometry import block_counts
-    from .runstore import sample_id
 
-    records = [(sample_record(p, sample_id(p.task, p.length, p.input_ids)), p) for p in prompts]
+    records, todo = pending(store, prompts)
     store.plan([r for r, _ in records])
-    finished = store.done_ids()
-    todo = [(r, p) for r, p in records if r["id"] not in finished]
     total_start = time.perf_counter()
     for n_done, (rec, prompt) in enumerate(todo, 1):
         start = time.perf_counter()

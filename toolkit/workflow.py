@@ -86,21 +86,21 @@ class _LazyTokenizer:
 
 
 def capture_command(req: CaptureRequest) -> None:
-    from .capture import run_capture
+    from .capture import pending, run_capture
     from .models import load_config, load_model, model_info, resolve_model
     from .runstore import RunStore
 
     cfg = stats_config(req)
     ms = resolve_model(req.model)
     info = model_info(ms, load_config(ms))
-    _check_existing(req.out, info, cfg, req.dtype)
+    RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
     prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
     if not prompts:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
                   f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device})")
     store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, "reference")
-    if _all_done(store, prompts):
+    if not pending(store, prompts)[1]:
         console.print(f"all {len(prompts)} samples are already captured in {req.out}")
         print_summary(store)
         return
@@ -120,20 +120,6 @@ def capture_command(req: CaptureRequest) -> None:
     console.print(f"captured {result['done']} samples, skipped {result['skipped']} already finished, "
                   f"in {result['seconds']:.1f} s")
     print_summary(store)
-
-
-def _all_done(store, prompts) -> bool:
-    from .runstore import sample_id
-
-    done = store.done_ids()
-    return all(sample_id(p.task, p.length, p.input_ids) in done for p in prompts)
-
-
-def _check_existing(out: Path, info: dict, cfg, dtype: str) -> None:
-    """Refuse a different run in OUT before loading anything heavy (writes nothing)."""
-    from .runstore import RunStore
-
-    RunStore.check_target(out, info, cfg.to_dict(), dtype)
 
 
 def print_summary(store) -> None:
