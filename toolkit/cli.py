@@ -65,6 +65,7 @@ def capture(
     raw: bool = typer.Option(False, "--raw", help="Also store raw tiles (bmax, gap, mass) for heatmaps."),
     dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="torch device for the model."),
+    backend: str = typer.Option("auto", help="Attention backend: auto (triton on CUDA, else reference), triton, reference."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from .workflow import CaptureRequest, capture_command
@@ -74,7 +75,7 @@ def capture(
                          lengths=_int_list(lengths, "lengths"), samples=samples, seed=seed,
                          prompts_file=prompts_file, block_m=block_m, block_n=block_n,
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
-                         dtype=dtype, device=device)
+                         dtype=dtype, device=device, backend=backend)
     capture_command(req)
 
 

@@ -31,6 +31,7 @@ class CaptureRequest:
     raw: bool = False
     dtype: str = "float32"
     device: str = "cpu"
+    backend: str = "auto"  # auto | triton | reference
 
 
 def stats_config(req: CaptureRequest):
