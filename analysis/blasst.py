@@ -27,7 +27,11 @@ def skipped(counts: np.ndarray, edges: np.ndarray, log_lambda: float) -> np.ndar
     """Tiles with gap < log_lambda, per leading index. counts [..., NB] -> [...]."""
     x, c = _knots(np.asarray(counts, np.float64), np.asarray(edges, np.float64))
     xv = min(float(log_lambda), 0.0)
-    return np.apply_along_axis(lambda row: np.interp(xv, x, row, left=0.0), -1, c)
+    if xv <= x[0]:
+        return np.zeros(c.shape[:-1])
+    k = min(int(np.searchsorted(x, xv, side="right")) - 1, len(x) - 2)
+    frac = (xv - x[k]) / (x[k + 1] - x[k])
+    return c[..., k] + frac * (c[..., k + 1] - c[..., k])
 
 
 def sparsity(counts, edges, reachable, log_lambda) -> np.ndarray:

@@ -79,6 +79,52 @@ def capture(
     capture_command(req)
 
 
+def _float_list(text: str, name: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--{name} '{text}' is not a comma-separated list of numbers (e.g. 0.5,0.7).")
+    if not values:
+        raise UserError(f"--{name} is empty; give a comma-separated list of numbers.")
+    return values
+
+
+@app.command()
+@_user_errors
+def fit(
+    run: Path = typer.Argument(..., help="Run directory made by `sparsecal capture`."),
+    k: Optional[str] = typer.Option(None, help="BSFA k values to fit [default: every k the run captured]."),
+    targets: str = typer.Option("0.5,0.7", help="BLASST target sparsities."),
+    holdout: float = typer.Option(0.25, help="Share of each length's samples held out for validation (0: none)."),
+    seed: int = typer.Option(0, help="Seed of the hold-out split."),
+    aggregation: str = typer.Option("mean", help="BSFA threshold aggregation over samples: mean or median."),
+    order: str = typer.Option("forward", help="Scan order whose BLASST calibration is exported."),
+):
+    """Fit BSFA thresholds and the BLASST lambda law, validate them on held-out samples, and
+    write the analysis tables (Parquet) to RUN/fit/."""
+    from sparsecal.analysis.fit import FitRequest
+
+    from .calibrate import fit_command
+
+    req = FitRequest(k_values=_int_list(k, "k") if k else None, targets=_float_list(targets, "targets"),
+                     holdout=holdout, seed=seed, aggregation=aggregation, order=order)
+    fit_command(run, req)
+
+
+@app.command()
+@_user_errors
+def export(
+    run: Path = typer.Argument(..., help="A fitted run directory."),
+    out: Path = typer.Option(..., "--out", help="Export directory (created)."),
+    target: Optional[float] = typer.Option(None, help="BLASST target written at the top of blasst.json [default: the first fitted]."),
+    max_length: Optional[int] = typer.Option(None, help="Cover positions up to this many tokens (past the longest calibrated length, the last threshold is reused)."),
+):
+    """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json from RUN's fit."""
+    from .calibrate import export_command
+
+    export_command(run, out, target, max_length)
+
+
 @app.command()
 @_user_errors
 def demo(out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes.")):

@@ -160,15 +160,16 @@ class RunStore:
         return final
 
     # ---- reading -------------------------------------------------------------------------
-    def load_sample(self, sid: str, raw: bool = False):
-        """(record, tensors) of a finished sample; tensors include raw tiles when raw=True."""
+    def load_sample(self, sid: str, raw: bool = False, keys=None):
+        """(record, tensors) of a finished sample; tensors include raw tiles when raw=True.
+        ``keys`` limits the statistics read (None: all)."""
         from .tensorio import load_tensors
 
         folder = self.root / SAMPLES / sid
         if not (folder / "sample.json").is_file():
             raise UserError(f"sample {sid} of {self.root} is not finished; re-run the capture to resume it.")
         record = json.loads((folder / "sample.json").read_text())
-        tensors, meta = load_tensors(folder / "stats.safetensors")
+        tensors, meta = load_tensors(folder / "stats.safetensors", keys)
         if meta.get("schema_version") != str(SCHEMA_VERSION):
             raise UserError(f"{folder}/stats.safetensors has schema version {meta.get('schema_version')}; "
                             f"expected {SCHEMA_VERSION}.")

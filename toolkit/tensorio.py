@@ -43,15 +43,18 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], sparse=(), metada
     meta[_SPARSE_META] = json.dumps(shapes)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(out, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
-def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Load a file written by ``save_tensors``: (dense tensors, metadata)."""
+def load_tensors(path: Path, keys=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load a file written by ``save_tensors``: (dense tensors, metadata). ``keys`` limits the
+    tensors read (the file is memory-mapped, so skipped tensors cost nothing)."""
     with safe_open(str(path), framework="pt") as f:
         meta = dict(f.metadata() or {})
-        raw = {k: f.get_tensor(k) for k in f.keys()}
-    shapes = json.loads(meta.pop(_SPARSE_META, "{}"))
+        want = None if keys is None else set(keys)
+        raw = {k: f.get_tensor(k) for k in f.keys() if want is None or k.rsplit(".", 1)[0] in want or k in want}
+    shapes = {k: v for k, v in json.loads(meta.pop(_SPARSE_META, "{}")).items() if f"{k}.val" in raw}
     out = {k: v for k, v in raw.items() if not (k.endswith(".idx") or k.endswith(".val"))}
     for name, shape in shapes.items():
         val = raw[f"{name}.val"]

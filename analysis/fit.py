@@ -1,0 +1,258 @@
+"""``sparsecal fit``: calibrate a run and write its analysis tables next to it.
+
+    RUN/fit/
+      fit.json                      what was fitted: request, split (sample ids), BLASST laws,
+                                    warnings, versions, schema version
+      bsfa_thresholds.safetensors   aggregated thresholds [K, L, H, P] (what `export` writes out)
+      gap_cum.safetensors           tiles and mass below each 0.25 step of ln(lambda), per mode and
+                                    length [Nlen, L, H, O, E'], all samples pooled (the dashboard's
+                                    per-head sparsity at any lambda)
+      bsfa_density.parquet          predicted vs measured density per k and length (Table 1)
+      bsfa_heads.parquet            the same per layer and head
+      blasst_lambda.parquet         lambda_best per length next to both laws
+      blasst_fit.parquet            a, b, R^2 of lambda = a/L and lambda = a L^-b
+      blasst_eval.parquet           held-out achieved sparsity: calibrated a/L vs fixed (Table 5)
+      blasst_layers.parquet         per-layer a (the spread across layers)
+      blasst_heads.parquet          per layer x head sparsity at the calibrated lambda
+      blasst_curves.parquet         sparsity(lambda) and retained mass(lambda) per length
+      stab_where / stab_tstar / qinit / qinit_hist .parquet   stabilization (VFA)
+
+Samples are read one at a time: calibration samples first (thresholds, histograms), then the
+held-out ones are measured against what was fitted.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sparsecal import SCHEMA_VERSION
+from sparsecal.errors import UserError
+from sparsecal.kernels.config import StatsConfig
+
+from . import blasst_fit as B
+from . import bsfa, stabilization
+from .samples import decode_reachable, finished_records, load_arrays, split_samples
+
+FIT_DIR = "fit"
+FIT_KIND = "sparsecal-fit"
+CAL_KEYS = ("bsfa_threshold", "gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
+            "tstar_where", "tstar_hist", "qinit_count", "candidates", "reachable")
+EVAL_KEYS = CAL_KEYS + ("bsfa_top_bmax", "bsfa_skipped_mass")
+
+
+@dataclass
+class FitRequest:
+    k_values: list | None = None        # None: every k the run captured
+    targets: list = field(default_factory=lambda: [0.5, 0.7])
+    holdout: float = 0.25
+    seed: int = 0
+    aggregation: str = "mean"
+    order: str = "forward"              # the scan order exported for BLASST
+
+
+@dataclass
+class _State:
+    """Everything accumulated over the samples."""
+
+    cfg: StatsConfig
+    kidx: list
+    thr: bsfa.ThresholdAccumulator
+    train: dict = field(default_factory=lambda: {m: {} for m in B.MODES})   # mode -> length -> HistSum
+    pooled: dict = field(default_factory=lambda: {m: {} for m in B.MODES})  # all samples
+    held: dict = field(default_factory=lambda: {m: [] for m in B.MODES})    # mode -> [(length, HistSum)]
+    where: dict = field(default_factory=dict)
+    tstar: dict = field(default_factory=dict)
+    qinit: dict = field(default_factory=dict)
+    bsfa_eval: dict = field(default_factory=dict)                           # length -> [per-sample dict]
+
+
+def check_request(req: FitRequest, cfg: StatsConfig) -> list[int]:
+    """Validate k values, targets, aggregation and order; returns the k indices into the run's k list."""
+    ks = list(cfg.k_values) if req.k_values is None else sorted(set(req.k_values))
+    missing = [k for k in ks if k not in cfg.k_values]
+    if missing:
+        raise UserError(f"k {','.join(map(str, missing))} was not captured; this run has k in "
+                        f"{','.join(map(str, cfg.k_values))}: choose from those or capture again with --k.")
+    bad = [t for t in req.targets if not 0.0 < t < 1.0]
+    if bad or not req.targets:
+        raise UserError(f"--targets {req.targets} must be sparsities strictly between 0 and 1 (e.g. 0.5,0.7).")
+    if req.aggregation not in bsfa.AGGREGATIONS:
+        raise UserError(f"--aggregation {req.aggregation!r} is not one of {', '.join(bsfa.AGGREGATIONS)}.")
+    if req.order not in cfg.orders:
+        raise UserError(f"--order {req.order!r} was not captured; this run has {', '.join(cfg.orders)}.")
+    return [cfg.k_values.index(k) for k in ks]
+
+
+def _add_hists(st: _State, arrays: dict, length: int, into: list[dict], held: bool) -> None:
+    """Add one sample's gap histograms (both modes) to the given accumulators."""
+    reach = {"prefill": float(arrays["reachable"].sum()), "decode": float(decode_reachable(length, st.cfg))}
+    npos = {"prefill": float(len(arrays["reachable"])), "decode": float(min(st.cfg.decode_rows, length))}
+    for mode, prefix in (("prefill", ""), ("decode", "decode_")):
+        c = arrays[f"{prefix}gap_count"].astype(np.float64)
+        m = arrays[f"{prefix}gap_mass"].astype(np.float64)
+        for acc in into:
+            acc[mode].setdefault(length, B.HistSum.empty_like(c)).add(c, m, reach[mode], npos[mode])
+        if held:
+            one = B.HistSum.empty_like(c)
+            one.add(c, m, reach[mode], npos[mode])
+            st.held[mode].append((length, one))
+
+
+def _add_stab(st: _State, arrays: dict, length: int) -> None:
+    for name, acc in (("tstar_where", st.where), ("tstar_hist", st.tstar), ("qinit_count", st.qinit)):
+        a = arrays[name].astype(np.int64)
+        acc[length] = acc[length] + a if length in acc else a
+
+
+def _measure_bsfa(st: _State, thr: np.ndarray, arrays: dict, length: int, ks: list) -> None:
+    cand, reach = arrays["candidates"], arrays["reachable"]
+    kept, saturated = bsfa.measured_kept(thr, arrays["bsfa_top_bmax"], cand)
+    skipped = np.moveaxis(arrays["bsfa_skipped_mass"][..., st.kidx], -1, 0)  # [K, L, H, P]
+    st.bsfa_eval.setdefault(length, []).append({
+        "density": bsfa.density(kept, cand, reach), "predicted": bsfa.predicted_density(cand, reach, ks),
+        "retained": bsfa.retained_mass(skipped), "saturated": saturated})
+
+
+def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
+    """Fit everything and write RUN/fit/. ``progress(done, total, record)`` after each sample read;
+    ``warn(line)`` for warnings. Returns the fit.json document."""
+    cfg = StatsConfig.from_dict(store.manifest["config"])
+    kidx = check_request(req, cfg)
+    ks = [cfg.k_values[i] for i in kidx]
+    split = split_samples(finished_records(store), req.holdout, req.seed, str(store.root))
+    warnings = _k_warnings(ks, split.lengths, cfg)
+    for w in warnings:
+        warn(w)
+    st = _State(cfg, kidx, bsfa.ThresholdAccumulator(req.aggregation))
+    evals = list(split.test) or list(split.train)
+    total, done = len(split.train) + len(evals), 0
+    for rec in split.train:
+        a = load_arrays(store, rec, CAL_KEYS)
+        st.thr.add(a["bsfa_threshold"][..., kidx])
+        _add_hists(st, a, rec["length"], [st.train, st.pooled], held=False)
+        _add_stab(st, a, rec["length"])
+        done += 1
+        progress and progress(done, total, rec)
+    thr = st.thr.result()
+    cals = _calibrate(st, req, cfg, warnings, warn)
+    for rec in evals:
+        a = load_arrays(store, rec, EVAL_KEYS)
+        if split.test:
+            _add_hists(st, a, rec["length"], [st.pooled], held=True)
+            _add_stab(st, a, rec["length"])
+        else:  # in-sample validation: histograms were pooled in the first pass
+            _add_hists(st, a, rec["length"], [], held=True)
+        _measure_bsfa(st, thr, a, rec["length"], ks)
+        done += 1
+        progress and progress(done, total, rec)
+    return _write(store, req, st, split, thr, ks, cals, warnings)
+
+
+def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list, warn) -> list:
+    """Every (mode, order, target) calibration; refuses targets no length reaches in the export order."""
+    edges = cfg.gap_edges().numpy()
+    cals = []
+    for mode in B.MODES:
+        if not st.train[mode] or all(s.reach == 0 for s in st.train[mode].values()):
+            continue  # a run captured with --decode-rows 0 has no decode statistics
+        for o, order in enumerate(cfg.orders):
+            for target in req.targets:
+                cal = B.calibrate(st.train[mode], edges, mode, o, order, target)
+                if order == req.order and cal.law is None:
+                    best = max(cal.max_sparsity)
+                    raise UserError(f"BLASST {mode} target sparsity {target:g} is out of reach at every length of "
+                                    f"the run (the most any length skips is {best:.3f}, at lambda = 1); choose "
+                                    "a lower --targets value or capture longer prompts.")
+                note = B.unreachable_note(cal)
+                if note and order == req.order:
+                    warnings.append(note)
+                    warn(note)
+                cals.append((o, cal))
+    return cals
+
+
+def _k_warnings(ks, lengths, cfg: StatsConfig) -> list[str]:
+    from sparsecal.kernels.geometry import cdiv, num_candidates
+
+    most = max(num_candidates(cdiv(n, cfg.block_m) - 1, cfg.block_m, cfg.block_n) for n in lengths)
+    return [f"k={k} keeps every candidate block at every length of this run (at most {most} candidates): its "
+            "thresholds are all -inf (dense)." for k in ks if k >= most]
+
+
+def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
+    from . import tables
+
+    out = Path(store.root) / FIT_DIR
+    out.mkdir(exist_ok=True)
+    cfg = st.cfg
+    edges = cfg.gap_edges().numpy()
+    tables.write_thresholds(out, thr, ks, store.manifest, split)
+    tables.write_gap_cum(out, st.pooled, edges, cfg.orders, B.CURVE_STRIDE)
+    label = "held-out" if split.test else "in-sample"
+    frames = {
+        "bsfa_density": tables.bsfa_density_rows(st.bsfa_eval, ks, label),
+        "bsfa_heads": tables.bsfa_head_rows(st.bsfa_eval, ks),
+        "blasst_lambda": [r for _, c in cals for r in B.lambda_rows(c)],
+        "blasst_fit": [r for _, c in cals for r in B.fit_rows(c)],
+        "blasst_eval": [dict(r, split=label) for o, c in cals for r in B.eval_rows(c, st.held[c.mode], edges, o)],
+        "blasst_layers": [r for o, c in cals for r in B.layer_rows(c, st.train[c.mode], edges, o)],
+        "blasst_heads": [r for o, c in cals if c.order == req.order
+                         for r in B.head_rows(c, st.pooled[c.mode], edges, o)],
+        "blasst_curves": [r for m in B.MODES if st.pooled[m] for r in B.curve_rows(m, cfg.orders, st.pooled[m], edges)],
+        "stab_where": stabilization.where_rows(st.where, cfg.orders),
+        "stab_tstar": stabilization.tstar_rows(st.tstar, cfg.orders),
+        "qinit": stabilization.qinit_rows(st.qinit, cfg.qinit_edges().numpy()),
+        "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges().numpy()),
+    }
+    for name, rows in frames.items():
+        tables.write_table(out / f"{name}.parquet", rows)
+    doc = {"kind": FIT_KIND, "schema_version": SCHEMA_VERSION,
+           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "model": store.manifest["model"], "config": store.manifest["config"], "request": asdict(req),
+           "k_values": ks, "lengths": split.lengths, "validation": label,
+           "split": {"train": [r["id"] for r in split.train], "test": [r["id"] for r in split.test]},
+           "blasst": [_cal_doc(o, c, st.held[c.mode], edges) for o, c in cals if c.order == req.order],
+           "warnings": warnings, "tables": sorted(frames)}
+    tables.write_json(out / "fit.json", doc)
+    return doc
+
+
+def _cal_doc(o: int, cal: B.Calibration, held, edges) -> dict:
+    """One calibration as fit.json (and later blasst.json) records it."""
+    ev = B.eval_rows(cal, held, edges, o)
+    per_len = []
+    for n, x in zip(cal.lengths, cal.log_lambda):
+        got = [r["achieved"] for r in ev if r["length"] == n and r["method"] == "a/L"]
+        per_len.append({"length": n, "target": cal.target,
+                        "lambda": float(cal.law.predict(n)) if cal.law else None,
+                        "lambda_best": math.exp(x) if not math.isnan(x) else None,
+                        "achieved": float(np.mean(got)) if got else None, "in_fit": not math.isnan(x)})
+    law = {"a": cal.law.a, "r2": _num(cal.law.r2), "residuals": list(cal.law.residuals)}
+    power = ({"a": cal.power.a, "b": cal.power.b, "r2": _num(cal.power.r2)} if cal.power else None)
+    return {"mode": cal.mode, "order": cal.order, "target": cal.target, "a": cal.law.a, "law": law,
+            "power_law": power, "fixed_lambda": cal.fixed_lambda, "fixed_length": cal.fixed_length,
+            "per_length": per_len}
+
+
+def _num(x: float):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def load_fit(root) -> dict:
+    """fit.json of a run, checked; says which command makes it when absent."""
+    path = Path(root) / FIT_DIR / "fit.json"
+    if not path.is_file():
+        raise UserError(f"{root} has no fit; run `sparsecal fit {root}` first.")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg}); run `sparsecal fit {root}` again.")
+    if doc.get("kind") != FIT_KIND or doc.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path} has schema version {doc.get('schema_version')}; this sparsecal reads "
+                        f"{SCHEMA_VERSION}: run `sparsecal fit {root}` again.")
+    return doc

@@ -1,0 +1,75 @@
+"""A run's finished samples as the analysis sees them: records, the hold-out split, and streaming
+reads of the statistics it needs (numpy, float64 for sums).
+
+The split is per length (every length is both calibrated and validated) and deterministic: the
+samples of a length are ordered by a hash of (seed, sample id) and the first round(holdout * n)
+of them, at least one, are held out.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsecal.errors import UserError
+from sparsecal.kernels.config import StatsConfig
+
+
+@dataclass(frozen=True)
+class Split:
+    train: tuple[dict, ...]   # sample records (task, length, id, ...)
+    test: tuple[dict, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return sorted({r["length"] for r in self.train + self.test})
+
+
+def finished_records(store) -> list[dict]:
+    """Records of the finished samples of ``store``, in manifest order."""
+    done = store.done_ids()
+    recs = [r for r in store.manifest["samples"] if r["id"] in done]
+    if not recs:
+        raise UserError(f"{store.root} has no finished samples; run `sparsecal capture --out {store.root}` first.")
+    return recs
+
+
+def split_samples(records: list[dict], holdout: float, seed: int = 0, where: str = "the run") -> Split:
+    """Hold out a share of each length's samples; holdout 0 keeps all for calibration."""
+    if not 0.0 <= holdout < 1.0:
+        raise UserError(f"--holdout {holdout} must be in [0, 1); e.g. 0.25 holds out a quarter of each length's samples.")
+    by_len = defaultdict(list)
+    for r in records:
+        by_len[r["length"]].append(r)
+    if holdout == 0:
+        return Split(tuple(records), ())
+    short = {n: len(v) for n, v in sorted(by_len.items()) if len(v) < 2}
+    if short:
+        desc = ", ".join(f"{len_} tokens: {c}" for len_, c in short.items())
+        raise UserError(f"{where} has too few samples for a hold-out split ({desc} sample); each length needs at "
+                        "least 2: capture more with --samples, or fit without validation using --holdout 0.")
+    train, test = [], []
+    for n in sorted(by_len):
+        items = sorted(by_len[n], key=lambda r: hashlib.sha1(f"{seed}:{r['id']}".encode()).hexdigest())
+        n_test = min(max(1, round(holdout * len(items))), len(items) - 1)
+        test += items[:n_test]
+        train += items[n_test:]
+    return Split(tuple(train), tuple(test))
+
+
+def decode_reachable(length: int, cfg: StatsConfig) -> int:
+    """Reachable key blocks summed over the decode rows of a length-N sample (row r: r//BN + 1)."""
+    rows = np.arange(max(length - cfg.decode_rows, 0), length)
+    return int((rows // cfg.block_n + 1).sum())
+
+
+def load_arrays(store, record: dict, keys) -> dict[str, np.ndarray]:
+    """The named statistics of one sample as numpy arrays (float tensors keep their dtype)."""
+    _, tensors = store.load_sample(record["id"], keys=keys)
+    missing = [k for k in keys if k not in tensors]
+    if missing:
+        raise UserError(f"sample {record['id']} of {store.root} lacks {', '.join(missing)}; "
+                        "it was captured by an incompatible sparsecal: capture the run again.")
+    return {k: tensors[k].numpy() for k in keys}

@@ -1,0 +1,121 @@
+"""The fit directory's files: Parquet tables (polars), the aggregated thresholds and the pooled
+gap histograms (safetensors), fit.json; all written atomically, read back with checks. Also the
+BSFA table builders (per-sample measurements -> rows).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from sparsecal import SCHEMA_VERSION
+from sparsecal.errors import UserError
+
+THRESHOLDS = "bsfa_thresholds.safetensors"
+GAP_CUM = "gap_cum.safetensors"
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_table(path: Path, rows: list[dict]) -> None:
+    import polars as pl
+
+    df = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
+    tmp = _tmp(path)
+    df.write_parquet(tmp)
+    os.replace(tmp, path)
+
+
+def read_table(fit_dir, name: str):
+    """A fit table as a polars DataFrame, or a UserError that says which command makes it."""
+    import polars as pl
+
+    path = Path(fit_dir) / f"{name}.parquet"
+    if not path.is_file():
+        raise UserError(f"{path} is missing; run `sparsecal fit {Path(fit_dir).parent}` to make it.")
+    try:
+        return pl.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - a damaged file is one user-facing line
+        raise UserError(f"{path} is not a readable Parquet table ({type(e).__name__}); run `sparsecal fit` again.")
+
+
+def write_json(path: Path, doc: dict) -> None:
+    tmp = _tmp(path)
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def write_thresholds(out: Path, thr: np.ndarray, ks, manifest: dict, split) -> None:
+    """The aggregated BSFA thresholds [K, L, H, P] with what export needs to describe them."""
+    import torch
+    from safetensors.torch import save_file
+
+    meta = {"schema_version": str(SCHEMA_VERSION), "model": manifest["model"]["id"],
+            "k_values": json.dumps(list(ks)), "samples": str(len(split.train)),
+            "lengths": json.dumps(sorted({r["length"] for r in split.train}))}
+    tensors = {"thresholds": torch.from_numpy(np.ascontiguousarray(thr, np.float32)),
+               "k_values": torch.tensor(list(ks), dtype=torch.int64)}
+    tmp = _tmp(out / THRESHOLDS)
+    save_file(tensors, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out / THRESHOLDS)
+
+
+def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: int) -> None:
+    """Pooled gap histograms, cumulated: per mode, the tiles (and their mass) with gap below
+    log_lambda[e], for every ``stride``-th edge. count_below/mass_below [Nlen, L, H, O, E'] float32,
+    reach/npos [Nlen] per layer and head, lengths [Nlen]. The dashboard's sparsity at any lambda."""
+    import torch
+
+    from sparsecal.tensorio import save_tensors
+
+    pick = np.arange(len(edges) - 1, -1, -stride)[::-1]
+    tensors = {"log_lambda": torch.from_numpy(edges[pick].copy())}
+    for mode, sums in pooled.items():
+        if not sums:
+            continue
+        lens = sorted(sums)
+        cum = lambda key: np.stack([np.cumsum(getattr(sums[n], key), -1)[..., pick] for n in lens])  # noqa: E731
+        tensors[f"{mode}.lengths"] = torch.tensor(lens, dtype=torch.int64)
+        tensors[f"{mode}.count_below"] = torch.from_numpy(cum("count").astype(np.float32))
+        tensors[f"{mode}.mass_below"] = torch.from_numpy(cum("mass").astype(np.float32))
+        tensors[f"{mode}.reach"] = torch.tensor([sums[n].reach for n in lens], dtype=torch.float64)
+        tensors[f"{mode}.npos"] = torch.tensor([sums[n].npos for n in lens], dtype=torch.float64)
+    save_tensors(out / GAP_CUM, tensors, metadata={"schema_version": SCHEMA_VERSION, "orders": json.dumps(list(orders))})
+
+
+def bsfa_density_rows(evals: dict, ks, label: str) -> list[dict]:
+    """Table 1 per k and length: predicted vs measured density with spread over samples and heads."""
+    rows = []
+    for n, items in sorted(evals.items()):
+        dens = np.stack([e["density"] for e in items])           # [S, K, L, H]
+        per_sample = dens.mean((2, 3))                            # [S, K]
+        per_head = dens.mean(0).reshape(len(ks), -1)              # [K, L*H]
+        ret = np.stack([e["retained"] for e in items]).mean((0, 2, 3))
+        sat = np.stack([e["saturated"] for e in items]).sum(0)
+        for i, k in enumerate(ks):
+            rows.append({"k": k, "length": n, "samples": len(items), "split": label,
+                         "predicted": float(items[0]["predicted"][i]),
+                         "measured": float(per_sample[:, i].mean()), "measured_std": float(per_sample[:, i].std()),
+                         "measured_min": float(per_sample[:, i].min()), "measured_max": float(per_sample[:, i].max()),
+                         "head_p10": float(np.quantile(per_head[i], 0.1)),
+                         "head_p90": float(np.quantile(per_head[i], 0.9)),
+                         "retained_mass_topk": float(ret[i]), "saturated_positions": int(sat[i])})
+    return rows
+
+
+def bsfa_head_rows(evals: dict, ks) -> list[dict]:
+    """Measured density and top-k retained mass per k, length, layer and head (held-out mean)."""
+    rows = []
+    for n, items in sorted(evals.items()):
+        dens = np.stack([e["density"] for e in items]).mean(0)    # [K, L, H]
+        ret = np.stack([e["retained"] for e in items]).mean(0)
+        for (i, layer, head), v in np.ndenumerate(dens):
+            rows.append({"k": ks[i], "length": n, "layer": layer, "head": head,
+                         "predicted": float(items[0]["predicted"][i]), "measured": float(v),
+                         "retained_mass_topk": float(ret[i, layer, head])})
+    return rows
