@@ -100,7 +100,7 @@ def bsfa_density_rows(evals: dict, ks, label: str) -> list[dict]:
         for i, k in enumerate(ks):
             rows.append({"k": k, "length": n, "samples": len(items), "split": label,
                          "predicted": float(items[0]["predicted"][i]),
-                         "measured": float(per_sample[:, i].mean()), "measured_std": float(per_sample[:, i].std()),
+                         "measured": float(per_sample[:, i].mean()), "measured_std": float(per_sample[:, i].std(ddof=1)) if len(items) > 1 else float("nan"),
                          "measured_min": float(per_sample[:, i].min()), "measured_max": float(per_sample[:, i].max()),
                          "head_p10": float(np.quantile(per_head[i], 0.1)),
                          "head_p90": float(np.quantile(per_head[i], 0.9)),

@@ -44,7 +44,7 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
         t.add_column(col, justify="right")
     for r in dens.iter_rows(named=True):
         t.add_row(str(r["k"]), str(r["length"]), str(r["samples"]), f"{r['predicted']:.3f}", f"{r['measured']:.3f}",
-                  f"{r['measured_std']:.3f}", f"{r['head_p10']:.3f}-{r['head_p90']:.3f}", f"{r['retained_mass_topk']:.4f}")
+                  "-" if r["measured_std"] != r["measured_std"] else f"{r['measured_std']:.3f}", f"{r['head_p10']:.3f}-{r['head_p90']:.3f}", f"{r['retained_mass_topk']:.4f}")
     out.print(t)
     t = Table(title=f"BLASST lambda laws ({doc['request']['order']} order)")
     for col in ("mode", "target", "a (a/L)", "R² (a/L)", "b (a·L^-b)", "R² (power)", "lengths in fit"):
