@@ -126,8 +126,6 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     ks = [cfg.k_values[i] for i in kidx]
     split = split_samples(finished_records(store), req.holdout, req.seed, str(store.root))
     warnings = _k_warnings(ks, split.lengths, cfg)
-    for w in warnings:
-        warn(w)
     st = _State(cfg, kidx, bsfa.ThresholdAccumulator(req.aggregation))
     evals = list(split.test) or list(split.train)
     total, done = len(split.train) + len(evals), 0
@@ -139,7 +137,9 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
         done += 1
         progress and progress(done, total, rec)
     thr = st.thr.result()
-    cals = _calibrate(st, req, cfg, warnings, warn)
+    cals = _calibrate(st, req, cfg, warnings)
+    for w in warnings:  # only once nothing is refused
+        warn(w)
     for rec in evals:
         a = load_arrays(store, rec, EVAL_KEYS)
         if split.test:
@@ -153,7 +153,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     return _write(store, req, st, split, thr, ks, cals, warnings)
 
 
-def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list, warn) -> list:
+def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list) -> list:
     """Every (mode, order, target) calibration; refuses targets no length reaches in the export order."""
     edges = cfg.gap_edges().numpy()
     cals = []
@@ -171,7 +171,6 @@ def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list, wa
                 note = B.unreachable_note(cal)
                 if note and order == req.order:
                     warnings.append(note)
-                    warn(note)
                 cals.append((o, cal))
     return cals
 
