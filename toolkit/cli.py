@@ -128,12 +128,18 @@ def export(
 @app.command()
 @_user_errors
 def demo(out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes.")):
-    """Capture the default model on the default prompt set on CPU and print a summary."""
+    """Capture the default model on the default prompt set on CPU, fit it and export the thresholds
+    (to OUT/export)."""
+    from sparsecal.analysis.fit import FitRequest
+
+    from .calibrate import export_command, fit_command
     from .workflow import CaptureRequest, capture_command
 
     req = CaptureRequest(out=out, model="smollm2", tasks=DEFAULT_TASKS.split(","),
                          lengths=_int_list(DEFAULT_LENGTHS, "lengths"), samples=1, seed=0)
     capture_command(req)
+    fit_command(out, FitRequest())
+    export_command(out, out / "export", None, None)
 
 
 if __name__ == "__main__":  # pragma: no cover
