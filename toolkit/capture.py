@@ -4,6 +4,11 @@
 attention output (so the model keeps running correctly) and that layer's statistics, reduced on
 the device into the run's per-sample forms (kernels/reduce.py). A ``Collector`` set by
 ``collecting()`` receives them; ``capture_sample`` stacks the layers into [L, ...] tensors.
+
+Backends (``resolve_backend``): ``reference`` is the plain-torch oracle (kernels/reference.py),
+``triton`` the Triton kernels (kernels/triton_instrumented.py; on a CPU only under
+TRITON_INTERPRET=1), ``auto`` picks triton on a CUDA device and reference elsewhere. Both give
+the same statistics in the same run format; each sample records the backend that produced it.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import torch
 from .errors import UserError
 
 ATTN_NAME = "sparsecal_capture"
+BACKENDS = ("auto", "triton", "reference")
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sparsecal_collector", default=None)
 RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")
 
@@ -27,12 +34,53 @@ class Collector:
 
     cfg: object  # kernels.config.StatsConfig
     layers: dict = field(default_factory=dict)
+    backend: str = "reference"  # resolved: "triton" or "reference"
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(requested: str, device, head_dim: int | None = None) -> str:
+    """The backend that runs: ``auto`` -> triton on a CUDA device (triton installed, head dim
+    supported), else reference; ``triton`` and ``reference`` are taken as asked, or refused with a
+    one-line UserError when triton cannot run here."""
+    from .errors import unknown
+
+    if requested not in BACKENDS:
+        raise unknown("backend", requested, BACKENDS)
+    try:
+        on_cuda = torch.device(device).type == "cuda"
+    except RuntimeError:
+        raise UserError(f"Unknown device '{device}'; use cpu, cuda or cuda:N.")
+    dim_ok = head_dim is None or head_dim in TRITON_HEAD_DIMS
+    if requested == "auto":
+        return "triton" if on_cuda and dim_ok and _triton_importable() else "reference"
+    if requested == "reference":
+        return "reference"
+    if not _triton_importable():
+        raise UserError("--backend triton needs the triton package (pip install triton); or use --backend reference.")
+    if not dim_ok:
+        raise UserError(f"--backend triton supports head dims {', '.join(map(str, TRITON_HEAD_DIMS))}, not "
+                        f"{head_dim}; use --backend reference.")
+    from sparsecal.kernels.triton_dense import interpreting
+
+    if not on_cuda and not interpreting():
+        raise UserError("--backend triton needs --device cuda, or TRITON_INTERPRET=1 to run the kernels in "
+                        "Triton's (slow) CPU interpreter; or use --backend reference.")
+    return "triton"
+
+
+def model_head_dim(model) -> int:
+    text = model.config.get_text_config()
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
 def capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """AttentionInterface function. query [B, H, N, D], key/value [B, Hkv, N, D] -> ([B, N, H, D], None)."""
     from sparsecal.kernels.reduce import reduce_tiles
-    from sparsecal.kernels.reference import instrumented_attention
 
     col = _ACTIVE.get()
     if col is None:
@@ -42,7 +90,11 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise RuntimeError("capture does not support sliding-window or soft-capped attention layers")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, tiles = instrumented_attention(query, key, value, scale, col.cfg)
+    if col.backend == "triton":
+        from sparsecal.kernels.triton_instrumented import instrumented_attention_triton as attend
+    else:
+        from sparsecal.kernels.reference import instrumented_attention as attend
+    out, tiles = attend(query, key, value, scale, col.cfg)
     col.layers[module.layer_idx] = reduce_tiles(tiles, query.shape[2], col.cfg)
     return out.transpose(1, 2).contiguous(), None
 
@@ -55,8 +107,8 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def collecting(cfg):
-    col = Collector(cfg)
+def collecting(cfg, backend: str = "reference"):
+    col = Collector(cfg, backend=backend)
     token = _ACTIVE.set(col)
     try:
         yield col
@@ -65,14 +117,16 @@ def collecting(cfg):
 
 
 @torch.no_grad()
-def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1):
-    """One instrumented forward. Returns (stats {name: [L, ...]}, raw {name: [L, ...]}, logits)."""
+def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto"):
+    """One instrumented forward. Returns (stats {name: [L, ...]}, raw {name: [L, ...]}, logits).
+    ``backend``: auto | triton | reference (see ``resolve_backend``)."""
+    backend = resolve_backend(backend, model.device, model_head_dim(model))
     register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     try:
         ids = torch.tensor([input_ids], device=model.device)
-        with collecting(cfg) as col:
+        with collecting(cfg, backend) as col:
             logits = model(ids, use_cache=False, logits_to_keep=logits_to_keep).logits
     finally:
         model.set_attn_implementation(previous)
@@ -107,27 +161,28 @@ def pending(store, prompts) -> tuple[list, list]:
     return records, [(r, p) for r, p in records if r["id"] not in finished]
 
 
-def run_capture(store, model, prompts, cfg, progress=None) -> dict:
+def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto") -> dict:
     """Capture every prompt not finished yet into ``store``. ``progress(done, total, record, secs)``
-    is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s}."""
+    is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b}."""
     from sparsecal.kernels.geometry import block_counts
 
+    backend = resolve_backend(backend, model.device, model_head_dim(model))
     records, todo = pending(store, prompts)
     store.plan([r for r, _ in records])
     total_start = time.perf_counter()
     for n_done, (rec, prompt) in enumerate(todo, 1):
         start = time.perf_counter()
-        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg)
+        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg, backend=backend)
         cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
         stats.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
                      candidates=cand, reachable=reach)
         secs = time.perf_counter() - start
-        rec = dict(rec, seconds=round(secs, 3), backend="reference")
+        rec = dict(rec, seconds=round(secs, 3), backend=backend)
         store.write_sample(rec, stats, raw)
         if progress:
             progress(n_done, len(todo), rec, secs)
     return {"done": len(todo), "skipped": len(records) - len(todo),
-            "seconds": time.perf_counter() - total_start}
+            "seconds": time.perf_counter() - total_start, "backend": backend}
 
 
 def check_lengths(lengths, max_context) -> None:

@@ -87,20 +87,21 @@ class _LazyTokenizer:
 
 
 def capture_command(req: CaptureRequest) -> None:
-    from .capture import pending, run_capture
+    from .capture import pending, resolve_backend, run_capture
     from .models import load_config, load_model, model_info, resolve_model
     from .runstore import RunStore
 
     cfg = stats_config(req)
     ms = resolve_model(req.model)
     info = model_info(ms, load_config(ms))
+    backend = resolve_backend(req.backend, req.device, info["head_dim"])
     RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
     prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
     if not prompts:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
-                  f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device})")
-    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, "reference")
+                  f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}, {backend} backend)")
+    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend)
     if not pending(store, prompts)[1]:
         console.print(f"all {len(prompts)} samples are already captured in {req.out}")
         print_summary(store)
@@ -117,7 +118,7 @@ def capture_command(req: CaptureRequest) -> None:
                               f"({rec['length'] / secs:,.0f} tok/s)")
             bar.update(job, completed=len(prompts) - total + done)
 
-        result = run_capture(store, model, prompts, cfg, progress)
+        result = run_capture(store, model, prompts, cfg, progress, backend)
     console.print(f"captured {result['done']} samples, skipped {result['skipped']} already finished, "
                   f"in {result['seconds']:.1f} s")
     print_summary(store)

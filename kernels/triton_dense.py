@@ -1,0 +1,192 @@
+"""Dense causal flash-attention forward in Triton: the project's own baseline kernel.
+
+One program owns one query block of one (batch, query head) and walks the key blocks in ascending
+order with an online softmax (base-2 exponentials, the softmax scale folded into ``qk_scale``).
+The key blocks split into two loops: candidates that every row sees fully (no mask, no bounds
+checks) and the diagonal blocks (causal + length mask). GQA is native: query head h reads KV head
+h // (H // Hkv); K/V are never copied. Any N works (the ragged last blocks are masked).
+
+The jit helpers here (``_attend_range``, ``_dot``) are shared with the instrumented kernels
+(kernels/triton_instrumented.py) and, later, the sparse ones.
+
+Shape legend
+    B batch    H query heads    Hkv key/value heads (H % Hkv == 0)    N sequence length
+    D head dim (a power of two, 16..256)
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, int(x) - 1).bit_length())
+
+
+def dot_flags(dtype: torch.dtype) -> tuple:
+    """(PREC, UPCAST) constexprs for ``_dot``: exact fp32 products for fp32 inputs; the CPU
+    interpreter multiplies bf16 tiles wrongly, so there they are upcast (same values)."""
+    prec = "ieee" if dtype == torch.float32 else None
+    return prec, interpreting() and dtype == torch.bfloat16
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Validate q [B, H, N, D], k/v [B, Hkv, N, D]; returns (B, H, Hkv, N, D)."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"expected q [B,H,N,D] and k, v [B,Hkv,N,D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, n, d = q.shape
+    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (causal self-attention)")
+    if h % k.shape[1]:
+        raise ValueError(f"{h} query heads are not a multiple of {k.shape[1]} KV heads")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim {d} is not supported by the Triton kernels (powers of two 16..256)")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head-dim) axis")
+    return b, h, k.shape[1], n, d
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b in fp32 (acc may be None)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j_lo, j_hi,
+                  n_ctx, qk_scale, x_ptr, y_ptr,
+                  BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, STATS: tl.constexpr,
+                  PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Online-softmax update of one query block over key blocks j_lo .. j_hi-1, ascending.
+
+    acc [BLOCK_M, D] f32 unnormalized output; l_i, m_i [BLOCK_M] f32 running sum and max (log2
+    units); q [BLOCK_M, D]; rows [BLOCK_M] query row indices; key block j covers keys j*BN + [0, BN).
+    MASKED: apply the causal, length and block-width mask (diagonal or ragged blocks); otherwise
+    every key of the block is visible to every row and nothing is checked.
+    STATS: store each row's block max and block log-sum-exp (log2 units, -inf where the row sees
+    nothing) at x_ptr + j*BLOCK_M and y_ptr + j*BLOCK_M (x_ptr, y_ptr [BLOCK_M] pointers).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(j_lo, j_hi):
+        keys = j * BN + offs_n
+        if MASKED:
+            kmask = (offs_n < BN) & (keys < n_ctx)
+            kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
+            v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            qk = _dot(q, kt, None, PREC, UPCAST)
+            vis = kmask[None, :] & (keys[None, :] <= rows[:, None])
+            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+            m_ij = tl.max(qk, 1)
+            m_new = tl.maximum(m_i, m_ij)
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:
+            kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
+            v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
+            qk = _dot(q, kt, None, PREC, UPCAST)
+            m_ij = tl.max(qk, 1) * qk_scale
+            m_new = tl.maximum(m_i, m_ij)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        l_ij = tl.sum(p, 1)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + l_ij
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+        if STATS:
+            step = j * rows.shape[0]
+            tl.store(x_ptr + step, m_ij)
+            tl.store(y_ptr + step, m_new + tl.math.log2(l_ij))
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dense_fwd_kernel(Q, K, V, O, LSE,
+                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
+                      n_ctx, num_heads, group, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (ceil(N / BLOCK_M), B * H). O [B, H, N, D] (any strides, last axis contiguous); LSE
+    [B, H, N] f32, natural log. The heaviest query blocks (most key blocks) start first."""
+    i = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    hk = (h // group).to(tl.int64)
+    h = h.to(tl.int64)
+    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < n_ctx
+    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_ptr = K + b * sk_b + hk * sk_h
+    v_ptr = V + b * sv_b + hk * sv_h
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_cand = (i * BLOCK_M) // BLOCK_N
+    n_reach = (tl.minimum((i + 1) * BLOCK_M, n_ctx) - 1) // BLOCK_N + 1
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
+                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, False, False, PREC, UPCAST)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
+                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, True, False, PREC, UPCAST)
+    out = acc / l_i[:, None]
+    o_ptr = O + b * so_b + h * so_h + rows[:, None] * so_n + offs_d[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bh.to(tl.int64) * n_ctx + rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim on a CUDA GPU; tuned on an H100 by
+# sparsecal.bench.triton_capture (see data/bench/NOTES.md). The interpreter ignores warps/stages.
+DENSE_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+
+
+def dense_config(d: int, config: tuple | None = None) -> tuple:
+    if config is not None:
+        return tuple(config)
+    if interpreting():
+        return (32, 16, 4, 1)
+    return DENSE_CONFIGS.get(d, (64, 64, 4, 2))
+
+
+def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    config: tuple | None = None, out: torch.Tensor | None = None):
+    """Causal attention. q [B, H, N, D], k/v [B, Hkv, N, D] (fp16/bf16; fp32 accepted).
+
+    Returns (out [B, H, N, D] in q.dtype, lse [B, H, N] f32 natural-log log-sum-exp of each row's
+    scaled scores). ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned
+    default; ``out`` may be given (any strides with a contiguous last axis), e.g. a [B, N, H, D]
+    buffer seen through ``.transpose(1, 2)``.
+    """
+    b, h, hkv, n, d = check_inputs(q, k, v)
+    scale = d ** -0.5 if scale is None else float(scale)
+    block_m, block_n, warps, stages = dense_config(d, config)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
+    prec, upcast = dot_flags(q.dtype)
+    grid = (triton.cdiv(n, block_m), b * h)
+    _dense_fwd_kernel[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                            *out.stride()[:3], n, h, h // hkv, scale * LOG2E,
+                            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec, UPCAST=upcast,
+                            num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def flops_causal(b: int, h: int, n: int, d: int) -> float:
+    """FLOPs of causal attention forward as GPU.md counts them: 2 * 2 * B * H * N^2 * D / 2."""
+    return 2.0 * b * h * n * n * d
