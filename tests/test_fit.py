@@ -167,3 +167,17 @@ def test_request_errors(tmp_path):
     thr = json.loads((store.root / "fit" / "fit.json").read_text())
     assert thr["k_values"] == [64] and thr["validation"] == "in-sample"
     assert math.isnan(pl.read_parquet(store.root / "fit" / "bsfa_density.parquet")["measured_std"][0])
+
+
+def test_hist_quantiles_match_raw_values(seed):
+    from sparsecal.analysis.stabilization import hist_quantiles
+    from sparsecal.kernels.reduce import histogram
+
+    rng = np.random.default_rng(seed)
+    edges = StatsConfig().qinit_edges()
+    vals = rng.normal(2.0, 3.0, (2, 20000))
+    counts = histogram(torch.from_numpy(vals), edges).numpy()
+    q = hist_quantiles(counts, edges.numpy())
+    want = np.quantile(vals, [0.05, 0.25, 0.5, 0.75, 0.95], axis=1).T
+    assert np.abs(q - want).max() < 0.25 + 0.1  # one bin width plus sampling noise
+    assert np.isnan(hist_quantiles(np.zeros((1, len(edges) + 1)), edges.numpy())).all()

@@ -24,7 +24,8 @@ def smollm2():
 
 def test_cli_capture_real_model(tmp_path):
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["capture", "--task", "niah_single", "--lengths", "300", "--out", str(out), "--raw"])
+    res = CliRunner().invoke(app, ["capture", "--task", "niah_single", "--lengths", "300", "--out", str(out), "--raw",
+                                   "--k", "1,2,4"])
     assert res.exit_code == 0, res.output
     store = RunStore.open(out)
     assert store.manifest["model"]["num_layers"] == 30 and store.manifest["model"]["num_kv_heads"] == 3
@@ -35,6 +36,15 @@ def test_cli_capture_real_model(tmp_path):
     check_sample_tensors(t, 300, cfg, layers=30, heads=9)
     # a real model has attention sinks: many rows' running max settles on block 0
     assert sample_summary(t, cfg)["sink_rows"] > 0.3
+    # and the run fits and exports (one sample: in-sample validation)
+    res = CliRunner().invoke(app, ["fit", str(out), "--holdout", "0", "--targets", "0.05", "--k", "1,2"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["export", str(out), "--out", str(tmp_path / "export")])
+    assert res.exit_code == 0, res.output
+    from sparsecal.exports import load_blasst, load_bsfa
+    exp = load_bsfa(tmp_path / "export", expect={"model": store.manifest["model"]["id"], "num_heads": 9})
+    assert exp.thresholds.shape == (2, 30, 9, 3) and exp.k_values == (1, 2)
+    assert load_blasst(tmp_path / "export")["threshold_scale_factor"]["prefill"] > 0
 
 
 def test_logits_unchanged_real_model(smollm2, seed):
