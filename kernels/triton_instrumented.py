@@ -1,21 +1,24 @@
 """Instrumented causal attention in Triton: the output plus the tile statistics of DESIGN.md.
 
-Same semantics and result as ``reference.instrumented_attention`` (the oracle), in three launches:
+Same semantics and result as ``reference.instrumented_attention`` (the oracle), in four launches:
 
 pass 1  ``_instr_fwd_kernel`` (grid P x heads): the dense flash forward of triton_dense (output,
         log-sum-exp) over the key blocks in ascending order, which also stores for every row and
         reachable tile the row's block max and block log-sum-exp (two f32 values a row, in a
         packed per-head scratch of the reachable tiles), and the VFA q-init estimate of every row
         (signed-absmax key representatives, a few extra [BM, 64] products).
-pass 2  ``_tile_stats_kernel`` (grid P x heads): reads those per-row values back in chunks of
-        tiles and, reusing the log-sum-exp, computes bmax, mass, the gap in all three scan orders
-        (prefix, suffix and sink-local running maxima) and t* for every row in every order. No
-        score is recomputed; each order costs a scan over [TJ, BM] chunks, not a pass over keys.
-decode  ``_decode_kernel`` (grid Kb x row chunks x H): per-row block maxima and masses of the last
-        R rows, each row its own block; their gaps come from ``reference.scan_rows``.
+pass 2  ``triton_tilestats._tile_stats_kernel`` (grid P x heads): reads those per-row values
+        back in chunks of tiles and, reusing the log-sum-exp, computes bmax, mass, the gap in all
+        three scan orders and t* of every row in every order (no score is recomputed), and in the
+        capture path also the run's histograms, per program.
+decode  ``_decode_kernel`` (grid Kb x row chunks x H): each of the last R rows' max score and mass
+        in every key block; ``decode_scan`` turns them into the three orders' gaps (torch, [H, R, Kb]).
 
-The scratch holds 2 * BM * (reachable tiles) f32 per head; heads run in chunks that fit
-``scratch_bytes``, so memory stays bounded at any length.
+``instrumented_attention_triton`` returns the reference's TileStats; ``instrumented_capture_triton``
+returns what kernels/reduce.py's ``reduce_tiles`` would make of them (same keys, shapes, dtypes)
+with the histograms counted in the kernels, so long captures skip the [H, O, N] t* tensors and the
+torch histogram passes. The scratch holds 2 * BM * (reachable tiles) f32 per head; heads run in
+chunks that fit ``scratch_bytes``, so memory stays bounded at any length.
 
 Shape legend
     H query heads   Hkv KV heads   N length   D head dim   P = ceil(N/BM)   Kb = ceil(N/BN)
@@ -30,10 +33,11 @@ import triton
 import triton.language as tl
 
 from .config import StatsConfig
-from .geometry import ORDERS, block_counts, cdiv, num_candidates, scan_order
-from .reference import TileStats, _pad_blocks, scan_rows, signed_absmax_keys
-from .triton_dense import (LN2, LOG2E, _attend_range, _dot, check_inputs, dot_flags, interpreting,
-                           next_pow2)
+from .geometry import ORDERS, block_counts, cdiv
+from .reduce import _gap_hist, bsfa_reduce
+from .reference import TileStats, _pad_blocks, signed_absmax_keys
+from .triton_dense import LOG2E, _attend_range, _dot, check_inputs, dot_flags, next_pow2
+from .triton_tilestats import HistLayout, _tile_stats_kernel
 
 NEG_INF = float("-inf")
 TILE_CHUNK = 16  # tiles per chunk in the statistics pass
@@ -42,11 +46,6 @@ QINIT_CHUNK = 64  # key representatives per product in the q-init prologue
 PASS1_LAUNCH = {64: (4, 3), 128: (8, 3)}
 STATS_LAUNCH = (8, 1)
 DECODE_LAUNCH = (4, 1)
-
-
-@triton.jit
-def _max_fn(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -71,10 +70,12 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
                       n_ctx, head0, group, num_tiles, qk_scale,
                       HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                      EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                      EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                      QINIT: tl.constexpr, STORE: tl.constexpr):
     """Pass 1. Grid (P, heads of this chunk). Query block i = rows [i*BM, i*BM + BM) of head
     head0 + program_id(1). O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 (natural log);
-    X, Y [chunk heads, T, BLOCK_M] f32 scratch, tile (i, j) at TOFF[i] + j."""
+    X, Y [chunk heads, T, BLOCK_M] f32 scratch, tile (i, j) at TOFF[i] + j. QINIT / STORE off only
+    to measure what the q-init prologue and the scratch stores cost."""
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
     hl = tl.program_id(1)
     h = (head0 + hl).to(tl.int64)
@@ -86,7 +87,8 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
     q = tl.load(Q + h * sq_h + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     n_cand = (i * BM) // BN
     n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
-    m_init = _qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, BLOCK_M, BLOCK_R, PREC, UPCAST)
+    if QINIT:
+        m_init = _qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, BLOCK_M, BLOCK_R, PREC, UPCAST)
     tile0 = (hl.to(tl.int64) * num_tiles + tl.load(TOFF + i)) * BLOCK_M
     x_ptr = X + tile0 + offs_m
     y_ptr = Y + tile0 + offs_m
@@ -96,139 +98,14 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
-                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, not EVEN_N, True, PREC, UPCAST)
+                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, not EVEN_N, STORE, PREC, UPCAST)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
-                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, True, True, PREC, UPCAST)
+                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, True, STORE, PREC, UPCAST)
     out = acc / l_i[:, None]
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + h * n_ctx + rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-    tl.store(QERR + h * n_ctx + rows, (m_init - m_i) * 0.6931471805599453, mask=row_ok)
-
-
-@triton.jit
-def _load_tiles(base, j0, n_reach, row_ok, TJ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per-row values of tiles j0 .. j0+TJ-1: ([TJ, BLOCK_M], -inf outside 0 <= j < n_reach and on
-    invalid rows; jt [TJ] tile indices; ok [TJ] in range)."""
-    jt = j0 + tl.arange(0, TJ)
-    ok = (jt >= 0) & (jt < n_reach)
-    ptr = base + jt[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    return tl.load(ptr, mask=ok[:, None] & row_ok[None, :], other=float("-inf")), jt, ok
-
-
-@triton.jit
-def _gap_of(xv, run):
-    """[TJ] max over the rows that see each tile of (row block max - running max), log2 units."""
-    return tl.max(tl.where(xv > float("-inf"), xv - run, float("-inf")), 1)
-
-
-@triton.jit
-def _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s):
-    """Running per-row argmax over tiles with each order's tie rule: t_f the smallest j (forward),
-    t_r the largest j (reverse), p_s the smallest sink_local position, all reaching ``best``."""
-    cm = tl.max(xv, 0)
-    hit = (xv == cm[None, :]) & (xv > float("-inf"))
-    first = tl.min(tl.where(hit, jt[:, None], 1 << 30), 0)
-    last = tl.max(tl.where(hit, jt[:, None], -1), 0)
-    first_s = tl.min(tl.where(hit, pos_s[:, None], 1 << 30), 0)
-    better = cm > best
-    tie = (cm == best) & (cm > float("-inf"))
-    t_f = tl.where(better, first, t_f)
-    t_r = tl.where(better | tie, last, t_r)
-    p_s = tl.where(better, first_s, tl.where(tie, tl.minimum(p_s, first_s), p_s))
-    return tl.maximum(best, cm), t_f, t_r, p_s
-
-
-@triton.jit
-def _forward_sweep(x_base, y_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
-                   bmax_ptr, mass_ptr, gapf_ptr, gaps_ptr, TJ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Ascending chunks of tiles: bmax, mass, forward and sink_local gaps (stored at ptr + j) and
-    the per-row argmax state for t*. d_max [BLOCK_M]: max over the diagonal blocks j >= max(A, 1)."""
-    neg = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    carry_f = neg
-    carry_d = tl.load(x_base + tl.arange(0, BLOCK_M), mask=row_ok, other=float("-inf"))  # block 0
-    best = neg
-    t_f = tl.zeros([BLOCK_M], tl.int32)
-    t_r = tl.zeros([BLOCK_M], tl.int32)
-    p_s = tl.zeros([BLOCK_M], tl.int32)
-    d0 = tl.maximum(n_cand, 1)
-    for j0 in range(0, n_reach, TJ):
-        xv, jt, ok = _load_tiles(x_base, j0, n_reach, row_ok, TJ, BLOCK_M)
-        yv, _, _ = _load_tiles(y_base, j0, n_reach, row_ok, TJ, BLOCK_M)
-        tl.store(bmax_ptr + jt, tl.max(xv, 1) * 0.6931471805599453, mask=ok)
-        tl.store(mass_ptr + jt, tl.sum(tl.math.exp2(yv - lse2[None, :]), 1) / n_rows, mask=ok)
-        run_f = tl.maximum(tl.associative_scan(xv, 0, _max_fn), carry_f[None, :])
-        is_diag = jt >= n_cand
-        xd = tl.where(is_diag[:, None], xv, float("-inf"))
-        run_d = tl.maximum(tl.associative_scan(xd, 0, _max_fn), carry_d[None, :])
-        later_cand = (jt >= 1) & (jt < n_cand)  # sink_local scans these after every diagonal block
-        run_s = tl.where(later_cand[:, None], tl.maximum(run_f, d_max[None, :]),
-                         tl.where(is_diag[:, None], run_d, run_f))
-        tl.store(gapf_ptr + jt, _gap_of(xv, run_f) * 0.6931471805599453, mask=ok)
-        tl.store(gaps_ptr + jt, _gap_of(xv, run_s) * 0.6931471805599453, mask=ok)
-        carry_f = tl.maximum(carry_f, tl.max(xv, 0))
-        carry_d = tl.maximum(carry_d, tl.max(xd, 0))
-        pos_s = tl.where(jt == 0, 0, tl.where(jt >= d0, jt - d0 + 1, n_reach - d0 + jt))
-        best, t_f, t_r, p_s = _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s)
-    return t_f, t_r, p_s
-
-
-@triton.jit
-def _reverse_sweep(x_base, row_ok, n_reach, gapr_ptr, TJ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Descending chunks of tiles: reverse-order gaps (suffix running maxima), stored at ptr + j."""
-    carry = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for c in range(0, tl.cdiv(n_reach, TJ)):
-        xv, jt, ok = _load_tiles(x_base, n_reach - (c + 1) * TJ, n_reach, row_ok, TJ, BLOCK_M)
-        run = tl.maximum(tl.associative_scan(xv, 0, _max_fn, reverse=True), carry[None, :])
-        tl.store(gapr_ptr + jt, _gap_of(xv, run) * 0.6931471805599453, mask=ok)
-        carry = tl.maximum(carry, tl.max(xv, 0))
-
-
-@triton.jit
-def _store_tstar(step_ptr, where_ptr, norm_ptr, row_ok, step, j, n_cand, n_reach):
-    """One order's t*: scan step, where code of block j (0 sink, 1 diagonal, 2 middle), step/(nr-1)."""
-    code = tl.where(j == 0, 0, tl.where(j >= n_cand, 1, 2))
-    tl.store(step_ptr, step.to(tl.int64), mask=row_ok)
-    tl.store(where_ptr, code.to(tl.int8), mask=row_ok)
-    tl.store(norm_ptr, step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32), mask=row_ok)
-
-
-@triton.jit
-def _tile_stats_kernel(X, Y, TOFF, LSE, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM,
-                       n_ctx, head0, num_tiles, n_qb, n_kb,
-                       BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr):
-    """Pass 2. Grid (P, heads of this chunk). BMAX, MASS [H, P, Kb]; GAP [H, 3, P, Kb] (forward,
-    reverse, sink_local); TSTEP (i64), TWHERE (i8), TNORM (f32) [H, 3, N]."""
-    i = tl.program_id(0)
-    hl = tl.program_id(1)
-    h = (head0 + hl).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = i * BM + offs_m
-    row_ok = (offs_m < BM) & (rows < n_ctx)
-    n_rows = (tl.minimum((i + 1) * BM, n_ctx) - i * BM).to(tl.float32)
-    n_cand = (i * BM) // BN
-    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
-    tile0 = (hl.to(tl.int64) * num_tiles + tl.load(TOFF + i)) * BLOCK_M
-    x_base = X + tile0
-    lse2 = tl.load(LSE + h * n_ctx + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    d_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for j0 in range(tl.maximum(n_cand, 1), n_reach, TJ):
-        xv, _, _ = _load_tiles(x_base, j0, n_reach, row_ok, TJ, BLOCK_M)
-        d_max = tl.maximum(d_max, tl.max(xv, 0))
-    tiles = (h * n_qb + i) * n_kb
-    ostride = n_qb * n_kb
-    gap0 = ((h * 3) * n_qb + i) * n_kb
-    t_f, t_r, p_s = _forward_sweep(x_base, Y + tile0, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
-                                   BMAX + tiles, MASS + tiles, GAP + gap0, GAP + gap0 + 2 * ostride, TJ, BLOCK_M)
-    _reverse_sweep(x_base, row_ok, n_reach, GAP + gap0 + ostride, TJ, BLOCK_M)
-    d0 = tl.maximum(n_cand, 1)
-    n_diag = n_reach - d0
-    j_s = tl.where(p_s == 0, 0, tl.where(p_s <= n_diag, d0 + p_s - 1, p_s - n_diag))
-    r0 = h * 3 * n_ctx + rows
-    _store_tstar(TSTEP + r0, TWHERE + r0, TNORM + r0, row_ok, t_f, t_f, n_cand, n_reach)
-    r1 = r0 + n_ctx
-    _store_tstar(TSTEP + r1, TWHERE + r1, TNORM + r1, row_ok, n_reach - 1 - t_r, t_r, n_cand, n_reach)
-    r2 = r1 + n_ctx
-    _store_tstar(TSTEP + r2, TWHERE + r2, TNORM + r2, row_ok, p_s, j_s, n_cand, n_reach)
+    if QINIT:
+        tl.store(QERR + h * n_ctx + rows, (m_init - m_i) * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
@@ -260,8 +137,9 @@ def _decode_kernel(Q, K, LSE, DX, DM, sq_h, sq_n, sk_h, sk_n, n_ctx, r_first, n_
 @dataclass
 class ForwardResult:
     """What passes 1 and 2 return. out [1, H, N, D] (a [1, N, H, D] buffer seen transposed);
-    lse, qinit_err [H, N] f32; with statistics also bmax, mass [H, P, Kb], gap [H, 3, P, Kb] and
-    tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) [H, 3, N], orders as geometry.ORDERS."""
+    lse, qinit_err [H, N] f32; with statistics also bmax, mass [H, P, Kb], gap [H, 3, P, Kb],
+    tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) [H, 3, N] (unless fused), and with
+    fused histograms part [H, P, W] (HistLayout). Orders as geometry.ORDERS."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -272,6 +150,7 @@ class ForwardResult:
     tstar_step: torch.Tensor | None = None
     tstar_where: torch.Tensor | None = None
     tstar_norm: torch.Tensor | None = None
+    part: torch.Tensor | None = None
 
 
 def tile_offsets(n: int, bm: int, bn: int, device) -> tuple[torch.Tensor, int]:
@@ -298,72 +177,126 @@ def _launch(kind: str, d: int, launch: dict | None) -> tuple[int, int]:
     return STATS_LAUNCH if kind == "stats" else DECODE_LAUNCH
 
 
-def _stat_buffers(h: int, n: int, p: int, kb: int, device) -> dict:
+def _stat_buffers(h: int, n: int, p: int, kb: int, device, fused: bool, width: int) -> dict:
     f32 = dict(dtype=torch.float32, device=device)
-    return dict(bmax=torch.full((h, p, kb), NEG_INF, **f32), mass=torch.zeros((h, p, kb), **f32),
-                gap=torch.full((h, 3, p, kb), NEG_INF, **f32),
-                tstar_step=torch.empty((h, 3, n), dtype=torch.int64, device=device),
-                tstar_where=torch.empty((h, 3, n), dtype=torch.int8, device=device),
-                tstar_norm=torch.empty((h, 3, n), **f32))
+    out = dict(bmax=torch.full((h, p, kb), NEG_INF, **f32), mass=torch.zeros((h, p, kb), **f32),
+               gap=torch.full((h, 3, p, kb), NEG_INF, **f32))
+    if fused:
+        out["part"] = torch.empty((h, p, width), **f32)
+    else:
+        out.update(tstar_step=torch.empty((h, 3, n), dtype=torch.int64, device=device),
+                   tstar_where=torch.empty((h, 3, n), dtype=torch.int8, device=device),
+                   tstar_norm=torch.empty((h, 3, n), **f32))
+    return out
+
+
+def _edge_args(cfg: StatsConfig, device) -> tuple:
+    """f64 edge tables and (lo, 1/step, count) of the gap and q-init bins."""
+    ge, qe = cfg.gap_edges().to(device), cfg.qinit_edges().to(device)
+    return (ge, qe, cfg.gap_lo, 1.0 / cfg.gap_step, ge.numel(), cfg.qinit_lo, 1.0 / cfg.qinit_step, qe.numel())
+
+
+def _tile_stats(res: ForwardResult, xs, ys, toff, qerr, cfg, geom: dict, launch, fused: bool) -> None:
+    """Launch pass 2 on one chunk of heads. geom: n, head0, heads, blocks, kb, num_tiles."""
+    lay = HistLayout.of(cfg)
+    off = lay.offsets
+    ge, qe, g_lo, g_inv, n_ge, q_lo, q_inv, n_qe = _edge_args(cfg, res.lse.device)
+    dummy = res.bmax
+    warps, stages = _launch("stats", 0, launch)
+    _tile_stats_kernel[(geom["blocks"], geom["heads"])](
+        xs, ys, toff, res.lse, qerr, res.bmax, res.mass, res.gap,
+        res.tstar_step if res.tstar_step is not None else dummy,
+        res.tstar_where if res.tstar_where is not None else dummy,
+        res.tstar_norm if res.tstar_norm is not None else dummy,
+        res.part if res.part is not None else dummy, ge, qe,
+        geom["n"], geom["head0"], geom["num_tiles"], geom["blocks"], geom["kb"],
+        g_lo, g_inv, n_ge, q_lo, q_inv, n_qe,
+        BM=cfg.block_m, BN=cfg.block_n, BLOCK_M=next_pow2(cfg.block_m),
+        TJ=(launch or {}).get("tile_chunk", TILE_CHUNK), STORE_TSTAR=not fused, HIST=fused, HIST_ROWS=fused, W=off["width"], NBP=lay.nbp, OFF_TW=off["tstar_where"],
+        OFF_TH=off["tstar_hist"], OFF_QI=off["qinit_count"], NT=lay.nt, TBP=lay.tbp, QBP=lay.qbp,
+        num_warps=warps, num_stages=stages)
 
 
 def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = True,
-                         scratch_bytes: int | None = None, launch: dict | None = None) -> ForwardResult:
+                         scratch_bytes: int | None = None, launch: dict | None = None,
+                         fused: bool = False, parts: tuple = ("qinit", "scratch")) -> ForwardResult:
     """Passes 1 and 2 (pass 1 alone with stats=False). q [1, H, N, D], k/v [1, Hkv, N, D].
 
+    fused: pass 2 counts the run's histograms (ForwardResult.part) instead of storing t*.
     ``launch`` overrides (num_warps, num_stages) per kernel, {"pass1": (w, s), "stats": (w, s)},
-    and the statistics pass's tiles per chunk, {"tile_chunk": TJ}.
+    and the statistics pass's tiles per chunk, {"tile_chunk": TJ}. ``parts`` drops pass-1 work
+    for cost measurements only ("qinit", "scratch").
     """
     _, h, hkv, n, d = check_inputs(q, k, v)
     if q.shape[0] != 1:
         raise ValueError("instrumented attention takes one sequence at a time (batch size 1)")
     bm, bn, dev = cfg.block_m, cfg.block_n, q.device
     p, kb = cdiv(n, bm), cdiv(n, bn)
-    block_m, block_n = next_pow2(bm), next_pow2(bn)
+    block_m = next_pow2(bm)
     toff, num_tiles = tile_offsets(n, bm, bn, dev)
     krep = signed_absmax_keys(_pad_blocks(k[0], bn), bn)  # [Hkv, Kb, D]
     out = torch.empty((1, n, h, d), dtype=q.dtype, device=dev).transpose(1, 2)
     lse = torch.empty((h, n), dtype=torch.float32, device=dev)
     qerr = torch.empty((h, n), dtype=torch.float32, device=dev)
-    res = ForwardResult(out, lse, qerr, **(_stat_buffers(h, n, p, kb, dev) if stats else {}))
-    per_head = 2 * num_tiles * block_m * 4
-    chunk = max(1, min(h, (scratch_bytes or scratch_budget(dev)) // per_head))
+    width = HistLayout.of(cfg).offsets["width"]
+    res = ForwardResult(out, lse, qerr, **(_stat_buffers(h, n, p, kb, dev, fused, width) if stats else {}))
+    chunk = max(1, min(h, (scratch_bytes or scratch_budget(dev)) // (2 * num_tiles * block_m * 4)))
     chunk = cdiv(h, cdiv(h, chunk))
     xs = torch.empty((chunk, num_tiles, block_m), dtype=torch.float32, device=dev)
     ys = torch.empty_like(xs)
     prec, upcast = dot_flags(q.dtype)
-    w1, s1 = _launch("pass1", d, launch)
-    w2, s2 = _launch("stats", d, launch)
+    warps, stages = _launch("pass1", d, launch)
     qs, ks, vs, os_ = q[0].stride(), k[0].stride(), v[0].stride(), out[0].stride()
     for h0 in range(0, h, chunk):
         heads = min(chunk, h - h0)
         _instr_fwd_kernel[(p, heads)](
             q, k, v, krep, out, lse, qerr, xs, ys, toff, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
             krep.stride(0), krep.stride(1), os_[0], os_[1], n, h0, h // hkv, num_tiles, scale * LOG2E,
-            HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=QINIT_CHUNK,
-            EVEN_N=bn == block_n, PREC=prec, UPCAST=upcast, num_warps=w1, num_stages=s1)
+            HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=block_m, BLOCK_N=next_pow2(bn), BLOCK_R=QINIT_CHUNK,
+            EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast, QINIT="qinit" in parts,
+            STORE="scratch" in parts, num_warps=warps, num_stages=stages)
         if stats:
-            _tile_stats_kernel[(p, heads)](
-                xs, ys, toff, lse, res.bmax, res.mass, res.gap, res.tstar_step, res.tstar_where,
-                res.tstar_norm, n, h0, num_tiles, p, kb,
-                BM=bm, BN=bn, BLOCK_M=block_m, TJ=(launch or {}).get("tile_chunk", TILE_CHUNK),
-                num_warps=w2, num_stages=s2)
+            geom = dict(n=n, head0=h0, heads=heads, blocks=p, kb=kb, num_tiles=num_tiles)
+            _tile_stats(res, xs, ys, toff, qerr, cfg, geom, launch, fused)
     return res
 
 
-def decode_stats(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, launch: dict | None = None):
+def decode_scan(rmax: torch.Tensor, rows: torch.Tensor, bn: int) -> torch.Tensor:
+    """Decode-row gaps in the three orders from each row's block maxima, all rows at once.
+
+    rmax [H, R, Kb] (natural units, -inf past the row's reach); rows [R] their indices. Row r has
+    A = r // BN candidates and its diagonal block A. Returns gap [H, 3, R, Kb] (geometry.ORDERS):
+    forward = prefix running max; reverse = suffix; sink_local scans block 0, then block A, then
+    blocks 1 .. A-1, so a later candidate's running max also holds block A's.
+    """
+    seen = rmax > NEG_INF
+    run_f = rmax.cummax(-1).values
+    run_r = rmax.flip(-1).cummax(-1).values.flip(-1)
+    j = torch.arange(rmax.shape[-1], device=rmax.device)
+    a = (rows // bn).view(1, -1, 1)
+    x_diag = rmax.gather(-1, a.expand(rmax.shape[0], -1, 1))
+    later_cand = (j >= 1) & (j < a)
+    diag = (j == a) & (a >= 1)
+    run_s = torch.where(later_cand, torch.maximum(run_f, x_diag),
+                        torch.where(diag, torch.maximum(rmax[..., :1], x_diag), run_f))
+    gaps = [torch.where(seen, rmax - run, torch.full_like(rmax, NEG_INF)) for run in (run_f, run_r, run_s)]
+    return torch.stack(gaps, dim=1)
+
+
+def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, launch: dict | None = None):
     """Decode-mode statistics of the last R = min(cfg.decode_rows, N) rows, each its own block.
 
     q [1, H, N, D], k [1, Hkv, N, D], lse [H, N] (natural log, from pass 1). Returns (rows [R],
-    gap [H, O, R, Kb] in cfg.orders, mass [H, R, Kb]) exactly as reference.decode_tiles defines them.
+    gap [H, 3, R, Kb] in geometry.ORDERS, mass [H, R, Kb]) as reference.decode_tiles defines them.
     """
     _, h, n, d = q.shape
-    bn, orders, dev = cfg.block_n, cfg.orders, q.device
+    bn, dev = cfg.block_n, q.device
     kb = cdiv(n, bn)
     r_first = max(n - cfg.decode_rows, 0)
     n_dec = n - r_first
     rmax = torch.full((h, n_dec, kb), NEG_INF, dtype=torch.float32, device=dev)
     mass = torch.zeros((h, n_dec, kb), dtype=torch.float32, device=dev)
+    rows = torch.arange(r_first, n, device=dev)
     if n_dec:
         block_r = min(64, next_pow2(n_dec))
         prec, upcast = dot_flags(q.dtype)
@@ -372,16 +305,13 @@ def decode_stats(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, launch
             q, k, lse, rmax, mass, q.stride(1), q.stride(2), k.stride(1), k.stride(2), n, r_first, n_dec,
             h // k.shape[1], scale * LOG2E, kb, HEAD_DIM=d, BN=bn, BLOCK_N=next_pow2(bn), BLOCK_R=block_r,
             PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
-    gap = torch.full((h, len(orders), n_dec, kb), NEG_INF, dtype=torch.float32, device=dev)
-    r = r_first
-    while r < n:  # rows within one key block share their reachable blocks and scan orders
-        r_end, nr = min(n, (r // bn + 1) * bn), r // bn + 1
-        block = rmax[:, r - r_first: r_end - r_first, :nr]
-        for o, order in enumerate(orders):
-            g, _ = scan_rows(block, scan_order(order, num_candidates(r, 1, bn), nr), block.amax(dim=-1))
-            gap[:, o, r - r_first: r_end - r_first, :nr] = g
-        r = r_end
-    return torch.arange(r_first, n, device=dev), gap, mass
+    return rows, decode_scan(rmax, rows, bn), mass
+
+
+def _pick(t: torch.Tensor, cfg: StatsConfig) -> torch.Tensor:
+    """[H, 3, ...] in geometry.ORDERS -> [H, O, ...] in cfg.orders."""
+    sel = [ORDERS.index(o) for o in cfg.orders]
+    return t if sel == [0, 1, 2] else t[:, sel]
 
 
 def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
@@ -392,12 +322,48 @@ def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scrat
     q.dtype, TileStats with the reference's fields, shapes and dtypes, orders as cfg.orders).
     """
     res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch)
-    rows, dec_gap, dec_mass = decode_stats(q, k, res.lse, scale, cfg, launch)
-    sel = [ORDERS.index(o) for o in cfg.orders]
-
-    def pick(t):
-        return t if sel == [0, 1, 2] else t[:, sel]
-
-    stats = TileStats(res.bmax, pick(res.gap), res.mass, pick(res.tstar_step), pick(res.tstar_where),
-                      pick(res.tstar_norm), res.qinit_err, dec_gap, dec_mass, rows)
+    rows, dec_gap, dec_mass = decode_forward(q, k, res.lse, scale, cfg, launch)
+    stats = TileStats(res.bmax, _pick(res.gap, cfg), res.mass, _pick(res.tstar_step, cfg),
+                      _pick(res.tstar_where, cfg), _pick(res.tstar_norm, cfg), res.qinit_err,
+                      _pick(dec_gap, cfg), dec_mass, rows)
     return res.out, stats
+
+
+def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per_order: int | None):
+    """[H, W] summed partials -> the [H, O, bins] (or [H, bins]) histogram under ``key``."""
+    start = HistLayout.of(cfg).offsets[key]
+    if per_order is None:
+        return part[:, start:start + bins]
+    sec = part[:, start:start + 3 * per_order].view(part.shape[0], 3, per_order)[..., :bins]
+    return _pick(sec, cfg)
+
+
+def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) -> dict:
+    """kernels/reduce.py's reduce_tiles output (same keys, shapes, dtypes) from the fused passes;
+    decode = decode_forward's (rows, gap, mass), histogrammed as reduce_tiles does."""
+    lay = HistLayout.of(cfg)
+    cand, _ = block_counts(n, cfg.block_m, cfg.block_n)
+    out = bsfa_reduce(res.bmax, res.mass, cand, cfg)
+    part = res.part.sum(1, dtype=torch.float64)
+    out["gap_count"] = _hist_section(part, cfg, "gap_count", lay.ng, lay.nbp).round().long()
+    out["gap_mass"] = _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous()
+    rows, dec_gap, dec_mass = decode
+    dec_cand = torch.arange(dec_gap.shape[-1], device=rows.device) < (rows // cfg.block_n).unsqueeze(1)
+    out.update(_gap_hist(_pick(dec_gap, cfg), dec_mass, dec_cand, cfg.gap_edges(), "decode_"))
+    out["tstar_where"] = _hist_section(part, cfg, "tstar_where", 3, 4).round().long()
+    out["tstar_hist"] = _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long()
+    out["qinit_count"] = _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long()
+    if cfg.raw:
+        out["raw_bmax"] = res.bmax.half()
+        out["raw_gap"] = _pick(res.gap, cfg).half()
+        out["raw_mass"] = res.mass.half()
+    return out
+
+
+def instrumented_capture_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
+                                launch: dict | None = None):
+    """The capture path: (out [1, H, N, D], the per-sample reductions of one call) with the
+    histograms counted in the kernels; equal to reduce_tiles(instrumented_attention_triton(...))."""
+    res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, fused=True)
+    decode = decode_forward(q, k, res.lse, scale, cfg, launch)
+    return res.out, fused_reduce(res, decode, q.shape[2], cfg)

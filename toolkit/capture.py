@@ -90,12 +90,15 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise RuntimeError("capture does not support sliding-window or soft-capped attention layers")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if col.backend == "triton":
-        from sparsecal.kernels.triton_instrumented import instrumented_attention_triton as attend
+    if col.backend == "triton":  # histograms counted in the kernels, same keys/shapes/dtypes
+        from sparsecal.kernels.triton_instrumented import instrumented_capture_triton
+
+        out, col.layers[module.layer_idx] = instrumented_capture_triton(query, key, value, scale, col.cfg)
     else:
-        from sparsecal.kernels.reference import instrumented_attention as attend
-    out, tiles = attend(query, key, value, scale, col.cfg)
-    col.layers[module.layer_idx] = reduce_tiles(tiles, query.shape[2], col.cfg)
+        from sparsecal.kernels.reference import instrumented_attention
+
+        out, tiles = instrumented_attention(query, key, value, scale, col.cfg)
+        col.layers[module.layer_idx] = reduce_tiles(tiles, query.shape[2], col.cfg)
     return out.transpose(1, 2).contiguous(), None
 
 

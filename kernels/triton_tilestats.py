@@ -1,0 +1,281 @@
+"""Pass 2 of the Triton instrumented attention: tile statistics from per-row tile values.
+
+Pass 1 (kernels/triton_instrumented.py) leaves, for every row r of a query block and every
+reachable key block j, the row's block max X[r, j] and block log-sum-exp Y[r, j] (log2 units).
+``_tile_stats_kernel`` (one program per query block and head) reads them back in chunks of TJ
+tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-exp computes:
+
+- bmax[j] = max_r X, mass[j] = mean_r exp2(Y - lse2);
+- gap[j] in the three scan orders: forward (prefix running max), reverse (suffix running max,
+  a second sweep) and sink_local (block 0, diagonal blocks, then the other candidates: the
+  running max of a later candidate also holds the diagonal max D, found first);
+- t* of every row in every order: the row's argmax over tiles with each order's tie rule;
+- optionally (HIST) the additive histograms of kernels/reduce.py for its program: gap counts and
+  masses of the candidate tiles per order, t* where / normalized-t* counts and the q-init error
+  counts, written to one f32 row of a partials buffer (summed over programs by the caller).
+  Bins follow torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects
+  the arithmetic guess).
+
+Shape legend: H heads, P query blocks, Kb key blocks, N length, W = HistLayout.width
+partial-histogram entries per program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .config import StatsConfig
+
+LN2_ = 0.6931471805599453
+
+
+@dataclass(frozen=True)
+class HistLayout:
+    """Sections of one program's partial-histogram row (f32, counts exact up to 2^24):
+    gap counts [3, NBP], gap masses [3, NBP], t* where [3, 4], t* hist [3, TBP], q-init [QBP]
+    (orders as geometry.ORDERS; NBP, TBP, QBP the bin counts rounded up to powers of two)."""
+
+    ng: int
+    nq: int
+    nt: int
+
+    @classmethod
+    def of(cls, cfg: StatsConfig) -> "HistLayout":
+        return cls(len(cfg.gap_edges()) + 1, len(cfg.qinit_edges()) + 1, cfg.tstar_bins)
+
+    @property
+    def nbp(self) -> int:
+        return triton.next_power_of_2(self.ng)
+
+    @property
+    def tbp(self) -> int:
+        return triton.next_power_of_2(self.nt)
+
+    @property
+    def qbp(self) -> int:
+        return triton.next_power_of_2(self.nq)
+
+    @property
+    def offsets(self) -> dict:
+        gc, gm = 0, 3 * self.nbp
+        tw = 6 * self.nbp
+        th = tw + 12
+        qi = th + 3 * self.tbp
+        return {"gap_count": gc, "gap_mass": gm, "tstar_where": tw, "tstar_hist": th, "qinit_count": qi,
+                "width": qi + self.qbp}
+
+
+@triton.jit
+def _max_fn(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _load_tiles(base, j0, n_reach, row_ok, TJ: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per-row values of tiles j0 .. j0+TJ-1 at base + j*BLOCK_M + row: ([TJ, BLOCK_M], -inf outside
+    0 <= j < n_reach and on invalid rows; jt [TJ] tile indices; ok [TJ] in range)."""
+    jt = j0 + tl.arange(0, TJ)
+    ok = (jt >= 0) & (jt < n_reach)
+    ptr = base + jt[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    return tl.load(ptr, mask=ok[:, None] & row_ok[None, :], other=float("-inf")), jt, ok
+
+
+@triton.jit
+def _gap_of(xv, run):
+    """[TJ] max over the rows that see each tile of (row block max - running max), natural units."""
+    return tl.max(tl.where(xv > float("-inf"), xv - run, float("-inf")), 1) * 0.6931471805599453
+
+
+@triton.jit
+def _bucket(v, EDGES, lo, inv_step, n_edges):
+    """torch.bucketize(v.double(), edges, right=True): how many of the f64 edges EDGES[n_edges]
+    (about lo + k / inv_step) are <= v. A float guess, then one exact correction each way."""
+    f = tl.minimum(tl.maximum((v - lo) * inv_step, -1.0), n_edges * 1.0)
+    g = tl.minimum(tl.maximum(tl.floor(f).to(tl.int32) + 1, 0), n_edges)
+    v64 = v.to(tl.float64)
+    up = tl.load(EDGES + tl.minimum(g, n_edges - 1))
+    g = tl.where((g < n_edges) & (v64 >= up), g + 1, g)
+    down = tl.load(EDGES + tl.maximum(g - 1, 0))
+    return tl.where((g > 0) & (v64 < down), g - 1, g)
+
+
+@triton.jit
+def _hist_add(cnt, msum, bins, w, valid, NB: tl.constexpr):
+    """Add entries (bin [T], weight [T], valid [T]) to counts and weight sums [NB] (f32)."""
+    hit = (bins[:, None] == tl.arange(0, NB)[None, :]) & valid[:, None]
+    return cnt + tl.sum(hit.to(tl.float32), 0), msum + tl.sum(tl.where(hit, w[:, None], 0.0), 0)
+
+
+@triton.jit
+def _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s):
+    """Running per-row argmax over tiles with each order's tie rule: t_f the smallest j (forward),
+    t_r the largest j (reverse), p_s the smallest sink_local position, all reaching ``best``."""
+    cm = tl.max(xv, 0)
+    hit = (xv == cm[None, :]) & (xv > float("-inf"))
+    first = tl.min(tl.where(hit, jt[:, None], 1 << 30), 0)
+    last = tl.max(tl.where(hit, jt[:, None], -1), 0)
+    first_s = tl.min(tl.where(hit, pos_s[:, None], 1 << 30), 0)
+    better = cm > best
+    tie = (cm == best) & (cm > float("-inf"))
+    t_f = tl.where(better, first, t_f)
+    t_r = tl.where(better | tie, last, t_r)
+    p_s = tl.where(better, first_s, tl.where(tie, tl.minimum(p_s, first_s), p_s))
+    return tl.maximum(best, cm), t_f, t_r, p_s
+
+
+@triton.jit
+def _forward_sweep(x_base, y_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
+                   bmax_ptr, mass_ptr, gapf_ptr, gaps_ptr, hist, EDGES, lo, inv_step, n_edges,
+                   TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
+    """Ascending chunks: bmax, mass, forward and sink_local gaps (stored at ptr + j), the per-row
+    argmax state for t*, and (HIST) the candidate tiles' gap histograms (c_f, m_f, c_s, m_s)."""
+    neg = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    carry_f = neg
+    carry_d = tl.load(x_base + tl.arange(0, BLOCK_M), mask=row_ok, other=float("-inf"))  # block 0
+    best = neg
+    t_f = tl.zeros([BLOCK_M], tl.int32)
+    t_r = tl.zeros([BLOCK_M], tl.int32)
+    p_s = tl.zeros([BLOCK_M], tl.int32)
+    c_f, m_f, c_s, m_s = hist, hist, hist, hist
+    d0 = tl.maximum(n_cand, 1)
+    for j0 in range(0, n_reach, TJ):
+        xv, jt, ok = _load_tiles(x_base, j0, n_reach, row_ok, TJ, BLOCK_M)
+        yv, _, _ = _load_tiles(y_base, j0, n_reach, row_ok, TJ, BLOCK_M)
+        mass = tl.sum(tl.math.exp2(yv - lse2[None, :]), 1) / n_rows
+        tl.store(bmax_ptr + jt, tl.max(xv, 1) * 0.6931471805599453, mask=ok)
+        tl.store(mass_ptr + jt, mass, mask=ok)
+        run_f = tl.maximum(tl.associative_scan(xv, 0, _max_fn), carry_f[None, :])
+        is_diag = jt >= n_cand
+        xd = tl.where(is_diag[:, None], xv, float("-inf"))
+        run_d = tl.maximum(tl.associative_scan(xd, 0, _max_fn), carry_d[None, :])
+        later_cand = (jt >= 1) & (jt < n_cand)  # sink_local scans these after every diagonal block
+        run_s = tl.where(later_cand[:, None], tl.maximum(run_f, d_max[None, :]),
+                         tl.where(is_diag[:, None], run_d, run_f))
+        g_f = _gap_of(xv, run_f)
+        g_s = _gap_of(xv, run_s)
+        tl.store(gapf_ptr + jt, g_f, mask=ok)
+        tl.store(gaps_ptr + jt, g_s, mask=ok)
+        if HIST:
+            cand = ok & (jt < n_cand)
+            c_f, m_f = _hist_add(c_f, m_f, _bucket(g_f, EDGES, lo, inv_step, n_edges), mass, cand, NBP)
+            c_s, m_s = _hist_add(c_s, m_s, _bucket(g_s, EDGES, lo, inv_step, n_edges), mass, cand, NBP)
+        carry_f = tl.maximum(carry_f, tl.max(xv, 0))
+        carry_d = tl.maximum(carry_d, tl.max(xd, 0))
+        pos_s = tl.where(jt == 0, 0, tl.where(jt >= d0, jt - d0 + 1, n_reach - d0 + jt))
+        best, t_f, t_r, p_s = _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s)
+    return t_f, t_r, p_s, c_f, m_f, c_s, m_s
+
+
+@triton.jit
+def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, hist, EDGES, lo, inv_step, n_edges,
+                   TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
+    """Descending chunks: reverse-order gaps (suffix running maxima) at ptr + j; (HIST) their
+    histograms with the masses the forward sweep stored."""
+    carry = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    c_r, m_r = hist, hist
+    for c in range(0, tl.cdiv(n_reach, TJ)):
+        xv, jt, ok = _load_tiles(x_base, n_reach - (c + 1) * TJ, n_reach, row_ok, TJ, BLOCK_M)
+        run = tl.maximum(tl.associative_scan(xv, 0, _max_fn, reverse=True), carry[None, :])
+        g_r = _gap_of(xv, run)
+        tl.store(gapr_ptr + jt, g_r, mask=ok)
+        if HIST:
+            cand = ok & (jt < n_cand)
+            mass = tl.load(mass_ptr + jt, mask=cand, other=0.0)
+            c_r, m_r = _hist_add(c_r, m_r, _bucket(g_r, EDGES, lo, inv_step, n_edges), mass, cand, NBP)
+        carry = tl.maximum(carry, tl.max(xv, 0))
+    return c_r, m_r
+
+
+@triton.jit
+def _order_rows(step, j, n_cand, n_reach, row_ok, step_ptr, where_ptr, norm_ptr, part_w, part_t,
+                STORE: tl.constexpr, HIST: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr):
+    """One order's t* per row: scan step, where code of block j (0 sink, 1 diagonal, 2 middle),
+    step / (reachable - 1); stored (STORE) and/or counted into 4 where bins and TBP t* bins (HIST)."""
+    code = tl.where(j == 0, 0, tl.where(j >= n_cand, 1, 2))
+    norm = step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32)
+    if STORE:
+        tl.store(step_ptr, step.to(tl.int64), mask=row_ok)
+        tl.store(where_ptr, code.to(tl.int8), mask=row_ok)
+        tl.store(norm_ptr, norm, mask=row_ok)
+    if HIST:
+        hit = (code[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
+        tl.store(part_w + tl.arange(0, 4), tl.sum(hit.to(tl.float32), 0))
+        tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
+        hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
+        tl.store(part_t + tl.arange(0, TBP), tl.sum(hit.to(tl.float32), 0))
+
+
+@triton.jit
+def _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
+               QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
+               OFF_QI: tl.constexpr, STORE: tl.constexpr, HIST: tl.constexpr, NT: tl.constexpr,
+               TBP: tl.constexpr, QBP: tl.constexpr):
+    """t* of every row in the three orders (TSTEP/TWHERE/TNORM [H, 3, N]) and the row histograms."""
+    d0 = tl.maximum(n_cand, 1)
+    n_diag = n_reach - d0
+    j_s = tl.where(p_s == 0, 0, tl.where(p_s <= n_diag, d0 + p_s - 1, p_s - n_diag))
+    r = h * 3 * n_ctx + rows
+    _order_rows(t_f, t_f, n_cand, n_reach, row_ok, TSTEP + r, TWHERE + r, TNORM + r,
+                part + OFF_TW, part + OFF_TH, STORE, HIST, NT, TBP)
+    r += n_ctx
+    _order_rows(n_reach - 1 - t_r, t_r, n_cand, n_reach, row_ok, TSTEP + r, TWHERE + r, TNORM + r,
+                part + OFF_TW + 4, part + OFF_TH + TBP, STORE, HIST, NT, TBP)
+    r += n_ctx
+    _order_rows(p_s, j_s, n_cand, n_reach, row_ok, TSTEP + r, TWHERE + r, TNORM + r,
+                part + OFF_TW + 8, part + OFF_TH + 2 * TBP, STORE, HIST, NT, TBP)
+    if HIST:
+        qerr = tl.load(QERR + h * n_ctx + rows, mask=row_ok, other=0.0)
+        zero = tl.zeros([QBP], tl.float32)
+        cnt, _ = _hist_add(zero, zero, _bucket(qerr, QEDGES, q_lo, q_inv, n_qedges), qerr, row_ok, QBP)
+        tl.store(part + OFF_QI + tl.arange(0, QBP), cnt)
+
+
+@triton.jit
+def _tile_stats_kernel(X, Y, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, PART,
+                       GEDGES, QEDGES, n_ctx, head0, num_tiles, n_qb, n_kb,
+                       g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
+                       BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
+                       STORE_TSTAR: tl.constexpr, HIST: tl.constexpr, HIST_ROWS: tl.constexpr,
+                       W: tl.constexpr, NBP: tl.constexpr, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
+                       OFF_QI: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr):
+    """Grid (P, heads of this chunk). Query block i = program_id(0) of head head0 + program_id(1);
+    its tile j at X/Y[((pid1 * num_tiles + TOFF[i]) + j) * BLOCK_M + row]. BMAX, MASS [H, P, Kb];
+    GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM [H, 3, N]; PART [H, P, W]."""
+    i = tl.program_id(0)
+    h = (head0 + tl.program_id(1)).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = i * BM + offs_m
+    row_ok = (offs_m < BM) & (rows < n_ctx)
+    n_rows = (tl.minimum((i + 1) * BM, n_ctx) - i * BM).to(tl.float32)
+    n_cand = (i * BM) // BN
+    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+    tile0 = (tl.program_id(1).to(tl.int64) * num_tiles + tl.load(TOFF + i)) * BLOCK_M
+    lse2 = tl.load(LSE + h * n_ctx + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    d_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for j0 in range(tl.maximum(n_cand, 1), n_reach, TJ):
+        xv, _, _ = _load_tiles(X + tile0, j0, n_reach, row_ok, TJ, BLOCK_M)
+        d_max = tl.maximum(d_max, tl.max(xv, 0))
+    tiles = (h * n_qb + i) * n_kb
+    ostride = n_qb * n_kb
+    gap0 = GAP + ((h * 3) * n_qb + i) * n_kb
+    part = PART + (h * n_qb + i) * W
+    hist = tl.zeros([NBP], tl.float32)
+    t_f, t_r, p_s, c_f, m_f, c_s, m_s = _forward_sweep(
+        X + tile0, Y + tile0, lse2, row_ok, n_rows, n_cand, n_reach, d_max, BMAX + tiles, MASS + tiles,
+        gap0, gap0 + 2 * ostride, hist, GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
+    if HIST:
+        tl.debug_barrier()  # the reverse sweep reads the masses this program stored
+    c_r, m_r = _reverse_sweep(X + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, hist,
+                              GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
+    if HIST:
+        nb = tl.arange(0, NBP)
+        tl.store(part + nb, c_f)
+        tl.store(part + NBP + nb, c_r)
+        tl.store(part + 2 * NBP + nb, c_s)
+        tl.store(part + 3 * NBP + nb, m_f)
+        tl.store(part + 4 * NBP + nb, m_r)
+        tl.store(part + 5 * NBP + nb, m_s)
+    _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
+               QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
