@@ -1,4 +1,5 @@
-# Two set-up commands on a fresh machine: `make demo` and `make test`.
+# Two set-up commands on a fresh machine: `make demo` (ends by serving the dashboard on runs/demo
+# and printing its URL) and `make test`.
 # A torch already importable by the system python (e.g. a CUDA build) is reused, never replaced:
 # the venv then sees it through --system-site-packages. Otherwise torch==2.13.0 is installed
 # (a local CPU build on the project's machines).
@@ -7,8 +8,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sparsecal-installed
 TORCH_PIN := torch==2.13.0
+CHROMIUM := /usr/bin/chromium
 
-.PHONY: install demo test clean-venv
+.PHONY: install demo test chromium clean-venv
 
 $(BIN)/python:
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -29,7 +31,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/sparsecal demo
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's Chromium (never a browser downloaded by playwright).
+chromium:
+	@if [ ! -x $(CHROMIUM) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium for the dashboard's browser test"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "warning: no $(CHROMIUM) and no root apt-get: the browser test will be skipped (apt-get install chromium)"; \
+	  fi; \
+	fi
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
 
 clean-venv:

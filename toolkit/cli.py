@@ -127,9 +127,27 @@ def export(
 
 @app.command()
 @_user_errors
-def demo(out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes.")):
-    """Capture the default model on the default prompt set on CPU, fit it and export the thresholds
-    (to OUT/export)."""
+def dashboard(
+    runs: list[Path] = typer.Argument(..., help="Run directories (or directories holding runs)."),
+    port: int = typer.Option(8501, help="Local port to serve on (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for other machines)."),
+    results: Optional[list[Path]] = typer.Option(None, "--results", help="Directory of evaluation/benchmark result files for the Accuracy-speedup page (repeatable)."),
+):
+    """Serve the Streamlit dashboard over the runs (prints the URL; Ctrl-C stops it)."""
+    from sparsecal.dashboard.serve import serve
+
+    raise typer.Exit(serve(runs, host, port, results or ()))
+
+
+@app.command()
+@_user_errors
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="End by serving the dashboard on the run."),
+    port: int = typer.Option(8501, help="Port of the dashboard (0: any free port)."),
+):
+    """Capture the default model on the default prompt set on CPU, fit it, export the thresholds
+    (to OUT/export) and serve the dashboard on the run."""
     from sparsecal.analysis.fit import FitRequest
 
     from .calibrate import export_command, fit_command
@@ -140,6 +158,10 @@ def demo(out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the de
     capture_command(req)
     fit_command(out, FitRequest())
     export_command(out, out / "export", None, None)
+    if serve:
+        from sparsecal.dashboard.serve import serve as serve_dashboard
+
+        raise typer.Exit(serve_dashboard([out], "127.0.0.1", port))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,139 @@
+"""Chart builders for the run pages (Overview, Tiles, Accuracy-speedup, Export): polars DataFrame
+-> plotly Figure, pure functions with no Streamlit.
+
+Inputs: ``derive.prompts_frame`` rows (Overview), ``derive.tile_frame`` rows (Tiles),
+``results.curves`` rows (Accuracy-speedup), ``derive.thresholds_frame`` rows and blasst.json's
+``per_length`` rows (Export).
+"""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+import polars as pl
+
+from .charts_fit import color, empty_figure, finish
+
+TILE_VALUES = {
+    "bmax": ("block max score (nats)", "Viridis"),
+    "gap": ("gap: tile row max - running max (nats)", "Cividis"),
+    "mass": ("softmax mass of the tile", "Magma"),
+}
+
+
+def samples_chart(df: pl.DataFrame) -> go.Figure:
+    """Samples per length and task (stacked bars); unfinished planned samples as a hatched bar."""
+    title = "Samples per length and task"
+    if not df.height:
+        return empty_figure(title, "no samples planned")
+    agg = df.group_by(["task", "length", "finished"]).agg(pl.len().alias("n")).sort(["task", "length"])
+    fig = go.Figure()
+    for i, (task,) in enumerate(sorted(agg.select("task").unique().rows())):
+        for done in (True, False):
+            d = agg.filter((pl.col("task") == task) & (pl.col("finished") == done))
+            if not d.height:
+                continue
+            fig.add_trace(go.Bar(x=[f"{n:,}" for n in d["length"]], y=d["n"], name=task if done else f"{task} (planned)",
+                                 marker={"color": color(i), "pattern": {"shape": "" if done else "/"},
+                                         "opacity": 1.0 if done else 0.4},
+                                 hovertemplate=f"{task}<br>%{{x}} tokens<br>%{{y}} " +
+                                 ("finished" if done else "not captured yet") + "<extra></extra>"))
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title="prompt length (tokens)", type="category",
+                     categoryorder="array", categoryarray=[f"{n:,}" for n in sorted(set(df["length"]))])
+    fig.update_yaxes(title="samples", dtick=1)
+    return finish(fig, title, height=360)
+
+
+def tiles_figure(tiles: pl.DataFrame, value: str, show_bsfa: bool = True, show_blasst: bool = True,
+                 title: str | None = None) -> go.Figure:
+    """Heatmap of one tile quantity (``value`` in TILE_VALUES) over query block (rows) x key block
+    (columns), blank where unreachable, with the skip masks overlaid: BSFA-skipped candidates as
+    x marks, BLASST-skipped ones as open squares. ``tiles``: derive.tile_frame rows."""
+    label, scale = TILE_VALUES[value]
+    title = title or label
+    if not tiles.height:
+        return empty_figure(title)
+    p, kb = int(tiles["q_block"].max()) + 1, int(tiles["k_block"].max()) + 1
+    z = np.full((p, kb), np.nan)
+    z[tiles["q_block"].to_numpy(), tiles["k_block"].to_numpy()] = tiles[value].fill_null(float("nan")).to_numpy()
+    fig = go.Figure(go.Heatmap(z=z, colorscale=scale, colorbar={"title": {"text": value}}, name=value,
+                               zmax=0.0 if value == "gap" else None,
+                               hovertemplate=f"query block %{{y}}, key block %{{x}}<br>{value} %{{z:.4g}}<extra></extra>"))
+    marks = (("bsfa_skip", show_bsfa, "BSFA skips", {"symbol": "x-thin", "line": {"width": 2, "color": "white"}}),
+             ("blasst_skip", show_blasst, "BLASST skips", {"symbol": "square-open", "line": {"width": 2},
+                                                             "color": "#ff4136"}))
+    for col, show, name, marker in marks:
+        d = tiles.filter(pl.col(col))
+        if show and d.height:
+            size = max(4, min(14, int(600 / max(kb, p))))
+            fig.add_trace(go.Scatter(x=d["k_block"], y=d["q_block"], mode="markers", name=f"{name} ({d.height})",
+                                     marker={**marker, "size": size},
+                                     hovertemplate=f"{name}<br>query block %{{y}}, key block %{{x}}<extra></extra>"))
+    fig.update_xaxes(title="key block", range=[-0.5, kb - 0.5], constrain="domain", dtick=1 if kb <= 24 else None)
+    fig.update_yaxes(title="query block", autorange="reversed", scaleanchor="x", constrain="domain",
+                     dtick=1 if p <= 24 else None)
+    fig.update_layout(legend={"orientation": "h", "y": -0.15})
+    return finish(fig, title, height=max(360, min(760, 10 * p + 200)))
+
+
+def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
+    """Accuracy relative to dense vs speedup over dense: one curve per (method, length) through its
+    configurations (sorted by speedup), the dense point at (1, 1). ``df``: results.curves rows with
+    both measures."""
+    title = "Accuracy vs speedup (relative to dense)"
+    d = df.filter(pl.col("accuracy_rel_dense").is_not_null() & pl.col("speedup").is_not_null()) if df.height else df
+    if not d.height:
+        return empty_figure(title, "no point has both an accuracy and a speedup")
+    fig = go.Figure()
+    dashes = ("solid", "dash", "dot", "dashdot", "longdash")
+    lengths = sorted(set(d["length"]))
+    for i, (method,) in enumerate(sorted(d.select("method").unique().rows())):
+        for j, n in enumerate(lengths):
+            g = d.filter((pl.col("method") == method) & (pl.col("length") == n)).sort("speedup")
+            if not g.height:
+                continue
+            fig.add_trace(go.Scatter(
+                x=g["speedup"], y=g["accuracy_rel_dense"], mode="lines+markers", name=f"{method} @ {n:,}",
+                line={"color": color(i), "dash": dashes[j % len(dashes)]}, text=g["config"],
+                customdata=g["sparsity"].fill_null(float("nan")),
+                hovertemplate=(f"{method} %{{text}}<br>{n} tokens<br>speedup %{{x:.2f}}x<br>accuracy / dense "
+                               "%{y:.3f}<br>sparsity %{customdata:.3f}<extra></extra>")))
+    fig.add_trace(go.Scatter(x=[1.0], y=[1.0], mode="markers", name="dense", marker={"symbol": "star", "size": 14,
+                                                                                 "color": "black"}))
+    fig.update_xaxes(title="speedup over dense (x)")
+    fig.update_yaxes(title="accuracy relative to dense")
+    return finish(fig, title, height=480)
+
+
+def thresholds_heatmap(df: pl.DataFrame, k: int, layer: int) -> go.Figure:
+    """BSFA thresholds of one k and layer: heads (rows) x query block (columns); blank where the
+    threshold is -inf (every candidate kept). ``df``: derive.thresholds_frame rows."""
+    title = f"BSFA thresholds, k={k}, layer {layer} (blank: -inf, all candidates kept)"
+    if not df.height:
+        return empty_figure(title)
+    h, p = int(df["head"].max()) + 1, int(df["q_block"].max()) + 1
+    z = np.full((h, p), np.nan)
+    z[df["head"].to_numpy(), df["q_block"].to_numpy()] = df["threshold"].fill_null(float("nan")).to_numpy()
+    fig = go.Figure(go.Heatmap(z=z, colorscale="Viridis", colorbar={"title": {"text": "threshold"}},
+                               hovertemplate="head %{y}, query block %{x}<br>threshold %{z:.3f}<extra></extra>"))
+    fig.update_xaxes(title="query block (128-token rows by default)")
+    fig.update_yaxes(title="head", autorange="reversed", dtick=1)
+    return finish(fig, title, height=360)
+
+
+def export_lambda_chart(per_length: pl.DataFrame) -> go.Figure:
+    """blasst.json's per-length rows: the exported lambda = factor / L per mode (lines) next to
+    lambda_best (markers), log-log. Columns: mode, length, lambda, lambda_best."""
+    title = "Exported BLASST lambda = threshold_scale_factor / L"
+    if not per_length.height:
+        return empty_figure(title)
+    fig = go.Figure()
+    for i, (mode,) in enumerate(sorted(per_length.select("mode").unique().rows())):
+        d = per_length.filter(pl.col("mode") == mode).sort("length")
+        fig.add_trace(go.Scatter(x=d["length"], y=d["lambda"], mode="lines", name=f"{mode}: exported",
+                                 line={"color": color(i)}))
+        fig.add_trace(go.Scatter(x=d["length"], y=d["lambda_best"], mode="markers", name=f"{mode}: lambda_best",
+                                 marker={"color": color(i), "size": 9}))
+    fig.update_xaxes(type="log", title="prompt length (tokens)")
+    fig.update_yaxes(type="log", title="lambda")
+    return finish(fig, title, height=380)

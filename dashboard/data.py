@@ -1,0 +1,342 @@
+"""What the dashboard reads from a run directory: checked, cached, and torch-free.
+
+Every loader takes a path, stats the file(s) it reads and calls a ``st.cache_data`` function keyed
+by (path, mtime_ns, size): a re-fit or re-export is picked up on the next rerun, an unchanged file
+is read once. Problems come back as one-line errors the pages show instead of a traceback:
+
+- ``Missing``: the file is not there; the message names the command that makes it
+  (`sparsecal capture ... --raw`, `sparsecal fit RUN`, `sparsecal export RUN --out RUN/export`).
+- ``Broken``: the file is there but unreadable, of another schema version, or lacks columns this
+  dashboard needs (an older sparsecal wrote it); the message says to re-run the command.
+
+Files read (layouts in toolkit/runstore.py, analysis/fit.py, analysis/tables.py, toolkit/exports.py):
+
+    RUN/manifest.json                           model, geometry/config, versions, planned samples
+    RUN/samples/<id>/sample.json                finished samples (task, length, answer, seconds)
+    RUN/samples/<id>/raw.safetensors            raw_bmax, raw_mass [L,H,P,Kb], raw_gap [L,H,O,P,Kb] fp16
+    RUN/fit/fit.json                            the fit's request, split, BLASST laws, warnings
+    RUN/fit/<table>.parquet                     the analysis tables (TABLE_COLUMNS)
+    RUN/fit/bsfa_thresholds.safetensors         thresholds [K,L,H,P], k_values [K]
+    RUN/fit/gap_cum.safetensors                 <mode>.count_below/mass_below [Nlen,L,H,O,E'], reach/npos/lengths [Nlen], log_lambda [E']
+    RUN/export/ (or a directory given later)    thresholds.bsfa.pt, thresholds.safetensors, blasst.json
+
+Safetensors are read with the numpy framework (``safe_open(..., framework="np")``), and raw tiles
+one (layer, head) slice at a time, so an 8K run's tiles cost a few hundred KB per view.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import streamlit as st
+
+from sparsecal import SCHEMA_VERSION
+from sparsecal.errors import UserError
+
+RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
+RESULTS_ENV = "SPARSECAL_RESULTS"    # os.pathsep-separated result directories (Accuracy-speedup)
+FIT = "fit"
+EXPORT_NAMES = ("thresholds.bsfa.pt", "thresholds.safetensors", "blasst.json")
+
+# Columns each page needs from a fit table; a table without them was written by an older sparsecal.
+TABLE_COLUMNS = {
+    "bsfa_density": ("k", "length", "samples", "split", "predicted", "measured", "measured_std",
+                     "measured_min", "measured_max", "head_p10", "head_p90", "retained_mass_topk"),
+    "bsfa_heads": ("k", "length", "layer", "head", "predicted", "measured", "retained_mass_topk"),
+    "blasst_curves": ("mode", "order", "length", "log_lambda", "sparsity", "retained_mass"),
+    "blasst_lambda": ("mode", "order", "target", "length", "lambda_best", "in_fit", "max_sparsity",
+                      "lambda_law", "lambda_power", "residual_law"),
+    "blasst_fit": ("mode", "order", "target", "law", "a", "b", "r2"),
+    "blasst_eval": ("mode", "order", "target", "length", "method", "lambda", "achieved", "retained_mass"),
+    "stab_where": ("order", "length", "layer", "head", "sink", "diagonal", "middle"),
+    "stab_tstar": ("order", "length", "layer", "bin_lo", "bin_hi", "rows"),
+    "qinit": ("length", "layer", "head", "rows", "q05", "q25", "q50", "q75", "q95"),
+    "qinit_hist": ("length", "layer", "bin_lo", "bin_hi", "rows"),
+}
+
+
+class Missing(UserError):
+    """A file the page needs is absent; the message names the command that makes it."""
+
+
+class Broken(UserError):
+    """A file is present but unreadable, of another schema, or lacks needed columns."""
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    s = path.stat()
+    return s.st_mtime_ns, s.st_size
+
+
+def _fit_cmd(root) -> str:
+    return f"`sparsecal fit {root}`"
+
+
+# ---- run discovery -----------------------------------------------------------------------------
+def run_paths(argv=None) -> list[Path]:
+    """Run directories given to the app: $SPARSECAL_RUNS if set, else the script's arguments.
+    A directory without manifest.json stands for the runs directly inside it."""
+    env = os.environ.get(RUNS_ENV)
+    items = [p for p in env.split(os.pathsep) if p] if env else list(argv or [])
+    out: list[Path] = []
+    for item in items:
+        p = Path(item).expanduser().resolve()
+        if (p / "manifest.json").is_file() or not p.is_dir():
+            out.append(p)
+        else:
+            out.extend(sorted(c for c in p.iterdir() if (c / "manifest.json").is_file()) or [p])
+    return list(dict.fromkeys(out))
+
+
+def result_dirs(root: Path) -> list[Path]:
+    """Where Accuracy-speedup looks: RUN/results/ and every directory in $SPARSECAL_RESULTS."""
+    env = os.environ.get(RESULTS_ENV, "")
+    return [Path(root) / "results"] + [Path(p).expanduser().resolve() for p in env.split(os.pathsep) if p]
+
+
+# ---- manifest and samples ----------------------------------------------------------------------
+@st.cache_data(show_spinner=False, max_entries=32)
+def _json(path: str, stamp) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Broken(f"{path} is not valid JSON ({type(e).__name__}).") from None
+
+
+def manifest(root: Path) -> dict:
+    """manifest.json of a run, with its kind and schema version checked."""
+    path = Path(root) / "manifest.json"
+    if not path.is_file():
+        raise Missing(f"{root} is not a sparsecal run (no manifest.json); make one with "
+                      f"`sparsecal capture --out {root}`.")
+    man = _json(str(path), _stamp(path))
+    if man.get("kind") != "sparsecal-run":
+        raise Broken(f"{path} is not a sparsecal run manifest (kind {man.get('kind')!r}).")
+    if man.get("schema_version") != SCHEMA_VERSION:
+        raise Broken(f"{path} has schema version {man.get('schema_version')}; this dashboard reads "
+                     f"{SCHEMA_VERSION}: capture the run again with this sparsecal.")
+    return man
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _samples(root: str, stamp) -> list[dict]:
+    out = []
+    for d in sorted((Path(root) / "samples").glob("*/sample.json")):
+        if d.parent.name.startswith("."):
+            continue
+        try:
+            rec = json.loads(d.read_text())
+        except json.JSONDecodeError:
+            raise Broken(f"{d} is not valid JSON; capture that sample again.") from None
+        rec["raw"] = (d.parent / "raw.safetensors").is_file()
+        out.append(rec)
+    return out
+
+
+def samples(root: Path) -> list[dict]:
+    """Finished samples' records (sample.json) with ``raw``: whether raw tiles were stored."""
+    base = Path(root) / "samples"
+    if not base.is_dir():
+        return []
+    return _samples(str(root), _stamp(base))
+
+
+# ---- fit ---------------------------------------------------------------------------------------
+def fit_doc(root: Path) -> dict:
+    """RUN/fit/fit.json, checked like analysis.fit.load_fit (without importing the fit machinery)."""
+    path = Path(root) / FIT / "fit.json"
+    if not path.is_file():
+        raise Missing(f"{root} has no fit yet; run {_fit_cmd(root)} to make RUN/fit/.")
+    doc = _json(str(path), _stamp(path))
+    if doc.get("kind") != "sparsecal-fit" or doc.get("schema_version") != SCHEMA_VERSION:
+        raise Broken(f"{path} has schema version {doc.get('schema_version')} (this dashboard reads "
+                     f"{SCHEMA_VERSION}); run {_fit_cmd(root)} again.")
+    return doc
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _table(fit_dir: str, name: str, stamp):
+    from sparsecal.analysis.tables import read_table
+
+    try:
+        return read_table(fit_dir, name)
+    except UserError as e:
+        raise Broken(str(e)) from None
+
+
+def table(root: Path, name: str):
+    """A fit table (polars DataFrame) with the columns the dashboard needs (TABLE_COLUMNS)."""
+    fit_dir = Path(root) / FIT
+    path = fit_dir / f"{name}.parquet"
+    if not path.is_file():
+        raise Missing(f"{path.name} is missing from {fit_dir}; run {_fit_cmd(root)} to make it.")
+    df = _table(str(fit_dir), name, _stamp(path))
+    lacking = [c for c in TABLE_COLUMNS.get(name, ()) if c not in df.columns]
+    if lacking and df.height:
+        raise Broken(f"{path} lacks columns {', '.join(lacking)} (written by an older sparsecal); "
+                     f"run {_fit_cmd(root)} again.")
+    return df
+
+
+def _read_safetensors(path: Path, keys=None) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            meta = dict(f.metadata() or {})
+            arrays = {k: f.get_tensor(k) for k in f.keys() if keys is None or k in keys}
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line on the page
+        raise Broken(f"{path} is not a readable safetensors file ({type(e).__name__}).") from None
+    return arrays, meta
+
+
+@dataclass(frozen=True)
+class GapCum:
+    """Pooled, cumulated gap histograms of one mode (analysis/tables.py ``write_gap_cum``).
+
+    count_below/mass_below [Nlen, L, H, O, E']: candidate tiles (their softmax mass) with gap below
+    log_lambda[e], all samples of a length pooled; reach/npos [Nlen]: reachable tiles and query
+    positions per (layer, head) over those samples; lengths [Nlen]; orders [O]."""
+
+    log_lambda: np.ndarray
+    lengths: np.ndarray
+    count_below: np.ndarray
+    mass_below: np.ndarray
+    reach: np.ndarray
+    npos: np.ndarray
+    orders: tuple
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _gap_cum(path: str, stamp) -> dict:
+    arrays, meta = _read_safetensors(Path(path))
+    if meta.get("schema_version") != str(SCHEMA_VERSION):
+        raise Broken(f"{path} has schema version {meta.get('schema_version')}; run `sparsecal fit` again.")
+    out = {}
+    for mode in ("prefill", "decode"):
+        keys = [f"{mode}.{k}" for k in ("lengths", "count_below", "mass_below", "reach", "npos")]
+        if all(k in arrays for k in keys) and "log_lambda" in arrays:
+            out[mode] = GapCum(arrays["log_lambda"].astype(np.float64), *(arrays[k] for k in keys),
+                               tuple(json.loads(meta.get("orders", "[]"))))
+    return out
+
+
+def gap_cum(root: Path) -> dict[str, GapCum]:
+    """Per mode ('prefill', 'decode' when captured) the pooled cumulated gap histograms."""
+    path = Path(root) / FIT / "gap_cum.safetensors"
+    if not path.is_file():
+        raise Missing(f"gap_cum.safetensors is missing from {Path(root) / FIT}; run {_fit_cmd(root)} to make it.")
+    return _gap_cum(str(path), _stamp(path))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _thresholds(path: str, stamp) -> tuple[np.ndarray, list]:
+    arrays, meta = _read_safetensors(Path(path))
+    if meta.get("schema_version") != str(SCHEMA_VERSION) or "thresholds" not in arrays:
+        raise Broken(f"{path} is not a thresholds file of schema {SCHEMA_VERSION}; run `sparsecal fit` again.")
+    return arrays["thresholds"].astype(np.float32), [int(k) for k in arrays["k_values"].tolist()]
+
+
+def fit_thresholds(root: Path) -> tuple[np.ndarray, list]:
+    """The fitted BSFA thresholds [K, L, H, P] (float32, -inf where every candidate is kept) and k."""
+    path = Path(root) / FIT / "bsfa_thresholds.safetensors"
+    if not path.is_file():
+        raise Missing(f"bsfa_thresholds.safetensors is missing from {Path(root) / FIT}; run {_fit_cmd(root)}.")
+    return _thresholds(str(path), _stamp(path))
+
+
+def fit_thresholds_file(path: Path) -> tuple[np.ndarray, list]:
+    """Thresholds [K, L, H, P] and k values of any thresholds safetensors (fit or export)."""
+    path = Path(path)
+    if not path.is_file():
+        raise Missing(f"{path} is missing; write it with `sparsecal export RUN --out {path.parent}`.")
+    return _thresholds(str(path), _stamp(path))
+
+
+# ---- raw tiles ---------------------------------------------------------------------------------
+@st.cache_data(show_spinner=False, max_entries=64)
+def _raw_slice(path: str, stamp, layer: int, head: int) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            names = set(f.keys())
+            lacking = {"raw_bmax", "raw_gap", "raw_mass"} - names
+            if lacking:
+                raise Broken(f"{path} lacks {', '.join(sorted(lacking))}; capture the run again with --raw.")
+            shape = f.get_slice("raw_bmax").get_shape()
+            if not (0 <= layer < shape[0] and 0 <= head < shape[1]):
+                raise Broken(f"{path} has {shape[0]} layers x {shape[1]} heads; no layer {layer}, head {head}.")
+            return {k[4:]: np.asarray(f.get_slice(k)[layer, head], dtype=np.float32)
+                    for k in ("raw_bmax", "raw_gap", "raw_mass")}
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise Broken(f"{path} is not a readable raw tile file ({type(e).__name__}).") from None
+
+
+def raw_tiles(root: Path, sid: str, layer: int, head: int) -> dict[str, np.ndarray]:
+    """One (layer, head) of a sample's raw tiles: bmax, mass [P, Kb] and gap [O, P, Kb] (float32;
+    -inf where a tile is not reachable)."""
+    path = Path(root) / "samples" / sid / "raw.safetensors"
+    if not path.is_file():
+        raise Missing(f"sample {sid} has no raw tiles; capture with `sparsecal capture ... --raw` to see them.")
+    return _raw_slice(str(path), _stamp(path), int(layer), int(head))
+
+
+# ---- exports -----------------------------------------------------------------------------------
+def export_dirs(root: Path) -> list[Path]:
+    """Export directories of a run: RUN/export and RUN/exports/* holding any export file."""
+    root = Path(root)
+    cands = [root / "export"] + sorted((root / "exports").glob("*"))
+    return [d for d in cands if d.is_dir() and any((d / n).is_file() for n in EXPORT_NAMES)]
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _export_meta(path: str, stamp) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            meta = dict(f.metadata() or {})
+            shape = f.get_slice("thresholds").get_shape()
+    except Exception as e:  # noqa: BLE001
+        raise Broken(f"{path} is not a readable BSFA export ({type(e).__name__}); export it again.") from None
+    if meta.get("kind") != "sparsecal-bsfa" or meta.get("schema_version") != str(SCHEMA_VERSION):
+        raise Broken(f"{path} has schema version {meta.get('schema_version')} (this dashboard reads "
+                     f"{SCHEMA_VERSION}); export it again with `sparsecal export`.")
+    meta.pop("sparsecal.sparse", None)
+    return {"metadata": meta, "shape": list(shape)}
+
+
+def export_bsfa_meta(export_dir: Path) -> dict:
+    """thresholds.safetensors' metadata and thresholds shape [num_k, L, H, P]."""
+    path = Path(export_dir) / "thresholds.safetensors"
+    if not path.is_file():
+        raise Missing(f"{path} is missing; write it with `sparsecal export RUN --out {export_dir}`.")
+    return _export_meta(str(path), _stamp(path))
+
+
+def export_blasst(export_dir: Path) -> dict:
+    """blasst.json, checked for the skip-softmax algorithm and the schema version."""
+    path = Path(export_dir) / "blasst.json"
+    if not path.is_file():
+        raise Missing(f"{path} is missing; write it with `sparsecal export RUN --out {export_dir}`.")
+    doc = _json(str(path), _stamp(path))
+    if doc.get("algorithm") != "skip_softmax" or doc.get("schema_version") != SCHEMA_VERSION:
+        raise Broken(f"{path} is not a BLASST export of schema {SCHEMA_VERSION} (algorithm "
+                     f"{doc.get('algorithm')!r}, schema {doc.get('schema_version')}); export it again.")
+    return doc
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _bytes(path: str, stamp) -> bytes:
+    return Path(path).read_bytes()
+
+
+def file_bytes(path: Path) -> bytes:
+    """A file's content for a download button (cached on path + mtime)."""
+    return _bytes(str(path), _stamp(Path(path)))

@@ -1,0 +1,45 @@
+"""Accuracy-speedup: accuracy relative to dense against speedup over dense, per method and length,
+from the evaluation and benchmark result files of RUN/results/ and `--results DIR` (format in
+dashboard/results.py). Until such files exist the page says which commands make them.
+Controls: methods and lengths shown."""
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from sparsecal.dashboard import charts_run, data, results, ui
+from sparsecal.errors import UserError
+
+
+def _load(dirs) -> tuple[pl.DataFrame, list[str]]:
+    frames, problems = [], []
+    for path in results.result_files(dirs):
+        try:
+            frames.append(results.read_result_file(path))
+        except UserError as e:
+            problems.append(str(e))
+    return results.curves(frames), problems
+
+
+def render() -> None:
+    root = ui.header("Accuracy-speedup", "What the thresholds cost in accuracy and gain in speed, from "
+                     "evaluation and benchmark result files.")
+    dirs = data.result_dirs(root)
+    pts, problems = _load(dirs)
+    for p in problems:
+        st.error(p, icon=":material/error:")
+    if not pts.height:
+        st.info("No evaluation or benchmark results yet. They are made by " + results.PRODUCERS +
+                "; the dashboard reads `*.parquet` and `*.json` result files from "
+                + ", ".join(f"`{d}`" for d in dirs) + " (add directories with `sparsecal dashboard RUN --results DIR`).",
+                icon=":material/hourglass_empty:")
+        return
+    c1, c2 = st.columns(2)
+    methods = ui.choose_many("Methods", sorted(set(pts["method"])), key="cu_methods", where=c1)
+    lengths = ui.choose_many("Lengths", sorted(set(pts["length"])), key="cu_lengths", where=c2, fmt=ui.fmt_len)
+    shown = pts.filter(pl.col("method").is_in(methods) & pl.col("length").is_in(lengths))
+    ui.plot(charts_run.accuracy_speedup(shown), key="cu_chart")
+    st.dataframe(shown, hide_index=True)
+
+
+render()

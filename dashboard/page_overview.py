@@ -1,0 +1,65 @@
+"""Overview: the run's model, geometry and statistics config, its prompts (task, length, answer)
+and samples, the package versions that captured it, and what its fit holds.
+Control: task filter of the prompt table and chart."""
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from sparsecal.dashboard import charts_run, data, derive, ui
+
+
+def _model(man: dict, n_done: int) -> None:
+    m, cfg = man["model"], man["config"]
+    st.markdown(f"**Model** `{m['id']}` ({m.get('model_type', '?')}), {man.get('dtype', '?')} on the "
+                f"{man.get('backend', '?')} backend")
+    lengths = sorted({int(s.get("length", 0)) for s in man.get("samples", [])})
+    cols = st.columns(5)
+    cols[0].metric("layers x heads", f"{m['num_layers']} x {m['num_heads']}",
+                   help=f"{m.get('num_kv_heads', '?')} KV heads, head_dim {m.get('head_dim', '?')}")
+    cols[1].metric("KV heads", str(m.get("num_kv_heads", "?")))
+    cols[2].metric("blocks BM x BN", f"{cfg['block_m']} x {cfg['block_n']}")
+    cols[3].metric("samples", f"{n_done} / {len(man.get('samples', []))}", help="finished / planned")
+    cols[4].metric("lengths", f"{lengths[0]:,}-{lengths[-1]:,}" if lengths else "-", help=", ".join(map(str, lengths)))
+    st.caption(f"k values {', '.join(map(str, cfg['k_values']))}; scan orders {', '.join(cfg['orders'])}; "
+               f"gap bins every {cfg['gap_step']} on [{cfg['gap_lo']}, 0]; decode rows {cfg.get('decode_rows')}; "
+               f"raw tiles {'yes' if cfg.get('raw') else 'no'}; max context {m.get('max_context')}; "
+               f"created {man.get('created', '?')}, updated {man.get('updated', '?')}")
+
+
+def _prompts(prompts: pl.DataFrame) -> None:
+    tasks = sorted(set(prompts["task"]))
+    chosen = ui.choose_many("Tasks", tasks, key="ov_tasks")
+    shown = prompts.filter(pl.col("task").is_in(chosen))
+    ui.plot(charts_run.samples_chart(shown), key="ov_samples")
+    st.dataframe(shown.select("task", "length", "answer", "finished", "raw", "seconds", "id", "seed"),
+                 hide_index=True, height=min(400, 36 + 35 * max(shown.height, 1)))
+
+
+def _fit(doc: dict) -> None:
+    st.subheader("Fit")
+    req = doc["request"]
+    st.markdown(f"Fitted {doc.get('created', '?')}: k {', '.join(map(str, doc['k_values']))}, BLASST targets "
+                f"{', '.join(f'{t:g}' for t in req['targets'])} ({req['order']} order exported), "
+                f"{req['aggregation']} aggregation, validation **{doc['validation']}** on "
+                f"{len(doc['split']['test']) or len(doc['split']['train'])} samples "
+                f"({len(doc['split']['train'])} calibration), lengths {', '.join(map(str, doc['lengths']))}.")
+    for w in doc.get("warnings", []):
+        st.warning(w, icon=":material/warning:")
+
+
+def render() -> None:
+    root = ui.header("Overview", "What was captured, on which model, with which settings.")
+    with ui.section():
+        man = data.manifest(root)
+        recs = data.samples(root)
+        _model(man, len(recs))
+        st.subheader("Prompts")
+        _prompts(derive.prompts_frame(man, recs))
+        with st.expander("Versions that captured the run"):
+            st.json(man.get("versions", {}))
+    with ui.section():
+        _fit(data.fit_doc(root))
+
+
+render()

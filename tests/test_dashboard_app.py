@@ -1,0 +1,216 @@
+"""The dashboard app under streamlit's AppTest: every page on the committed fixture run (a real
+SmolLM2 capture, fit and export) with its main controls changed; missing, broken and old files
+shown on the page instead of a traceback; the Accuracy-speedup empty state and chart."""
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from streamlit.testing.v1 import AppTest
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "fixture"
+APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+PAGES = {"overview": "page_overview.py", "density": "page_density.py", "blasst": "page_blasst.py",
+         "stabilization": "page_stabilization.py", "tiles": "page_tiles.py", "curves": "page_curves.py",
+         "export": "page_export.py"}
+CHARTS = {"overview": 1, "density": 2, "blasst": 4, "stabilization": 4, "tiles": 3, "curves": 0, "export": 2}
+
+
+def _app(monkeypatch, *runs, results=None) -> AppTest:
+    monkeypatch.setenv("SPARSECAL_RUNS", ":".join(map(str, runs)))
+    if results:
+        monkeypatch.setenv("SPARSECAL_RESULTS", str(results))
+    else:
+        monkeypatch.delenv("SPARSECAL_RESULTS", raising=False)
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _page(at: AppTest, name: str) -> AppTest:
+    at.switch_page(PAGES[name]).run()
+    return at
+
+
+def _ok(at: AppTest, charts: int) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert len(at.get("plotly_chart")) >= charts
+
+
+def _set(at: AppTest, kind: str, key: str, value, charts: int) -> None:
+    getattr(at, kind)(key=key).set_value(value).run()
+    _ok(at, charts)
+
+
+@pytest.fixture
+def fixture_app(monkeypatch):
+    return _app(monkeypatch, FIXTURE)
+
+
+def test_overview(fixture_app):
+    at = _page(fixture_app, "overview")
+    _ok(at, 1)
+    assert any(m.label == "layers x heads" and m.value == "30 x 9" for m in at.metric)
+    assert any(m.label == "lengths" and m.value == "256-512" for m in at.metric)
+    assert at.dataframe[0].value.shape[0] == 8
+    _set(at, "multiselect", "ov_tasks", ["vt"], 1)
+    assert at.dataframe[0].value.shape[0] == 4
+
+
+def test_density(fixture_app):
+    at = _page(fixture_app, "density")
+    _ok(at, 2)
+    _set(at, "multiselect", "den_ks", [1], 2)
+    for key, value in (("den_k", 1), ("den_len", 256), ("den_q", "error"), ("den_q", "retained_mass_topk")):
+        _set(at, "selectbox", key, value, 2)
+
+
+def test_blasst(fixture_app):
+    at = _page(fixture_app, "blasst")
+    _ok(at, 4)
+    for key, value in (("bl_mode", "decode"), ("bl_order", "reverse"), ("bl_target", 0.1), ("bl_len", 256),
+                       ("bl_q", "retained_mass"), ("bl_mode", "prefill"), ("bl_order", "sink_local")):
+        _set(at, "selectbox", key, value, 4)
+    at.select_slider[0].set_value(-2.0).run()
+    _ok(at, 4)
+    assert "ln λ=-2 " in json.loads(at.get("plotly_chart")[-1].proto.spec)["layout"]["title"]["text"]
+    # prefill target 0.1 reaches only 512 tokens: the law chart still draws, from one length
+    _set(at, "selectbox", "bl_target", 0.1, 4)
+
+
+def test_stabilization(fixture_app):
+    at = _page(fixture_app, "stabilization")
+    _ok(at, 4)
+    for key, value in (("st_len", 512), ("st_layer", 3), ("st_order", "sink_local"), ("st_cat", "middle"),
+                       ("st_layer", -1)):
+        _set(at, "selectbox", key, value, 4)
+
+
+def test_tiles(fixture_app):
+    at = _page(fixture_app, "tiles")
+    _ok(at, 3)
+    ids = sorted(p.name for p in (FIXTURE / "samples").iterdir())
+    assert "-512-" in at.selectbox(key="ti_sample").value, "the longest sample comes first"
+    _set(at, "selectbox", "ti_sample", next(i for i in ids if "-256-" in i), 3)
+    _set(at, "selectbox", "ti_sample", next(i for i in ids if "vt-512-" in i), 3)
+    for key, value in (("ti_layer", 12), ("ti_head", 5), ("ti_order", "reverse"), ("ti_k", 1)):
+        _set(at, "selectbox", key, value, 3)
+    assert float(at.metric[0].value) > 0, "k=1 at 512 tokens skips candidate tiles"
+    _set(at, "selectbox", "ti_target", "none", 3)
+    _set(at, "selectbox", "ti_k", "none", 3)
+    assert float(at.metric[0].value) == 0 and float(at.metric[2].value) == 0
+
+
+def test_export(fixture_app):
+    at = _page(fixture_app, "export")
+    _ok(at, 2)
+    assert len(at.get("download_button")) == 3
+    for key, value in (("ex_k", 4), ("ex_layer", 29), ("ex_target", 0.1)):
+        _set(at, "selectbox", key, value, 2)
+    at.text_input(key="ex_other").input("/nonexistent/export").run()
+    assert not at.exception and any("sparsecal export" in i.value for i in at.info)
+
+
+def test_curves_empty_state_names_the_commands(fixture_app):
+    at = _page(fixture_app, "curves")
+    _ok(at, 0)
+    text = " ".join(i.value for i in at.info)
+    assert "sparsecal eval" in text and "sparsecal bench" in text and "--results" in text
+
+
+def write_results(folder: Path) -> Path:
+    """Result files in the documented format (dashboard/results.py), made up for the test."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"method": m, "config": c, "length": n, "accuracy_rel_dense": acc}
+            for n in (256, 512) for m, c, acc in (("bsfa", "k=1", 0.93), ("bsfa", "k=2", 0.97), ("blasst", "target=0.03", 0.99),
+                                                   ("blasst", "target=0.1", 0.95))]
+    pl.DataFrame(rows).write_parquet(folder / "eval.parquet")
+    bench = [{"method": r["method"], "config": r["config"], "length": r["length"],
+              "speedup": 1.0 + (1.0 - r["accuracy_rel_dense"]) * 10, "sparsity": 0.1} for r in rows]
+    (folder / "bench.json").write_text(json.dumps({"kind": "sparsecal-bench", "rows": bench, "provenance": {}}))
+    return folder
+
+
+def test_curves_chart_from_result_files(monkeypatch, tmp_path):
+    at = _page(_app(monkeypatch, FIXTURE, results=write_results(tmp_path / "results")), "curves")
+    _ok(at, 1)
+    _set(at, "multiselect", "cu_methods", ["bsfa"], 1)
+    _set(at, "multiselect", "cu_lengths", [512], 1)
+    (tmp_path / "results" / "broken.json").write_text("{not json")
+    at.run()
+    assert not at.exception and any("broken.json" in e.value for e in at.error)
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    return run
+
+
+def test_missing_fit_and_raw_tiles_say_which_command_makes_them(monkeypatch, damaged):
+    shutil.rmtree(damaged / "fit")
+    shutil.rmtree(damaged / "export")
+    for raw in damaged.glob("samples/*/raw.safetensors"):
+        raw.unlink()
+    at = _app(monkeypatch, damaged)
+    for name in PAGES:
+        _page(at, name)
+        assert not at.exception and not at.error, (name, [e.value for e in at.exception], [e.value for e in at.error])
+        text = " ".join(i.value for i in at.info)
+        want = {"tiles": "--raw", "export": "sparsecal export", "curves": "sparsecal bench"}.get(name, "sparsecal fit")
+        if name != "overview":
+            assert want in text, (name, text)
+
+
+def test_broken_and_old_files_are_errors_on_the_page(monkeypatch, damaged):
+    fit = damaged / "fit"
+    (fit / "blasst_curves.parquet").write_bytes(b"not parquet")
+    pl.read_parquet(fit / "bsfa_heads.parquet").drop("measured").write_parquet(fit / "bsfa_heads.parquet")
+    (fit / "gap_cum.safetensors").write_bytes(b"\x00" * 64)
+    doc = json.loads((fit / "fit.json").read_text())
+    (fit / "fit.json").write_text(json.dumps(dict(doc, schema_version=0)))
+    (damaged / "export" / "blasst.json").write_text("{")
+    sample = next(damaged.glob("samples/*/raw.safetensors"))
+    sample.write_bytes(b"garbage")
+    at = _app(monkeypatch, damaged)
+    expect = {"overview": "schema version 0", "density": "older sparsecal", "blasst": "blasst_curves.parquet",
+              "export": "blasst.json"}
+    for name, text in expect.items():
+        _page(at, name)
+        assert not at.exception, (name, [e.value for e in at.exception])
+        assert any(text in e.value for e in at.error), (name, [e.value for e in at.error])
+    _page(at, "tiles")
+    at.selectbox(key="ti_sample").set_value(sample.parent.name).run()
+    assert not at.exception and any("raw tile file" in e.value for e in at.error)
+
+
+def test_several_runs_and_a_bad_run_path(monkeypatch, damaged, tmp_path):
+    (tmp_path / "notarun").mkdir()
+    at = _app(monkeypatch, FIXTURE, damaged, tmp_path / "notarun")
+    runs = at.sidebar.selectbox[0].options
+    assert len(runs) == 3
+    at.sidebar.selectbox[0].select_index(1).run()
+    _page(at, "density")
+    _ok(at, 2)
+    at.sidebar.selectbox[0].select_index(2).run()
+    _page(at, "overview")
+    assert not at.exception and any("sparsecal capture" in i.value for i in at.info)
+
+
+def test_the_app_never_imports_torch():
+    """DESIGN.md: the dashboard reads files with streamlit, plotly and polars only."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nfrom streamlit.testing.v1 import AppTest\n"
+            f"os.environ['SPARSECAL_RUNS'] = {str(FIXTURE)!r}\n"
+            f"at = AppTest.from_file({str(APP)!r}, default_timeout=120)\nat.run()\n"
+            f"for p in {sorted(PAGES.values())!r}:\n    at.switch_page(p).run()\n    assert not at.exception, p\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
