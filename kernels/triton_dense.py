@@ -73,7 +73,7 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j_lo, j_hi,
                   n_ctx, qk_scale, x_ptr, y_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, STATS: tl.constexpr,
-                  PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  EVICT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online-softmax update of one query block over key blocks j_lo .. j_hi-1, ascending.
 
     acc [BLOCK_M, D] f32 unnormalized output; l_i, m_i [BLOCK_M] f32 running sum and max (log2
@@ -81,7 +81,8 @@ def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, of
     MASKED: apply the causal, length and block-width mask (diagonal or ragged blocks); otherwise
     every key of the block is visible to every row and nothing is checked.
     STATS: store each row's block max and block log-sum-exp (log2 units, -inf where the row sees
-    nothing) at x_ptr + j*BLOCK_M and y_ptr + j*BLOCK_M (x_ptr, y_ptr [BLOCK_M] pointers).
+    nothing) at x_ptr + j*BLOCK_M and y_ptr + j*BLOCK_M (x_ptr, y_ptr [BLOCK_M] pointers); EVICT
+    marks those stores evict-first, so they do not push K/V out of the L2 cache.
     """
     offs_n = tl.arange(0, BLOCK_N)
     for j in range(j_lo, j_hi):
@@ -109,8 +110,12 @@ def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, of
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
         if STATS:
             step = j * rows.shape[0]
-            tl.store(x_ptr + step, m_ij)
-            tl.store(y_ptr + step, m_new + tl.math.log2(l_ij))
+            if EVICT:
+                tl.store(x_ptr + step, m_ij, eviction_policy="evict_first")
+                tl.store(y_ptr + step, m_new + tl.math.log2(l_ij), eviction_policy="evict_first")
+            else:
+                tl.store(x_ptr + step, m_ij)
+                tl.store(y_ptr + step, m_new + tl.math.log2(l_ij))
         m_i = m_new
     return acc, l_i, m_i
 
@@ -141,9 +146,9 @@ def _dense_fwd_kernel(Q, K, V, O, LSE,
     n_cand = (i * BLOCK_M) // BLOCK_N
     n_reach = (tl.minimum((i + 1) * BLOCK_M, n_ctx) - 1) // BLOCK_N + 1
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
-                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, False, False, PREC, UPCAST)
+                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, False, False, False, PREC, UPCAST)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
-                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, True, False, PREC, UPCAST)
+                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, True, False, False, PREC, UPCAST)
     out = acc / l_i[:, None]
     o_ptr = O + b * so_b + h * so_h + rows[:, None] * so_n + offs_d[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -152,7 +157,8 @@ def _dense_fwd_kernel(Q, K, V, O, LSE,
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim on a CUDA GPU; tuned on an H100 by
 # sparsecal.bench.triton_capture (see data/bench/NOTES.md). The interpreter ignores warps/stages.
-DENSE_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+DENSE_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3)}
+LAST_COMPILED: dict = {}  # kernel name -> the last launch's compiled kernel (n_regs, n_spills)
 
 
 def dense_config(d: int, config: tuple | None = None) -> tuple:
@@ -180,7 +186,7 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     prec, upcast = dot_flags(q.dtype)
     grid = (triton.cdiv(n, block_m), b * h)
-    _dense_fwd_kernel[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    LAST_COMPILED["dense"] = _dense_fwd_kernel[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                             *out.stride()[:3], n, h, h // hkv, scale * LOG2E,
                             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec, UPCAST=upcast,
                             num_warps=warps, num_stages=stages)

@@ -36,16 +36,17 @@ from .config import StatsConfig
 from .geometry import ORDERS, block_counts, cdiv
 from .reduce import _gap_hist, bsfa_reduce
 from .reference import TileStats, _pad_blocks, signed_absmax_keys
-from .triton_dense import LOG2E, _attend_range, _dot, check_inputs, dot_flags, next_pow2
+from .triton_dense import LAST_COMPILED, LOG2E, _attend_range, _dot, check_inputs, dot_flags, next_pow2
 from .triton_tilestats import HistLayout, _tile_stats_kernel
 
 NEG_INF = float("-inf")
 TILE_CHUNK = 16  # tiles per chunk in the statistics pass
 QINIT_CHUNK = 64  # key representatives per product in the q-init prologue
 # (num_warps, num_stages) of pass 1 per head dim, and of the statistics / decode kernels.
-PASS1_LAUNCH = {64: (4, 3), 128: (8, 3)}
-STATS_LAUNCH = (8, 1)
+PASS1_LAUNCH = {64: (8, 2), 128: (8, 3)}  # tuned on an H100 (data/bench/NOTES.md)
+STATS_LAUNCH = (4, 1)
 DECODE_LAUNCH = (4, 1)
+EVICT_FIRST = False  # pass-1 scratch stores marked evict-first (launch={"evict_first": ...} overrides)
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
                       HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                       EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                      QINIT: tl.constexpr, STORE: tl.constexpr):
+                      QINIT: tl.constexpr, STORE: tl.constexpr, EVICT: tl.constexpr):
     """Pass 1. Grid (P, heads of this chunk). Query block i = rows [i*BM, i*BM + BM) of head
     head0 + program_id(1). O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 (natural log);
     X, Y [chunk heads, T, BLOCK_M] f32 scratch, tile (i, j) at TOFF[i] + j. QINIT / STORE off only
@@ -98,9 +99,9 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
-                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, not EVEN_N, STORE, PREC, UPCAST)
+                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, not EVEN_N, STORE, EVICT, PREC, UPCAST)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
-                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, True, STORE, PREC, UPCAST)
+                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, True, STORE, EVICT, PREC, UPCAST)
     out = acc / l_i[:, None]
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + h * n_ctx + rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
@@ -203,7 +204,7 @@ def _tile_stats(res: ForwardResult, xs, ys, toff, qerr, cfg, geom: dict, launch,
     ge, qe, g_lo, g_inv, n_ge, q_lo, q_inv, n_qe = _edge_args(cfg, res.lse.device)
     dummy = res.bmax
     warps, stages = _launch("stats", 0, launch)
-    _tile_stats_kernel[(geom["blocks"], geom["heads"])](
+    LAST_COMPILED["stats"] = _tile_stats_kernel[(geom["blocks"], geom["heads"])](
         xs, ys, toff, res.lse, qerr, res.bmax, res.mass, res.gap,
         res.tstar_step if res.tstar_step is not None else dummy,
         res.tstar_where if res.tstar_where is not None else dummy,
@@ -224,7 +225,8 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
 
     fused: pass 2 counts the run's histograms (ForwardResult.part) instead of storing t*.
     ``launch`` overrides (num_warps, num_stages) per kernel, {"pass1": (w, s), "stats": (w, s)},
-    and the statistics pass's tiles per chunk, {"tile_chunk": TJ}. ``parts`` drops pass-1 work
+    the statistics pass's tiles per chunk, {"tile_chunk": TJ}, and {"evict_first": bool} for the
+    pass-1 scratch stores. ``parts`` drops pass-1 work
     for cost measurements only ("qinit", "scratch").
     """
     _, h, hkv, n, d = check_inputs(q, k, v)
@@ -249,12 +251,13 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
     qs, ks, vs, os_ = q[0].stride(), k[0].stride(), v[0].stride(), out[0].stride()
     for h0 in range(0, h, chunk):
         heads = min(chunk, h - h0)
-        _instr_fwd_kernel[(p, heads)](
+        LAST_COMPILED["pass1"] = _instr_fwd_kernel[(p, heads)](
             q, k, v, krep, out, lse, qerr, xs, ys, toff, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
             krep.stride(0), krep.stride(1), os_[0], os_[1], n, h0, h // hkv, num_tiles, scale * LOG2E,
             HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=block_m, BLOCK_N=next_pow2(bn), BLOCK_R=QINIT_CHUNK,
             EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast, QINIT="qinit" in parts,
-            STORE="scratch" in parts, num_warps=warps, num_stages=stages)
+            STORE="scratch" in parts, EVICT=(launch or {}).get("evict_first", EVICT_FIRST),
+            num_warps=warps, num_stages=stages)
         if stats:
             geom = dict(n=n, head0=h0, heads=heads, blocks=p, kb=kb, num_tiles=num_tiles)
             _tile_stats(res, xs, ys, toff, qerr, cfg, geom, launch, fused)

@@ -30,15 +30,16 @@ import torch
 from ..kernels.config import StatsConfig
 from ..kernels.reduce import reduce_tiles
 from ..kernels.reference import instrumented_attention
-from ..kernels.triton_dense import attention_dense, flops_causal
+from ..kernels.triton_dense import LAST_COMPILED, attention_dense, flops_causal
 from ..kernels import triton_instrumented as ti
 from .provenance import provenance
 
 HEADS, KV_HEADS = 32, 8
 DEVICE = "cuda"  # a smoke test may point this at "cpu" under TRITON_INTERPRET=1
-DENSE_SWEEP = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)]
-PASS1_SWEEP = [(4, 3), (8, 2), (8, 3), (8, 4)]
-STATS_SWEEP = [(4, 1, 16), (8, 1, 16), (8, 1, 32), (8, 2, 8)]
+DENSE_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4),
+               (64, 64, 4, 3), (64, 128, 4, 3)]
+PASS1_SWEEP = [(8, 2, False), (8, 3, False), (8, 2, True), (8, 3, True), (4, 3, False), (8, 4, False)]
+STATS_SWEEP = [(4, 1, 16), (4, 1, 32), (8, 1, 16), (4, 2, 16)]
 CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
     (1000, 2, 4, 128, 128, 64, torch.bfloat16),
     (777, 1, 3, 64, 128, 64, torch.float16),
@@ -156,22 +157,60 @@ def sdpa_fn(q, k, v, backend):
 
 
 def tune(d: int, n: int, cfg: StatsConfig) -> dict:
-    """Config sweeps at one (D, N); returns the chosen configs and the sweep tables."""
+    """Launch-config sweeps of the instrumented passes at one (D, N) (the capture path: fused
+    histograms); returns the chosen configs and the sweep tables."""
     q, k, v = random_qkv(n, d)
     scale = d ** -0.5
-    dense_best, dense_rows = sweep(f"dense D={d}", DENSE_SWEEP, lambda c: lambda: attention_dense(q, k, v, scale, config=c))
     p1_best, p1_rows = sweep(f"pass1 D={d}", PASS1_SWEEP, lambda c: lambda: ti.instrumented_forward(
-        q, k, v, scale, cfg, stats=False, launch={"pass1": c}))
-    p1 = p1_best or ti.PASS1_LAUNCH.get(d, (4, 2))
+        q, k, v, scale, cfg, stats=False, launch={"pass1": c[:2], "evict_first": c[2]}))
+    p1 = p1_best or (*ti.PASS1_LAUNCH.get(d, (4, 2)), ti.EVICT_FIRST)
+    base = {"pass1": tuple(p1[:2]), "evict_first": p1[2]}
     st_best, st_rows = sweep(f"pass1+2 D={d}", STATS_SWEEP, lambda c: lambda: ti.instrumented_forward(
-        q, k, v, scale, cfg, launch={"pass1": p1, "stats": c[:2], "tile_chunk": c[2]}))
+        q, k, v, scale, cfg, fused=True, launch={**base, "stats": c[:2], "tile_chunk": c[2]}))
     st = st_best or (*ti.STATS_LAUNCH, ti.TILE_CHUNK)
-    launch = {"pass1": tuple(p1), "stats": tuple(st[:2]), "tile_chunk": st[2]}
-    return {"dense": list(dense_best) if dense_best else None, "launch": launch,
-            "sweeps": {"dense": dense_rows, "pass1": p1_rows, "pass12": st_rows}}
+    launch = {**base, "stats": tuple(st[:2]), "tile_chunk": st[2]}
+    return {"launch": launch, "sweeps": {"pass1": p1_rows, "pass12": st_rows}}
 
 
-def full_capture(q, k, v, scale, cfg, launch):
+def compiled_info(name: str) -> dict:
+    k = LAST_COMPILED.get(name)
+    return {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+            "shared": getattr(getattr(k, "metadata", None), "shared", None)}
+
+
+def diagnose(d: int, n: int, cfg: StatsConfig, launch: dict) -> dict:
+    """What pass 1's parts cost: the same kernel without the q-init prologue and/or the scratch
+    stores; plus registers/spills of the compiled kernels."""
+    q, k, v = random_qkv(n, d, seed=7)
+    scale = d ** -0.5
+    res = {}
+    for parts in ((), ("qinit",), ("scratch",), ("qinit", "scratch")):
+        res["+".join(parts) or "none"] = bench_ms(lambda: ti.instrumented_forward(
+            q, k, v, scale, cfg, stats=False, launch=launch, parts=parts))
+    res["compiled_pass1"] = compiled_info("pass1")
+    ti.instrumented_forward(q, k, v, scale, cfg, fused=True, launch=launch)
+    res["compiled_stats"] = compiled_info("stats")
+    log(f"diagnose D={d} N={n}: " + ", ".join(f"{k} {v}" for k, v in res.items()))
+    return res
+
+
+def profile_capture(d: int, n: int, cfg: StatsConfig, launch: dict) -> dict:
+    """torch.profiler table of one full capture call (the GPU kernels and torch ops it runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = random_qkv(n, d, seed=3)
+    ti.instrumented_capture_triton(q, k, v, d ** -0.5, cfg, launch=launch)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ti.instrumented_capture_triton(q, k, v, d ** -0.5, cfg, launch=launch)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=50)
+    print(table, flush=True)
+    return {"d": d, "n": n, "table": table}
+
+
+def unfused_capture(q, k, v, scale, cfg, launch):
+    """TileStats, then kernels/reduce.py on the device (the path that materializes t*)."""
     out, tiles = ti.instrumented_attention_triton(q, k, v, scale, cfg, launch=launch)
     return out, reduce_tiles(tiles, q.shape[2], cfg)
 
@@ -191,18 +230,23 @@ def measure(d: int, n: int, cfg: StatsConfig, tuned: dict) -> dict:
         except Exception as e:
             res["gqa_sdpa"][name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
     launch = tuned["launch"]
+    best, res["dense_sweep"] = sweep(f"dense D={d} N={n}", DENSE_SWEEP,
+                                     lambda c: lambda: attention_dense(q, k, v, scale, config=c))
+    res["dense_config"] = list(best)
+    res["compiled_dense"] = (attention_dense(q, k, v, scale, config=best), compiled_info("dense"))[1]
     variants = {
-        "dense": lambda: attention_dense(q, k, v, scale, config=tuned["dense"]),
+        "dense": lambda: attention_dense(q, k, v, scale, config=best),
         "pass1": lambda: ti.instrumented_forward(q, k, v, scale, cfg, stats=False, launch=launch),
-        "pass12": lambda: ti.instrumented_forward(q, k, v, scale, cfg, launch=launch),
-        "full_capture": lambda: full_capture(q, k, v, scale, cfg, launch),
+        "pass12": lambda: ti.instrumented_forward(q, k, v, scale, cfg, fused=True, launch=launch),
+        "full_capture": lambda: ti.instrumented_capture_triton(q, k, v, scale, cfg, launch=launch),
+        "full_unfused": lambda: unfused_capture(q, k, v, scale, cfg, launch),
     }
     for name, fn in variants.items():
         res["ms"][name] = bench_ms(fn)
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        full_capture(q, k, v, scale, cfg, launch)
+        ti.instrumented_capture_triton(q, k, v, scale, cfg, launch=launch)
         res["full_capture_peak_extra_bytes"] = int(torch.cuda.max_memory_allocated() - base)
     for name, ms in res["ms"].items():
         res["tflops"][name] = flops / (ms * 1e-3) / 1e12
@@ -337,18 +381,23 @@ def kernel_benchmark(args, save, result: dict) -> None:
                         "flops": "4 * B * H * N^2 * D / 2 (causal), B = 1"}
     run_section(result, "correctness", lambda: [check_case(c) for c in CHECK_CASES], save)
     log("correctness: " + ", ".join(str(c["ok"]) for c in result.get("correctness", [])))
-    result["tuning"] = {}
+    result["tuning"], result["diagnostics"] = {}, {}
     for d in args.dims:
         run_section(result["tuning"], str(d), lambda: tune(d, args.lengths[0], cfg), save)
+        launch = (result["tuning"].get(str(d)) or {}).get("launch")
+        run_section(result["diagnostics"], str(d), lambda: diagnose(d, args.lengths[0], cfg, launch), save)
     result["measurements"] = []
     for d in args.dims:
-        tuned = result["tuning"].get(str(d)) or {"dense": None, "launch": None}
+        tuned = result["tuning"].get(str(d)) or {"launch": None}
         for n in args.lengths:
             holder: dict = {}
             run_section(holder, "m", lambda: measure(d, n, cfg, tuned), save)
             if "m" in holder:
                 result["measurements"].append(holder["m"])
             save()
+    if args.profile:
+        d, n = args.dims[0], args.lengths[-1]
+        run_section(result, "profile", lambda: profile_capture(d, n, cfg, (result["tuning"].get(str(d)) or {}).get("launch")), save)
     if args.model_layers and args.model_length:
         run_section(result, "model_capture", lambda: model_capture(args.model_length, args.model_layers), save)
 
@@ -363,6 +412,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smollm2-lengths", default="1024,2048,4096")
     ap.add_argument("--out", type=Path, default=Path("data/bench/triton-capture-h100.json"))
     ap.add_argument("--commit", default=None, help="commit to record when the checkout has no .git")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of one capture call")
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.dims = [int(x) for x in args.dims.split(",")]
