@@ -247,6 +247,6 @@ def qinit_histogram(df: pl.DataFrame, clip: float = 10.0) -> go.Figure:
     fig = go.Figure(go.Bar(x=agg["mid"], y=share, marker={"color": color(0)},
                            hovertemplate="error %{x:.2f}<br>%{y:.2%} of rows<extra></extra>"))
     fig.add_vline(x=0, line={"dash": "dot", "color": "black"})
-    fig.update_xaxes(title="error (nats); > 0 overestimates the max")
+    fig.update_xaxes(title=f"error (nats), clipped to ±{clip:g}; > 0 overestimates the max")
     fig.update_yaxes(title="share of rows", tickformat=".1%")
     return finish(fig, title)

@@ -16,7 +16,7 @@ from .charts_fit import color, empty_figure, finish
 TILE_VALUES = {
     "bmax": ("block max score (nats)", "Viridis"),
     "gap": ("gap: tile row max - running max (nats)", "Cividis"),
-    "mass": ("softmax mass of the tile", "Magma"),
+    "mass": ("softmax mass of the tile", "YlGnBu"),
 }
 
 
@@ -44,11 +44,39 @@ def samples_chart(df: pl.DataFrame) -> go.Figure:
     return finish(fig, title, height=360)
 
 
+SKIP_COLORS = ("rgba(255,255,255,0.8)", "rgba(255,65,54,0.7)", "rgba(255,150,0,0.9)")  # BSFA, BLASST, both
+
+
+def _skip_overlay(tiles: pl.DataFrame, p: int, kb: int, show_bsfa: bool, show_blasst: bool) -> list:
+    """Traces tinting the skipped tiles (1 BSFA, 2 BLASST, 3 both) over the heatmap, as one raster
+    heatmap (cheap to draw at 8K: 64 x 128 tiles), plus legend entries with the counts."""
+    code = np.zeros((p, kb))
+    i, j = tiles["q_block"].to_numpy(), tiles["k_block"].to_numpy()
+    if show_bsfa:
+        code[i, j] += tiles["bsfa_skip"].to_numpy()
+    if show_blasst:
+        code[i, j] += 2 * tiles["blasst_skip"].to_numpy()
+    if not code.any():
+        return []
+    scale = [[0.0, SKIP_COLORS[0]], [1 / 3, SKIP_COLORS[0]], [1 / 3, SKIP_COLORS[1]], [2 / 3, SKIP_COLORS[1]],
+             [2 / 3, SKIP_COLORS[2]], [1.0, SKIP_COLORS[2]]]
+    out = [go.Heatmap(z=np.where(code > 0, code, np.nan), zmin=0.5, zmax=3.5, colorscale=scale, showscale=False,
+                      hoverinfo="skip", name="skipped")]
+    counts = (("BSFA skips", int(tiles["bsfa_skip"].sum()) if show_bsfa else 0),
+              ("BLASST skips", int(tiles["blasst_skip"].sum()) if show_blasst else 0),
+              ("both skip", int((code == 3).sum())))
+    for (name, n), c in zip(counts, SKIP_COLORS):
+        if n:
+            out.append(go.Scatter(x=[None], y=[None], mode="markers", name=f"{name} ({n})",
+                                  marker={"symbol": "square", "size": 12, "color": c, "line": {"width": 1, "color": "grey"}}))
+    return out
+
+
 def tiles_figure(tiles: pl.DataFrame, value: str, show_bsfa: bool = True, show_blasst: bool = True,
                  title: str | None = None) -> go.Figure:
     """Heatmap of one tile quantity (``value`` in TILE_VALUES) over query block (rows) x key block
-    (columns), blank where unreachable, with the skip masks overlaid: BSFA-skipped candidates as
-    x marks, BLASST-skipped ones as open squares. ``tiles``: derive.tile_frame rows."""
+    (columns), blank where unreachable, with the skipped candidate tiles tinted: white for BSFA,
+    red for BLASST, orange for both (legend with counts). ``tiles``: derive.tile_frame rows."""
     label, scale = TILE_VALUES[value]
     title = title or label
     if not tiles.height:
@@ -59,21 +87,13 @@ def tiles_figure(tiles: pl.DataFrame, value: str, show_bsfa: bool = True, show_b
     fig = go.Figure(go.Heatmap(z=z, colorscale=scale, colorbar={"title": {"text": value}}, name=value,
                                zmax=0.0 if value == "gap" else None,
                                hovertemplate=f"query block %{{y}}, key block %{{x}}<br>{value} %{{z:.4g}}<extra></extra>"))
-    marks = (("bsfa_skip", show_bsfa, "BSFA skips", {"symbol": "x-thin", "line": {"width": 2, "color": "white"}}),
-             ("blasst_skip", show_blasst, "BLASST skips", {"symbol": "square-open", "line": {"width": 2},
-                                                             "color": "#ff4136"}))
-    for col, show, name, marker in marks:
-        d = tiles.filter(pl.col(col))
-        if show and d.height:
-            size = max(4, min(14, int(600 / max(kb, p))))
-            fig.add_trace(go.Scatter(x=d["k_block"], y=d["q_block"], mode="markers", name=f"{name} ({d.height})",
-                                     marker={**marker, "size": size},
-                                     hovertemplate=f"{name}<br>query block %{{y}}, key block %{{x}}<extra></extra>"))
-    fig.update_xaxes(title="key block", range=[-0.5, kb - 0.5], constrain="domain", dtick=1 if kb <= 24 else None)
+    fig.add_traces(_skip_overlay(tiles, p, kb, show_bsfa, show_blasst))
+    fig.update_xaxes(title="key block", range=[-0.5, kb - 0.5], constrain="domain", dtick=1 if kb <= 24 else None,
+                     showgrid=False, zeroline=False)
     fig.update_yaxes(title="query block", autorange="reversed", scaleanchor="x", constrain="domain",
-                     dtick=1 if p <= 24 else None)
+                     dtick=1 if p <= 24 else None, showgrid=False, zeroline=False)
     fig.update_layout(legend={"orientation": "h", "y": -0.15})
-    return finish(fig, title, height=max(360, min(760, 10 * p + 200)))
+    return finish(fig, title, height=int(min(720, max(320, 1000 * p / kb + 160))))
 
 
 def accuracy_speedup(df: pl.DataFrame) -> go.Figure:

@@ -14,11 +14,13 @@ browser test (tests/test_dashboard_browser.py) and the benchmark (sparsecal.benc
 - ``page_report(page)``: plotly charts drawn, exceptions and error alerts on the page.
 
 Actions per page (PAGE_ACTIONS): ("select", label) picks another option of the selectbox with
-that label; ("pop", label) removes the last chosen value of a multiselect.
+that label; ("toggle", label) removes the last chosen value of a multiselect, or, when none is
+left, chooses its first option (so repeated actions alternate).
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,12 +34,12 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PAGES = ("Overview", "Density", "BLASST", "Stabilization", "Tiles", "Accuracy-speedup", "Export")
 PAGE_ACTIONS = {
-    "Overview": ("pop", "Tasks"),
-    "Density": ("select", "Length"),
+    "Overview": ("toggle", "Tasks"),
+    "Density": ("select", "k"),
     "BLASST": ("select", "Target sparsity"),
     "Stabilization": ("select", "Length"),
     "Tiles": ("select", "Layer"),
-    "Accuracy-speedup": ("pop", "Methods"),
+    "Accuracy-speedup": ("toggle", "Methods"),
     "Export": ("select", "Layer"),
 }
 ERRORS = '[data-testid="stException"], [data-testid="stAlertContentError"]'
@@ -136,9 +138,15 @@ def visit(page, title: str, timeout_s: float = 60.0) -> float:
     return (wait_idle(page, True, timeout_s) - t0) / 1000.0
 
 
+def _widget(page, testid: str, label: str):
+    """The widget of this kind whose label is exactly ``label``."""
+    name = page.locator('[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$"))
+    return page.locator(f'[data-testid="{testid}"]').filter(has=name).first
+
+
 def _select_other(page, label: str):
     """Open the selectbox labelled ``label``; returns its first option that is not selected."""
-    box = page.locator('[data-testid="stSelectbox"]', has_text=label).first
+    box = _widget(page, "stSelectbox", label)
     box.locator('[role="combobox"]').first.click()
     options = page.locator('[role="listbox"] [role="option"]')
     options.first.wait_for(timeout=10_000)
@@ -148,6 +156,12 @@ def _select_other(page, label: str):
     return other.first
 
 
+def has_control(page, action) -> bool:
+    """Whether the page shows the widget an action changes (Tiles has none without raw tiles)."""
+    kind, label = action
+    return _widget(page, "stSelectbox" if kind == "select" else "stMultiSelect", label).count() > 0
+
+
 def change(page, action, timeout_s: float = 60.0) -> float:
     """Perform one PAGE_ACTIONS action; returns seconds until the page is interactive again."""
     kind, label = action
@@ -155,11 +169,17 @@ def change(page, action, timeout_s: float = 60.0) -> float:
         target = _select_other(page, label)
         t0 = page.evaluate(_WATCH)
         target.click()
-    elif kind == "pop":
-        box = page.locator('[data-testid="stMultiSelect"]', has_text=label).first
-        box.locator("input").first.click()
-        t0 = page.evaluate(_WATCH)
-        page.keyboard.press("Backspace")
+    elif kind == "toggle":
+        box = _widget(page, "stMultiSelect", label)
+        box.locator('[role="combobox"]').first.click()
+        if box.locator('.react-aria-ComboBox [data-tag]').count():
+            t0 = page.evaluate(_WATCH)
+            page.keyboard.press("Backspace")
+        else:
+            option = page.locator('[role="listbox"] [role="option"]').filter(has_not_text="Select all").first
+            option.wait_for(timeout=10_000)
+            t0 = page.evaluate(_WATCH)
+            option.click()
     else:
         raise ValueError(f"unknown action {kind!r}")
     took = (wait_idle(page, True, timeout_s) - t0) / 1000.0

@@ -19,7 +19,7 @@ def _controls(root):
     if not curves.height or not lam.height:
         raise data.Missing(f"the fit has no BLASST rows; run `sparsecal fit {root}` with reachable --targets.")
     c1, c2, c3 = st.columns(3)
-    mode = ui.choose("Mode", sorted(set(curves["mode"]), key=["prefill", "decode"].index), key="bl_mode", where=c1,
+    mode = ui.choose("Mode", sorted(set(curves["mode"]), key=lambda m: (m != "prefill", m)), key="bl_mode", where=c1,
                      help="prefill: 128-row query blocks; decode: each of the last rows alone")
     orders = [o for o in ("forward", "reverse", "sink_local") if o in set(curves["order"])]
     order = ui.choose("Scan order", orders, key="bl_order", where=c2)

@@ -73,7 +73,8 @@ def render() -> None:
         cols[2].metric("BLASST sparsity", f"{s['blasst_sparsity']:.3f}")
         cols[3].metric("BLASST retained mass", f"{s['blasst_retained_mass']:.4f}")
         st.caption(f"{s['reachable']} reachable tiles. {note}")
-        for col, value in zip(st.columns(3), charts_run.TILE_VALUES):
+        wide = frame["k_block"].max() + 1 > 32  # 2K tokens and more: one chart per row
+        for col, value in zip([st.container()] * 3 if wide else st.columns(3), charts_run.TILE_VALUES):
             with col:
                 ui.plot(charts_run.tiles_figure(frame, value), key=f"ti_{value}")
 

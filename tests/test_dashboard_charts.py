@@ -160,8 +160,14 @@ def test_tile_frame_masks_follow_threshold_and_lambda():
     assert s["bsfa_sparsity"] == pytest.approx(f["bsfa_skip"].sum() / s["reachable"])
     fig = charts_run.tiles_figure(f, "gap")
     assert fig.data[0].type == "heatmap"
-    marks = {t.name.split(" (")[0]: len(t.x) for t in fig.data[1:]}
-    assert marks.get("BSFA skips", 0) == f["bsfa_skip"].sum() and marks.get("BLASST skips", 0) == f["blasst_skip"].sum()
+    z = np.array(fig.data[0].z, dtype=float)
+    assert np.isnan(z[kind == 0]).all() and np.allclose(z[kind > 0], tiles["gap"][1][kind > 0])
+    overlay = np.nan_to_num(np.array(fig.data[1].z, dtype=float))  # 1 BSFA, 2 BLASST, 3 both
+    for r in f.iter_rows(named=True):
+        assert overlay[r["q_block"], r["k_block"]] == r["bsfa_skip"] + 2 * r["blasst_skip"]
+    legend = {t.name.split(" (")[0]: int(t.name.split("(")[1][:-1]) for t in fig.data[2:]}
+    assert legend.get("BSFA skips", 0) == f["bsfa_skip"].sum() and legend.get("BLASST skips", 0) == f["blasst_skip"].sum()
+    assert len(charts_run.tiles_figure(f, "mass", show_bsfa=False, show_blasst=False).data) == 1
 
 
 def test_head_sparsity_from_gap_cum_matches_the_fit_at_the_calibrated_lambda():
