@@ -71,7 +71,7 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j_lo, j_hi,
-                  n_ctx, qk_scale, x_ptr, y_ptr,
+                  n_ctx, qk_scale, xy_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, STATS: tl.constexpr,
                   EVICT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online-softmax update of one query block over key blocks j_lo .. j_hi-1, ascending.
@@ -81,8 +81,9 @@ def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, of
     MASKED: apply the causal, length and block-width mask (diagonal or ragged blocks); otherwise
     every key of the block is visible to every row and nothing is checked.
     STATS: store each row's block max and block log-sum-exp (log2 units, -inf where the row sees
-    nothing) at x_ptr + j*BLOCK_M and y_ptr + j*BLOCK_M (x_ptr, y_ptr [BLOCK_M] pointers); EVICT
-    marks those stores evict-first, so they do not push K/V out of the L2 cache.
+    nothing) as a pair at xy_ptr + j*2*BLOCK_M (xy_ptr [BLOCK_M, 2] pointers: row r, then 0 for
+    the max, 1 for the log-sum-exp). One paired store costs one layout change through shared
+    memory instead of two; EVICT marks it evict-first.
     """
     offs_n = tl.arange(0, BLOCK_N)
     for j in range(j_lo, j_hi):
@@ -109,13 +110,11 @@ def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, of
         l_i = l_i * alpha + l_ij
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
         if STATS:
-            step = j * rows.shape[0]
+            xy = tl.join(m_ij, m_new + tl.math.log2(l_ij))
             if EVICT:
-                tl.store(x_ptr + step, m_ij, eviction_policy="evict_first")
-                tl.store(y_ptr + step, m_new + tl.math.log2(l_ij), eviction_policy="evict_first")
+                tl.store(xy_ptr + j * (2 * rows.shape[0]), xy, eviction_policy="evict_first")
             else:
-                tl.store(x_ptr + step, m_ij)
-                tl.store(y_ptr + step, m_new + tl.math.log2(l_ij))
+                tl.store(xy_ptr + j * (2 * rows.shape[0]), xy)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -146,9 +145,9 @@ def _dense_fwd_kernel(Q, K, V, O, LSE,
     n_cand = (i * BLOCK_M) // BLOCK_N
     n_reach = (tl.minimum((i + 1) * BLOCK_M, n_ctx) - 1) // BLOCK_N + 1
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
-                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, False, False, False, PREC, UPCAST)
+                                  n_ctx, qk_scale, LSE, BLOCK_N, BLOCK_N, False, False, False, PREC, UPCAST)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
-                                  n_ctx, qk_scale, LSE, LSE, BLOCK_N, BLOCK_N, True, False, False, PREC, UPCAST)
+                                  n_ctx, qk_scale, LSE, BLOCK_N, BLOCK_N, True, False, False, PREC, UPCAST)
     out = acc / l_i[:, None]
     o_ptr = O + b * so_b + h * so_h + rows[:, None] * so_n + offs_d[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])

@@ -26,6 +26,7 @@ Shape legend
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ def _qinit_max(q, r_ptr, stride_rj, offs_d, n_reach, qk_scale,
 
 
 @triton.jit
-def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
+def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, XY, TOFF,
                       sq_h, sq_n, sk_h, sk_n, sv_h, sv_n, sr_h, sr_j, so_h, so_n,
                       n_ctx, head0, group, num_tiles, qk_scale,
                       HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -75,7 +76,8 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
                       QINIT: tl.constexpr, STORE: tl.constexpr, EVICT: tl.constexpr):
     """Pass 1. Grid (P, heads of this chunk). Query block i = rows [i*BM, i*BM + BM) of head
     head0 + program_id(1). O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 (natural log);
-    X, Y [chunk heads, T, BLOCK_M] f32 scratch, tile (i, j) at TOFF[i] + j. QINIT / STORE off only
+    XY [chunk heads, T, BLOCK_M, 2] f32 scratch (row block max, block log-sum-exp), tile (i, j) at
+    TOFF[i] + j. QINIT / STORE off only
     to measure what the q-init prologue and the scratch stores cost."""
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
     hl = tl.program_id(1)
@@ -90,18 +92,17 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, X, Y, TOFF,
     n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
     if QINIT:
         m_init = _qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, BLOCK_M, BLOCK_R, PREC, UPCAST)
-    tile0 = (hl.to(tl.int64) * num_tiles + tl.load(TOFF + i)) * BLOCK_M
-    x_ptr = X + tile0 + offs_m
-    y_ptr = Y + tile0 + offs_m
+    tile0 = (hl.to(tl.int64) * num_tiles + tl.load(TOFF + i)) * (2 * BLOCK_M)
+    xy_ptr = XY + tile0 + offs_m[:, None] * 2 + tl.arange(0, 2)[None, :]
     k_ptr = K + hk * sk_h
     v_ptr = V + hk * sv_h
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
-                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, not EVEN_N, STORE, EVICT, PREC, UPCAST)
+                                  n_ctx, qk_scale, xy_ptr, BN, BLOCK_N, not EVEN_N, STORE, EVICT, PREC, UPCAST)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
-                                  n_ctx, qk_scale, x_ptr, y_ptr, BN, BLOCK_N, True, STORE, EVICT, PREC, UPCAST)
+                                  n_ctx, qk_scale, xy_ptr, BN, BLOCK_N, True, STORE, EVICT, PREC, UPCAST)
     out = acc / l_i[:, None]
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + h * n_ctx + rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
@@ -140,7 +141,7 @@ class ForwardResult:
     """What passes 1 and 2 return. out [1, H, N, D] (a [1, N, H, D] buffer seen transposed);
     lse, qinit_err [H, N] f32; with statistics also bmax, mass [H, P, Kb], gap [H, 3, P, Kb],
     tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) [H, 3, N] (unless fused), and with
-    fused histograms part [H, P, W] (HistLayout). Orders as geometry.ORDERS."""
+    fused histograms part [H, W] (HistLayout). Orders as geometry.ORDERS."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -154,13 +155,15 @@ class ForwardResult:
     part: torch.Tensor | None = None
 
 
-def tile_offsets(n: int, bm: int, bn: int, device) -> tuple[torch.Tensor, int]:
-    """Start of query block i's tiles in the packed scratch ([P] i64 on device) and the count T of
-    reachable tiles (tile (i, j) sits at offsets[i] + j)."""
-    _, reach = block_counts(n, bm, bn)
+@functools.lru_cache(maxsize=64)
+def tile_offsets(n: int, bm: int, bn: int, device) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Start of query block i's tiles in the packed scratch ([P] i64 on device), the count T of
+    reachable tiles (tile (i, j) sits at offsets[i] + j), and A_i ([P] i64 on device). Cached, so
+    a call makes no host-to-device copy (which would wait for the GPU)."""
+    cand, reach = block_counts(n, bm, bn)
     offsets = torch.zeros_like(reach)
     offsets[1:] = reach.cumsum(0)[:-1]
-    return offsets.to(device), int(reach.sum())
+    return offsets.to(device), int(reach.sum()), cand.to(device)
 
 
 def scratch_budget(device: torch.device) -> int:
@@ -183,7 +186,7 @@ def _stat_buffers(h: int, n: int, p: int, kb: int, device, fused: bool, width: i
     out = dict(bmax=torch.full((h, p, kb), NEG_INF, **f32), mass=torch.zeros((h, p, kb), **f32),
                gap=torch.full((h, 3, p, kb), NEG_INF, **f32))
     if fused:
-        out["part"] = torch.empty((h, p, width), **f32)
+        out["part"] = torch.zeros((h, width), **f32)
     else:
         out.update(tstar_step=torch.empty((h, 3, n), dtype=torch.int64, device=device),
                    tstar_where=torch.empty((h, 3, n), dtype=torch.int8, device=device),
@@ -191,13 +194,19 @@ def _stat_buffers(h: int, n: int, p: int, kb: int, device, fused: bool, width: i
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _edge_tables(gap_lo, gap_step, qinit_lo, qinit_hi, qinit_step, device) -> tuple:
+    cfg = StatsConfig(gap_lo=gap_lo, gap_step=gap_step, qinit_lo=qinit_lo, qinit_hi=qinit_hi, qinit_step=qinit_step)
+    return cfg.gap_edges().to(device), cfg.qinit_edges().to(device)
+
+
 def _edge_args(cfg: StatsConfig, device) -> tuple:
-    """f64 edge tables and (lo, 1/step, count) of the gap and q-init bins."""
-    ge, qe = cfg.gap_edges().to(device), cfg.qinit_edges().to(device)
+    """f64 edge tables (cached on the device) and (lo, 1/step, count) of the gap and q-init bins."""
+    ge, qe = _edge_tables(cfg.gap_lo, cfg.gap_step, cfg.qinit_lo, cfg.qinit_hi, cfg.qinit_step, device)
     return (ge, qe, cfg.gap_lo, 1.0 / cfg.gap_step, ge.numel(), cfg.qinit_lo, 1.0 / cfg.qinit_step, qe.numel())
 
 
-def _tile_stats(res: ForwardResult, xs, ys, toff, qerr, cfg, geom: dict, launch, fused: bool) -> None:
+def _tile_stats(res: ForwardResult, xy, toff, qerr, cfg, geom: dict, launch, fused: bool) -> None:
     """Launch pass 2 on one chunk of heads. geom: n, head0, heads, blocks, kb, num_tiles."""
     lay = HistLayout.of(cfg)
     off = lay.offsets
@@ -205,7 +214,7 @@ def _tile_stats(res: ForwardResult, xs, ys, toff, qerr, cfg, geom: dict, launch,
     dummy = res.bmax
     warps, stages = _launch("stats", 0, launch)
     LAST_COMPILED["stats"] = _tile_stats_kernel[(geom["blocks"], geom["heads"])](
-        xs, ys, toff, res.lse, qerr, res.bmax, res.mass, res.gap,
+        xy, toff, res.lse, qerr, res.bmax, res.mass, res.gap,
         res.tstar_step if res.tstar_step is not None else dummy,
         res.tstar_where if res.tstar_where is not None else dummy,
         res.tstar_norm if res.tstar_norm is not None else dummy,
@@ -235,7 +244,7 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
     bm, bn, dev = cfg.block_m, cfg.block_n, q.device
     p, kb = cdiv(n, bm), cdiv(n, bn)
     block_m = next_pow2(bm)
-    toff, num_tiles = tile_offsets(n, bm, bn, dev)
+    toff, num_tiles, _ = tile_offsets(n, bm, bn, dev)
     krep = signed_absmax_keys(_pad_blocks(k[0], bn), bn)  # [Hkv, Kb, D]
     out = torch.empty((1, n, h, d), dtype=q.dtype, device=dev).transpose(1, 2)
     lse = torch.empty((h, n), dtype=torch.float32, device=dev)
@@ -244,15 +253,14 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
     res = ForwardResult(out, lse, qerr, **(_stat_buffers(h, n, p, kb, dev, fused, width) if stats else {}))
     chunk = max(1, min(h, (scratch_bytes or scratch_budget(dev)) // (2 * num_tiles * block_m * 4)))
     chunk = cdiv(h, cdiv(h, chunk))
-    xs = torch.empty((chunk, num_tiles, block_m), dtype=torch.float32, device=dev)
-    ys = torch.empty_like(xs)
+    xy = torch.empty((chunk, num_tiles, block_m, 2), dtype=torch.float32, device=dev)
     prec, upcast = dot_flags(q.dtype)
     warps, stages = _launch("pass1", d, launch)
     qs, ks, vs, os_ = q[0].stride(), k[0].stride(), v[0].stride(), out[0].stride()
     for h0 in range(0, h, chunk):
         heads = min(chunk, h - h0)
         LAST_COMPILED["pass1"] = _instr_fwd_kernel[(p, heads)](
-            q, k, v, krep, out, lse, qerr, xs, ys, toff, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
+            q, k, v, krep, out, lse, qerr, xy, toff, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
             krep.stride(0), krep.stride(1), os_[0], os_[1], n, h0, h // hkv, num_tiles, scale * LOG2E,
             HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=block_m, BLOCK_N=next_pow2(bn), BLOCK_R=QINIT_CHUNK,
             EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast, QINIT="qinit" in parts,
@@ -260,7 +268,7 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
             num_warps=warps, num_stages=stages)
         if stats:
             geom = dict(n=n, head0=h0, heads=heads, blocks=p, kb=kb, num_tiles=num_tiles)
-            _tile_stats(res, xs, ys, toff, qerr, cfg, geom, launch, fused)
+            _tile_stats(res, xy, toff, qerr, cfg, geom, launch, fused)
     return res
 
 
@@ -333,7 +341,7 @@ def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scrat
 
 
 def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per_order: int | None):
-    """[H, W] summed partials -> the [H, O, bins] (or [H, bins]) histogram under ``key``."""
+    """[H, W] histogram rows -> the [H, O, bins] (or [H, bins]) histogram under ``key``."""
     start = HistLayout.of(cfg).offsets[key]
     if per_order is None:
         return part[:, start:start + bins]
@@ -345,9 +353,9 @@ def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) ->
     """kernels/reduce.py's reduce_tiles output (same keys, shapes, dtypes) from the fused passes;
     decode = decode_forward's (rows, gap, mass), histogrammed as reduce_tiles does."""
     lay = HistLayout.of(cfg)
-    cand, _ = block_counts(n, cfg.block_m, cfg.block_n)
+    cand = tile_offsets(n, cfg.block_m, cfg.block_n, res.bmax.device)[2]
     out = bsfa_reduce(res.bmax, res.mass, cand, cfg)
-    part = res.part.sum(1, dtype=torch.float64)
+    part = res.part.double()
     out["gap_count"] = _hist_section(part, cfg, "gap_count", lay.ng, lay.nbp).round().long()
     out["gap_mass"] = _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous()
     rows, dec_gap, dec_mass = decode

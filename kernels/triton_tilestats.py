@@ -1,23 +1,22 @@
 """Pass 2 of the Triton instrumented attention: tile statistics from per-row tile values.
 
 Pass 1 (kernels/triton_instrumented.py) leaves, for every row r of a query block and every
-reachable key block j, the row's block max X[r, j] and block log-sum-exp Y[r, j] (log2 units).
-``_tile_stats_kernel`` (one program per query block and head) reads them back in chunks of TJ
-tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-exp computes:
+reachable key block j, the row's block max X[r, j] and block log-sum-exp Y[r, j] (log2 units),
+as (X, Y) pairs. ``_tile_stats_kernel`` (one program per query block and head) reads them back in
+chunks of TJ tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-exp computes:
 
 - bmax[j] = max_r X, mass[j] = mean_r exp2(Y - lse2);
 - gap[j] in the three scan orders: forward (prefix running max), reverse (suffix running max,
   a second sweep) and sink_local (block 0, diagonal blocks, then the other candidates: the
   running max of a later candidate also holds the diagonal max D, found first);
 - t* of every row in every order: the row's argmax over tiles with each order's tie rule;
-- optionally (HIST) the additive histograms of kernels/reduce.py for its program: gap counts and
-  masses of the candidate tiles per order, t* where / normalized-t* counts and the q-init error
-  counts, written to one f32 row of a partials buffer (summed over programs by the caller).
-  Bins follow torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects
-  the arithmetic guess).
+- optionally (HIST) the additive histograms of kernels/reduce.py: gap counts and masses of the
+  candidate tiles per order, t* where / normalized-t* counts and the q-init error counts, added
+  with atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
+  torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects the guess).
 
-Shape legend: H heads, P query blocks, Kb key blocks, N length, W = HistLayout.width
-partial-histogram entries per program.
+Shape legend: H heads, P query blocks, Kb key blocks, N length, W = HistLayout.width histogram
+entries per head.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ LN2_ = 0.6931471805599453
 
 @dataclass(frozen=True)
 class HistLayout:
-    """Sections of one program's partial-histogram row (f32, counts exact up to 2^24):
+    """Sections of one head's histogram row (f32, counts exact up to 2^24):
     gap counts [3, NBP], gap masses [3, NBP], t* where [3, 4], t* hist [3, TBP], q-init [QBP]
     (orders as geometry.ORDERS; NBP, TBP, QBP the bin counts rounded up to powers of two)."""
 
@@ -74,12 +73,23 @@ def _max_fn(a, b):
 
 @triton.jit
 def _load_tiles(base, j0, n_reach, row_ok, TJ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per-row values of tiles j0 .. j0+TJ-1 at base + j*BLOCK_M + row: ([TJ, BLOCK_M], -inf outside
-    0 <= j < n_reach and on invalid rows; jt [TJ] tile indices; ok [TJ] in range)."""
+    """Row block maxima of tiles j0 .. j0+TJ-1 (pairs at base + (j*BLOCK_M + row)*2): ([TJ, BLOCK_M],
+    -inf outside 0 <= j < n_reach and on invalid rows; jt [TJ] tile indices; ok [TJ] in range)."""
     jt = j0 + tl.arange(0, TJ)
     ok = (jt >= 0) & (jt < n_reach)
-    ptr = base + jt[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    ptr = base + (jt[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]) * 2
     return tl.load(ptr, mask=ok[:, None] & row_ok[None, :], other=float("-inf")), jt, ok
+
+
+@triton.jit
+def _load_pairs(base, j0, n_reach, row_ok, TJ: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Both values of tiles j0 .. j0+TJ-1: (x, y [TJ, BLOCK_M], jt, ok) as in _load_tiles."""
+    jt = j0 + tl.arange(0, TJ)
+    ok = (jt >= 0) & (jt < n_reach)
+    idx = (jt[:, None, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :, None]) * 2 + tl.arange(0, 2)[None, None, :]
+    keep = ok[:, None, None] & row_ok[None, :, None]
+    x, y = tl.split(tl.load(base + idx, mask=keep, other=float("-inf")))
+    return x, y, jt, ok
 
 
 @triton.jit
@@ -102,10 +112,11 @@ def _bucket(v, EDGES, lo, inv_step, n_edges):
 
 
 @triton.jit
-def _hist_add(cnt, msum, bins, w, valid, NB: tl.constexpr):
-    """Add entries (bin [T], weight [T], valid [T]) to counts and weight sums [NB] (f32)."""
-    hit = (bins[:, None] == tl.arange(0, NB)[None, :]) & valid[:, None]
-    return cnt + tl.sum(hit.to(tl.float32), 0), msum + tl.sum(tl.where(hit, w[:, None], 0.0), 0)
+def _hist_add(cnt_ptr, sum_ptr, bins, w, valid):
+    """Atomically add entries (bin [T], weight [T], valid [T]) to counts at cnt_ptr + bin and
+    weight sums at sum_ptr + bin."""
+    tl.atomic_add(cnt_ptr + bins, tl.full(bins.shape, 1.0, tl.float32), mask=valid, sem="relaxed")
+    tl.atomic_add(sum_ptr + bins, w, mask=valid, sem="relaxed")
 
 
 @triton.jit
@@ -126,23 +137,21 @@ def _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s):
 
 
 @triton.jit
-def _forward_sweep(x_base, y_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
-                   bmax_ptr, mass_ptr, gapf_ptr, gaps_ptr, hist, EDGES, lo, inv_step, n_edges,
+def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
+                   bmax_ptr, mass_ptr, gapf_ptr, gaps_ptr, part, EDGES, lo, inv_step, n_edges,
                    TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
     """Ascending chunks: bmax, mass, forward and sink_local gaps (stored at ptr + j), the per-row
-    argmax state for t*, and (HIST) the candidate tiles' gap histograms (c_f, m_f, c_s, m_s)."""
+    argmax state for t*, and (HIST) the candidate tiles' gap histograms added into part."""
     neg = tl.full([BLOCK_M], float("-inf"), tl.float32)
     carry_f = neg
-    carry_d = tl.load(x_base + tl.arange(0, BLOCK_M), mask=row_ok, other=float("-inf"))  # block 0
+    carry_d = tl.load(x_base + tl.arange(0, BLOCK_M) * 2, mask=row_ok, other=float("-inf"))  # block 0
     best = neg
     t_f = tl.zeros([BLOCK_M], tl.int32)
     t_r = tl.zeros([BLOCK_M], tl.int32)
     p_s = tl.zeros([BLOCK_M], tl.int32)
-    c_f, m_f, c_s, m_s = hist, hist, hist, hist
     d0 = tl.maximum(n_cand, 1)
     for j0 in range(0, n_reach, TJ):
-        xv, jt, ok = _load_tiles(x_base, j0, n_reach, row_ok, TJ, BLOCK_M)
-        yv, _, _ = _load_tiles(y_base, j0, n_reach, row_ok, TJ, BLOCK_M)
+        xv, yv, jt, ok = _load_pairs(x_base, j0, n_reach, row_ok, TJ, BLOCK_M)
         mass = tl.sum(tl.math.exp2(yv - lse2[None, :]), 1) / n_rows
         tl.store(bmax_ptr + jt, tl.max(xv, 1) * 0.6931471805599453, mask=ok)
         tl.store(mass_ptr + jt, mass, mask=ok)
@@ -159,22 +168,21 @@ def _forward_sweep(x_base, y_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
         tl.store(gaps_ptr + jt, g_s, mask=ok)
         if HIST:
             cand = ok & (jt < n_cand)
-            c_f, m_f = _hist_add(c_f, m_f, _bucket(g_f, EDGES, lo, inv_step, n_edges), mass, cand, NBP)
-            c_s, m_s = _hist_add(c_s, m_s, _bucket(g_s, EDGES, lo, inv_step, n_edges), mass, cand, NBP)
+            _hist_add(part, part + 3 * NBP, _bucket(g_f, EDGES, lo, inv_step, n_edges), mass, cand)
+            _hist_add(part + 2 * NBP, part + 5 * NBP, _bucket(g_s, EDGES, lo, inv_step, n_edges), mass, cand)
         carry_f = tl.maximum(carry_f, tl.max(xv, 0))
         carry_d = tl.maximum(carry_d, tl.max(xd, 0))
         pos_s = tl.where(jt == 0, 0, tl.where(jt >= d0, jt - d0 + 1, n_reach - d0 + jt))
         best, t_f, t_r, p_s = _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s)
-    return t_f, t_r, p_s, c_f, m_f, c_s, m_s
+    return t_f, t_r, p_s
 
 
 @triton.jit
-def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, hist, EDGES, lo, inv_step, n_edges,
+def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, part, EDGES, lo, inv_step, n_edges,
                    TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
     """Descending chunks: reverse-order gaps (suffix running maxima) at ptr + j; (HIST) their
-    histograms with the masses the forward sweep stored."""
+    histograms, with the masses the forward sweep stored, added into part."""
     carry = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    c_r, m_r = hist, hist
     for c in range(0, tl.cdiv(n_reach, TJ)):
         xv, jt, ok = _load_tiles(x_base, n_reach - (c + 1) * TJ, n_reach, row_ok, TJ, BLOCK_M)
         run = tl.maximum(tl.associative_scan(xv, 0, _max_fn, reverse=True), carry[None, :])
@@ -183,9 +191,8 @@ def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, hist, ED
         if HIST:
             cand = ok & (jt < n_cand)
             mass = tl.load(mass_ptr + jt, mask=cand, other=0.0)
-            c_r, m_r = _hist_add(c_r, m_r, _bucket(g_r, EDGES, lo, inv_step, n_edges), mass, cand, NBP)
+            _hist_add(part + NBP, part + 4 * NBP, _bucket(g_r, EDGES, lo, inv_step, n_edges), mass, cand)
         carry = tl.maximum(carry, tl.max(xv, 0))
-    return c_r, m_r
 
 
 @triton.jit
@@ -201,10 +208,12 @@ def _order_rows(step, j, n_cand, n_reach, row_ok, step_ptr, where_ptr, norm_ptr,
         tl.store(norm_ptr, norm, mask=row_ok)
     if HIST:
         hit = (code[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
-        tl.store(part_w + tl.arange(0, 4), tl.sum(hit.to(tl.float32), 0))
+        w = tl.sum(hit.to(tl.float32), 0)
+        tl.atomic_add(part_w + tl.arange(0, 4), w, mask=w > 0, sem="relaxed")
         tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
         hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
-        tl.store(part_t + tl.arange(0, TBP), tl.sum(hit.to(tl.float32), 0))
+        t = tl.sum(hit.to(tl.float32), 0)
+        tl.atomic_add(part_t + tl.arange(0, TBP), t, mask=t > 0, sem="relaxed")
 
 
 @triton.jit
@@ -227,13 +236,12 @@ def _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TW
                 part + OFF_TW + 8, part + OFF_TH + 2 * TBP, STORE, HIST, NT, TBP)
     if HIST:
         qerr = tl.load(QERR + h * n_ctx + rows, mask=row_ok, other=0.0)
-        zero = tl.zeros([QBP], tl.float32)
-        cnt, _ = _hist_add(zero, zero, _bucket(qerr, QEDGES, q_lo, q_inv, n_qedges), qerr, row_ok, QBP)
-        tl.store(part + OFF_QI + tl.arange(0, QBP), cnt)
+        bins = _bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
+        tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
 
 
 @triton.jit
-def _tile_stats_kernel(X, Y, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, PART,
+def _tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, PART,
                        GEDGES, QEDGES, n_ctx, head0, num_tiles, n_qb, n_kb,
                        g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
                        BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
@@ -241,8 +249,9 @@ def _tile_stats_kernel(X, Y, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TN
                        W: tl.constexpr, NBP: tl.constexpr, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
                        OFF_QI: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr):
     """Grid (P, heads of this chunk). Query block i = program_id(0) of head head0 + program_id(1);
-    its tile j at X/Y[((pid1 * num_tiles + TOFF[i]) + j) * BLOCK_M + row]. BMAX, MASS [H, P, Kb];
-    GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM [H, 3, N]; PART [H, P, W]."""
+    its tile j's pairs at XY[((pid1 * num_tiles + TOFF[i] + j) * BLOCK_M + row) * 2 + (0, 1)]. BMAX, MASS [H, P, Kb];
+    GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM [H, 3, N]; PART [H, W]
+    (zeroed by the caller; histograms are added into it)."""
     i = tl.program_id(0)
     h = (head0 + tl.program_id(1)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -251,31 +260,22 @@ def _tile_stats_kernel(X, Y, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TN
     n_rows = (tl.minimum((i + 1) * BM, n_ctx) - i * BM).to(tl.float32)
     n_cand = (i * BM) // BN
     n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
-    tile0 = (tl.program_id(1).to(tl.int64) * num_tiles + tl.load(TOFF + i)) * BLOCK_M
+    tile0 = (tl.program_id(1).to(tl.int64) * num_tiles + tl.load(TOFF + i)) * (2 * BLOCK_M)
     lse2 = tl.load(LSE + h * n_ctx + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     d_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for j0 in range(tl.maximum(n_cand, 1), n_reach, TJ):
-        xv, _, _ = _load_tiles(X + tile0, j0, n_reach, row_ok, TJ, BLOCK_M)
+        xv, _, _ = _load_tiles(XY + tile0, j0, n_reach, row_ok, TJ, BLOCK_M)
         d_max = tl.maximum(d_max, tl.max(xv, 0))
     tiles = (h * n_qb + i) * n_kb
     ostride = n_qb * n_kb
     gap0 = GAP + ((h * 3) * n_qb + i) * n_kb
-    part = PART + (h * n_qb + i) * W
-    hist = tl.zeros([NBP], tl.float32)
-    t_f, t_r, p_s, c_f, m_f, c_s, m_s = _forward_sweep(
-        X + tile0, Y + tile0, lse2, row_ok, n_rows, n_cand, n_reach, d_max, BMAX + tiles, MASS + tiles,
-        gap0, gap0 + 2 * ostride, hist, GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
+    part = PART + h * W
+    t_f, t_r, p_s = _forward_sweep(
+        XY + tile0, lse2, row_ok, n_rows, n_cand, n_reach, d_max, BMAX + tiles, MASS + tiles,
+        gap0, gap0 + 2 * ostride, part, GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
     if HIST:
         tl.debug_barrier()  # the reverse sweep reads the masses this program stored
-    c_r, m_r = _reverse_sweep(X + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, hist,
-                              GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
-    if HIST:
-        nb = tl.arange(0, NBP)
-        tl.store(part + nb, c_f)
-        tl.store(part + NBP + nb, c_r)
-        tl.store(part + 2 * NBP + nb, c_s)
-        tl.store(part + 3 * NBP + nb, m_f)
-        tl.store(part + 4 * NBP + nb, m_r)
-        tl.store(part + 5 * NBP + nb, m_s)
+    _reverse_sweep(XY + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, part,
+                   GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
     _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
                QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
