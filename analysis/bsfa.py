@@ -26,20 +26,20 @@ class ThresholdAccumulator:
         if method not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {method!r}")
         self.method = method
-        self.sum = None      # [K, L, H, P] float64
+        self.sum = None      # [L, H, P, K] float64
         self.count = None    # [P] samples that reached each position
         self.kept = []       # per-sample arrays (median only)
 
     def add(self, thr: np.ndarray) -> None:
-        t = np.moveaxis(np.asarray(thr, np.float64), -1, 0)  # [K, L, H, P_s]
-        p = t.shape[-1]
+        t = np.asarray(thr)  # [L, H, P_s, K]; summed in float64 without a converted copy
+        p = t.shape[2]
         if self.sum is None:
-            self.sum, self.count = np.zeros(t.shape[:-1] + (0,)), np.zeros(0, np.int64)
-        if p > self.sum.shape[-1]:
-            grow = p - self.sum.shape[-1]
-            self.sum = np.concatenate([self.sum, np.zeros(self.sum.shape[:-1] + (grow,))], axis=-1)
-            self.count = np.concatenate([self.count, np.zeros(grow, np.int64)])
-        self.sum[..., :p] += t  # -inf stays -inf: a position is -inf for every sample or none
+            self.sum, self.count = np.zeros(t.shape[:2] + (0, t.shape[3])), np.zeros(0, np.int64)
+        if p > self.sum.shape[2]:
+            grow = np.zeros(self.sum.shape[:2] + (p - self.sum.shape[2], self.sum.shape[3]))
+            self.sum = np.concatenate([self.sum, grow], axis=2)
+            self.count = np.concatenate([self.count, np.zeros(p - len(self.count), np.int64)])
+        np.add(self.sum[:, :, :p], t, out=self.sum[:, :, :p])  # -inf stays -inf: every sample or none
         self.count[:p] += 1
         if self.method == "median":
             self.kept.append(t.astype(np.float32))
@@ -49,12 +49,13 @@ class ThresholdAccumulator:
         if self.sum is None:
             raise ValueError("no samples added")
         if self.method == "mean":
-            out = self.sum / self.count
+            out = self.sum / self.count[:, None]
         else:
             out = np.empty_like(self.sum)
-            for p in range(self.sum.shape[-1]):
-                out[..., p] = np.median(np.stack([t[..., p] for t in self.kept if t.shape[-1] > p]), axis=0)
-        return extend_positions(out.astype(np.float32), num_blocks or out.shape[-1])
+            for p in range(self.sum.shape[2]):
+                out[:, :, p] = np.median(np.stack([t[:, :, p] for t in self.kept if t.shape[2] > p]), axis=0)
+        out = np.moveaxis(out, -1, 0).astype(np.float32)  # [K, L, H, P]
+        return extend_positions(out, num_blocks or out.shape[-1])
 
 
 def extend_positions(thr: np.ndarray, num_blocks: int) -> np.ndarray:
