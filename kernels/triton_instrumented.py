@@ -12,7 +12,8 @@ pass 2  ``triton_tilestats._tile_stats_kernel`` (grid P x heads): reads those pe
         three scan orders and t* of every row in every order (no score is recomputed), and in the
         capture path also the run's histograms, per program.
 decode  ``_decode_kernel`` (grid Kb x row chunks x H): each of the last R rows' max score and mass
-        in every key block; ``decode_scan`` turns them into the three orders' gaps (torch, [H, R, Kb]).
+        in every key block; ``triton_tilestats._decode_stats_kernel`` turns them into the three
+        orders' gaps (and histograms), each row its own block.
 
 ``instrumented_attention_triton`` returns the reference's TileStats; ``instrumented_capture_triton``
 returns what kernels/reduce.py's ``reduce_tiles`` would make of them (same keys, shapes, dtypes)
@@ -35,10 +36,10 @@ import triton.language as tl
 
 from .config import StatsConfig
 from .geometry import ORDERS, block_counts, cdiv
-from .reduce import _gap_hist, bsfa_reduce
+from .reduce import bsfa_reduce
 from .reference import TileStats, _pad_blocks, signed_absmax_keys
 from .triton_dense import LAST_COMPILED, LOG2E, _attend_range, _dot, check_inputs, dot_flags, next_pow2
-from .triton_tilestats import HistLayout, _tile_stats_kernel
+from .triton_tilestats import HistLayout, _decode_stats_kernel, _tile_stats_kernel
 
 NEG_INF = float("-inf")
 TILE_CHUNK = 16  # tiles per chunk in the statistics pass
@@ -272,42 +273,25 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
     return res
 
 
-def decode_scan(rmax: torch.Tensor, rows: torch.Tensor, bn: int) -> torch.Tensor:
-    """Decode-row gaps in the three orders from each row's block maxima, all rows at once.
-
-    rmax [H, R, Kb] (natural units, -inf past the row's reach); rows [R] their indices. Row r has
-    A = r // BN candidates and its diagonal block A. Returns gap [H, 3, R, Kb] (geometry.ORDERS):
-    forward = prefix running max; reverse = suffix; sink_local scans block 0, then block A, then
-    blocks 1 .. A-1, so a later candidate's running max also holds block A's.
-    """
-    seen = rmax > NEG_INF
-    run_f = rmax.cummax(-1).values
-    run_r = rmax.flip(-1).cummax(-1).values.flip(-1)
-    j = torch.arange(rmax.shape[-1], device=rmax.device)
-    a = (rows // bn).view(1, -1, 1)
-    x_diag = rmax.gather(-1, a.expand(rmax.shape[0], -1, 1))
-    later_cand = (j >= 1) & (j < a)
-    diag = (j == a) & (a >= 1)
-    run_s = torch.where(later_cand, torch.maximum(run_f, x_diag),
-                        torch.where(diag, torch.maximum(rmax[..., :1], x_diag), run_f))
-    gaps = [torch.where(seen, rmax - run, torch.full_like(rmax, NEG_INF)) for run in (run_f, run_r, run_s)]
-    return torch.stack(gaps, dim=1)
-
-
-def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, launch: dict | None = None):
+def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, launch: dict | None = None,
+                   fused: bool = False):
     """Decode-mode statistics of the last R = min(cfg.decode_rows, N) rows, each its own block.
 
     q [1, H, N, D], k [1, Hkv, N, D], lse [H, N] (natural log, from pass 1). Returns (rows [R],
-    gap [H, 3, R, Kb] in geometry.ORDERS, mass [H, R, Kb]) as reference.decode_tiles defines them.
+    gap [H, 3, R, Kb] in geometry.ORDERS, mass [H, R, Kb], and with fused the candidate tiles' gap
+    histograms [H, W] (HistLayout), else None) as reference.decode_tiles defines them.
     """
     _, h, n, d = q.shape
     bn, dev = cfg.block_n, q.device
     kb = cdiv(n, bn)
     r_first = max(n - cfg.decode_rows, 0)
     n_dec = n - r_first
-    rmax = torch.full((h, n_dec, kb), NEG_INF, dtype=torch.float32, device=dev)
-    mass = torch.zeros((h, n_dec, kb), dtype=torch.float32, device=dev)
-    rows = torch.arange(r_first, n, device=dev)
+    f32 = dict(dtype=torch.float32, device=dev)
+    rmax = torch.full((h, n_dec, kb), NEG_INF, **f32)
+    mass = torch.zeros((h, n_dec, kb), **f32)
+    gap = torch.full((h, 3, n_dec, kb), NEG_INF, **f32)
+    lay = HistLayout.of(cfg)
+    part = torch.zeros((h, lay.offsets["width"]), **f32) if fused else None
     if n_dec:
         block_r = min(64, next_pow2(n_dec))
         prec, upcast = dot_flags(q.dtype)
@@ -316,7 +300,11 @@ def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, laun
             q, k, lse, rmax, mass, q.stride(1), q.stride(2), k.stride(1), k.stride(2), n, r_first, n_dec,
             h // k.shape[1], scale * LOG2E, kb, HEAD_DIM=d, BN=bn, BLOCK_N=next_pow2(bn), BLOCK_R=block_r,
             PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
-    return rows, decode_scan(rmax, rows, bn), mass
+        ge, _, g_lo, g_inv, n_ge = _edge_args(cfg, dev)[:5]
+        _decode_stats_kernel[(cdiv(n_dec, 16), h)](
+            rmax, mass, gap, part if fused else gap, ge, r_first, n_dec, kb, g_lo, g_inv, n_ge,
+            BN=bn, ROWS=16, TJ=32, W=lay.offsets["width"], NBP=lay.nbp, HIST=fused, num_warps=4, num_stages=1)
+    return torch.arange(r_first, n, device=dev), gap, mass, part
 
 
 def _pick(t: torch.Tensor, cfg: StatsConfig) -> torch.Tensor:
@@ -333,7 +321,7 @@ def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scrat
     q.dtype, TileStats with the reference's fields, shapes and dtypes, orders as cfg.orders).
     """
     res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch)
-    rows, dec_gap, dec_mass = decode_forward(q, k, res.lse, scale, cfg, launch)
+    rows, dec_gap, dec_mass, _ = decode_forward(q, k, res.lse, scale, cfg, launch)
     stats = TileStats(res.bmax, _pick(res.gap, cfg), res.mass, _pick(res.tstar_step, cfg),
                       _pick(res.tstar_where, cfg), _pick(res.tstar_norm, cfg), res.qinit_err,
                       _pick(dec_gap, cfg), dec_mass, rows)
@@ -351,16 +339,16 @@ def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per
 
 def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) -> dict:
     """kernels/reduce.py's reduce_tiles output (same keys, shapes, dtypes) from the fused passes;
-    decode = decode_forward's (rows, gap, mass), histogrammed as reduce_tiles does."""
+    decode = decode_forward(..., fused=True)'s result."""
     lay = HistLayout.of(cfg)
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, res.bmax.device)[2]
     out = bsfa_reduce(res.bmax, res.mass, cand, cfg)
     part = res.part.double()
     out["gap_count"] = _hist_section(part, cfg, "gap_count", lay.ng, lay.nbp).round().long()
     out["gap_mass"] = _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous()
-    rows, dec_gap, dec_mass = decode
-    dec_cand = torch.arange(dec_gap.shape[-1], device=rows.device) < (rows // cfg.block_n).unsqueeze(1)
-    out.update(_gap_hist(_pick(dec_gap, cfg), dec_mass, dec_cand, cfg.gap_edges(), "decode_"))
+    dpart = decode[3].double()
+    out["decode_gap_count"] = _hist_section(dpart, cfg, "gap_count", lay.ng, lay.nbp).round().long()
+    out["decode_gap_mass"] = _hist_section(dpart, cfg, "gap_mass", lay.ng, lay.nbp).contiguous()
     out["tstar_where"] = _hist_section(part, cfg, "tstar_where", 3, 4).round().long()
     out["tstar_hist"] = _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long()
     out["qinit_count"] = _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long()
@@ -376,5 +364,5 @@ def instrumented_capture_triton(q, k, v, scale: float, cfg: StatsConfig, scratch
     """The capture path: (out [1, H, N, D], the per-sample reductions of one call) with the
     histograms counted in the kernels; equal to reduce_tiles(instrumented_attention_triton(...))."""
     res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, fused=True)
-    decode = decode_forward(q, k, res.lse, scale, cfg, launch)
+    decode = decode_forward(q, k, res.lse, scale, cfg, launch, fused=True)
     return res.out, fused_reduce(res, decode, q.shape[2], cfg)

@@ -279,3 +279,56 @@ def _tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNOR
                    GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
     _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
                QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
+
+
+@triton.jit
+def _decode_stats_kernel(DX, DM, GAP, PART, GEDGES, r_first, n_dec, n_kb, g_lo, g_inv, n_gedges,
+                         BN: tl.constexpr, ROWS: tl.constexpr, TJ: tl.constexpr, W: tl.constexpr,
+                         NBP: tl.constexpr, HIST: tl.constexpr):
+    """Decode rows, each its own block (BM = 1): row r has A = r // BN candidates and diagonal block
+    A. Grid (ceil(R / ROWS), H). DX, DM [H, R, Kb]: row block maxima (natural units) and masses;
+    GAP [H, 3, R, Kb] gaps per order (forward, reverse, sink_local); PART [H, W] (HIST: candidate
+    gap histograms added, as in _tile_stats_kernel)."""
+    h = tl.program_id(1).to(tl.int64)
+    rr = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r_ok = rr < n_dec
+    a = (r_first + rr) // BN
+    base = (h * n_dec + rr) * n_kb  # [ROWS]
+    x0 = tl.load(DX + base, mask=r_ok, other=float("-inf"))
+    xa = tl.load(DX + base + a, mask=r_ok & (a >= 1), other=float("-inf"))
+    gstride = n_dec * n_kb
+    gap = (GAP + h * 3 * gstride + rr * n_kb)[:, None]  # [ROWS, 1] row starts of the forward order
+    part = PART + h * W
+    carry = tl.full([ROWS], float("-inf"), tl.float32)
+    for j0 in range(0, n_kb, TJ):
+        j = j0 + tl.arange(0, TJ)[None, :]
+        ok = r_ok[:, None] & (j < n_kb)
+        x = tl.load(DX + base[:, None] + j, mask=ok, other=float("-inf"))
+        run_f = tl.maximum(tl.associative_scan(x, 1, _max_fn), carry[:, None])
+        later_cand = (j >= 1) & (j < a[:, None])
+        diag = (j == a[:, None]) & (a[:, None] >= 1)
+        run_s = tl.where(later_cand, tl.maximum(run_f, xa[:, None]),
+                         tl.where(diag, tl.maximum(x0, xa)[:, None], run_f))
+        g_f = tl.where(x > float("-inf"), (x - run_f), float("-inf"))
+        g_s = tl.where(x > float("-inf"), (x - run_s), float("-inf"))
+        tl.store(gap + j, g_f, mask=ok)
+        tl.store(gap + 2 * gstride + j, g_s, mask=ok)
+        if HIST:
+            cand = ok & (j < a[:, None])
+            m = tl.load(DM + base[:, None] + j, mask=cand, other=0.0)
+            _hist_add(part, part + 3 * NBP, _bucket(g_f, GEDGES, g_lo, g_inv, n_gedges), m, cand)
+            _hist_add(part + 2 * NBP, part + 5 * NBP, _bucket(g_s, GEDGES, g_lo, g_inv, n_gedges), m, cand)
+        carry = tl.maximum(carry, tl.max(x, 1))
+    carry = tl.full([ROWS], float("-inf"), tl.float32)
+    for c in range(0, tl.cdiv(n_kb, TJ)):
+        j = n_kb - (c + 1) * TJ + tl.arange(0, TJ)[None, :]
+        ok = r_ok[:, None] & (j >= 0) & (j < n_kb)
+        x = tl.load(DX + base[:, None] + j, mask=ok, other=float("-inf"))
+        run_r = tl.maximum(tl.associative_scan(x, 1, _max_fn, reverse=True), carry[:, None])
+        g_r = tl.where(x > float("-inf"), (x - run_r), float("-inf"))
+        tl.store(gap + gstride + j, g_r, mask=ok)
+        if HIST:
+            cand = ok & (j < a[:, None])
+            m = tl.load(DM + base[:, None] + j, mask=cand, other=0.0)
+            _hist_add(part + NBP, part + 4 * NBP, _bucket(g_r, GEDGES, g_lo, g_inv, n_gedges), m, cand)
+        carry = tl.maximum(carry, tl.max(x, 1))
