@@ -60,7 +60,7 @@ def command(runs, host: str, port: int) -> list[str]:
     """The streamlit command line that serves ``runs``."""
     return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless=true",
             f"--server.address={host}", f"--server.port={port}", "--browser.gatherUsageStats=false",
-            "--server.fileWatcherType=none", "--", *map(str, runs)]
+            "--server.fileWatcherType=none", "--client.toolbarMode=minimal", "--", *map(str, runs)]
 
 
 def serve(runs, host: str = "127.0.0.1", port: int = 8501, results=(), echo=print) -> int:
