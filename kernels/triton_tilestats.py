@@ -318,7 +318,7 @@ def _decode_stats_kernel(DX, DM, GAP, PART, GEDGES, r_first, n_dec, n_kb, g_lo, 
             m = tl.load(DM + base[:, None] + j, mask=cand, other=0.0)
             _hist_add(part, part + 3 * NBP, _bucket(g_f, GEDGES, g_lo, g_inv, n_gedges), m, cand)
             _hist_add(part + 2 * NBP, part + 5 * NBP, _bucket(g_s, GEDGES, g_lo, g_inv, n_gedges), m, cand)
-        carry = tl.maximum(carry, tl.max(x, 1))
+        carry = tl.max(run_f, 1)  # run_f holds the carry (a max-accumulate here trips Triton 3.6)
     carry = tl.full([ROWS], float("-inf"), tl.float32)
     for c in range(0, tl.cdiv(n_kb, TJ)):
         j = n_kb - (c + 1) * TJ + tl.arange(0, TJ)[None, :]
@@ -331,4 +331,4 @@ def _decode_stats_kernel(DX, DM, GAP, PART, GEDGES, r_first, n_dec, n_kb, g_lo, 
             cand = ok & (j < a[:, None])
             m = tl.load(DM + base[:, None] + j, mask=cand, other=0.0)
             _hist_add(part + NBP, part + 4 * NBP, _bucket(g_r, GEDGES, g_lo, g_inv, n_gedges), m, cand)
-        carry = tl.maximum(carry, tl.max(x, 1))
+        carry = tl.max(run_r, 1)
