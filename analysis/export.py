@@ -83,7 +83,7 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     thr = torch.from_numpy(extend_positions(thr.numpy(), blocks))
     out.mkdir(parents=True, exist_ok=True)
     st_meta = {"model": fit["model"]["id"], "samples": meta["samples"], "lengths": meta["lengths"],
-               "max_length": str(max_length or longest), "run": str(root)}
+               "max_length": str(max_length or longest), "run": root.name}
     write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta)
     write_blasst(out, doc)
     return {"out": str(out), "bsfa_shape": list(thr.shape), "k_values": fit["k_values"],

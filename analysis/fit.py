@@ -4,7 +4,7 @@
       fit.json                      what was fitted: request, split (sample ids), BLASST laws,
                                     warnings, versions, schema version
       bsfa_thresholds.safetensors   aggregated thresholds [K, L, H, P] (what `export` writes out)
-      gap_cum.safetensors           tiles and mass below each 0.25 step of ln(lambda), per mode and
+      gap_cum.safetensors           tiles and mass per 0.25 step of ln(lambda) (cumulate for 'below'), per mode and
                                     length [Nlen, L, H, O, E'], all samples pooled (the dashboard's
                                     per-head sparsity at any lambda)
       bsfa_density.parquet          predicted vs measured density per k and length (Table 1)

@@ -66,26 +66,35 @@ def write_thresholds(out: Path, thr: np.ndarray, ks, manifest: dict, split) -> N
 
 
 def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: int) -> None:
-    """Pooled gap histograms, cumulated: per mode, the tiles (and their mass) with gap below
-    log_lambda[e], for every ``stride``-th edge. count_below/mass_below [Nlen, L, H, O, E'] float32,
-    reach/npos [Nlen] per layer and head, lengths [Nlen]. The dashboard's sparsity at any lambda."""
+    """Pooled gap histograms on a coarse ln(lambda) grid: per mode, the tiles (and their mass) with
+    gap in [log_lambda[e-1], log_lambda[e]) (bin 0: below log_lambda[0]), for every ``stride``-th
+    edge; a cumulative sum over the last axis gives the tiles below each log_lambda[e], i.e. the
+    sparsity at any lambda on the grid. count_bins/mass_bins [Nlen, L, H, O, E'] float32 (stored as
+    (index, value) pairs where that is smaller, see tensorio), reach/npos [Nlen] per layer and head,
+    lengths [Nlen]. The dashboard's per-head sparsity at a chosen lambda."""
     import torch
 
     from sparsecal.tensorio import save_tensors
 
     pick = np.arange(len(edges) - 1, -1, -stride)[::-1]
-    tensors = {"log_lambda": torch.from_numpy(edges[pick].copy())}
+    tensors, sparse = {"log_lambda": torch.from_numpy(edges[pick].copy())}, set()
     for mode, sums in pooled.items():
         if not sums:
             continue
         lens = sorted(sums)
-        cum = lambda key: np.stack([np.cumsum(getattr(sums[n], key), -1)[..., pick] for n in lens])  # noqa: E731
+
+        def binned(key):
+            cum = np.stack([np.cumsum(getattr(sums[n], key), -1)[..., pick] for n in lens])
+            return np.diff(cum, axis=-1, prepend=0.0).astype(np.float32)
+
         tensors[f"{mode}.lengths"] = torch.tensor(lens, dtype=torch.int64)
-        tensors[f"{mode}.count_below"] = torch.from_numpy(cum("count").astype(np.float32))
-        tensors[f"{mode}.mass_below"] = torch.from_numpy(cum("mass").astype(np.float32))
+        tensors[f"{mode}.count_bins"] = torch.from_numpy(binned("count"))
+        tensors[f"{mode}.mass_bins"] = torch.from_numpy(binned("mass"))
         tensors[f"{mode}.reach"] = torch.tensor([sums[n].reach for n in lens], dtype=torch.float64)
         tensors[f"{mode}.npos"] = torch.tensor([sums[n].npos for n in lens], dtype=torch.float64)
-    save_tensors(out / GAP_CUM, tensors, metadata={"schema_version": SCHEMA_VERSION, "orders": json.dumps(list(orders))})
+        sparse |= {f"{mode}.count_bins", f"{mode}.mass_bins"}
+    save_tensors(out / GAP_CUM, tensors, sparse=sparse,
+                 metadata={"schema_version": SCHEMA_VERSION, "orders": json.dumps(list(orders))})
 
 
 def bsfa_density_rows(evals: dict, ks, label: str) -> list[dict]:

@@ -17,7 +17,7 @@ Files read (layouts in toolkit/runstore.py, analysis/fit.py, analysis/tables.py,
     RUN/fit/fit.json                            the fit's request, split, BLASST laws, warnings
     RUN/fit/<table>.parquet                     the analysis tables (TABLE_COLUMNS)
     RUN/fit/bsfa_thresholds.safetensors         thresholds [K,L,H,P], k_values [K]
-    RUN/fit/gap_cum.safetensors                 <mode>.count_below/mass_below [Nlen,L,H,O,E'], reach/npos/lengths [Nlen], log_lambda [E']
+    RUN/fit/gap_cum.safetensors                 <mode>.count_bins/mass_bins [Nlen,L,H,O,E'] (cumulated on load), reach/npos/lengths [Nlen], log_lambda [E']
     RUN/export/ (or a directory given later)    thresholds.bsfa.pt, thresholds.safetensors, blasst.json
 
 Safetensors are read with the numpy framework (``safe_open(..., framework="np")``), and raw tiles
@@ -215,12 +215,26 @@ def _gap_cum(path: str, stamp) -> dict:
     arrays, meta = _read_safetensors(Path(path))
     if meta.get("schema_version") != str(SCHEMA_VERSION):
         raise Broken(f"{path} has schema version {meta.get('schema_version')}; run `sparsecal fit` again.")
+    arrays = _dense(arrays, meta)
     out = {}
     for mode in ("prefill", "decode"):
-        keys = [f"{mode}.{k}" for k in ("lengths", "count_below", "mass_below", "reach", "npos")]
+        keys = [f"{mode}.{k}" for k in ("lengths", "count_bins", "mass_bins", "reach", "npos")]
         if all(k in arrays for k in keys) and "log_lambda" in arrays:
-            out[mode] = GapCum(arrays["log_lambda"].astype(np.float64), *(arrays[k] for k in keys),
-                               tuple(json.loads(meta.get("orders", "[]"))))
+            lens, count, mass, reach, npos = (arrays[k] for k in keys)
+            out[mode] = GapCum(arrays["log_lambda"].astype(np.float64), lens, np.cumsum(count, -1),
+                               np.cumsum(mass, -1), reach, npos, tuple(json.loads(meta.get("orders", "[]"))))
+    return out
+
+
+def _dense(arrays: dict, meta: dict) -> dict:
+    """Undo toolkit/tensorio.py's (index, value) encoding of mostly-zero tensors (numpy only)."""
+    shapes = json.loads(meta.get("sparsecal.sparse", "{}"))
+    out = {k: v for k, v in arrays.items() if not (k.endswith(".idx") or k.endswith(".val"))}
+    for name, shape in shapes.items():
+        val = arrays[f"{name}.val"]
+        dense = np.zeros(int(np.prod(shape)), dtype=val.dtype)
+        dense[arrays[f"{name}.idx"].astype(np.int64)] = val
+        out[name] = dense.reshape(shape)
     return out
 
 
