@@ -27,7 +27,6 @@ import triton.language as tl
 
 from .config import StatsConfig
 
-LN2_ = 0.6931471805599453
 
 
 @dataclass(frozen=True)

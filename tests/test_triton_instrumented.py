@@ -4,7 +4,6 @@ and every reduction, and a whole CLI capture with --backend triton against --bac
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 import traceback
 from pathlib import Path
@@ -411,13 +410,13 @@ def main(argv=None) -> None:
     ap.add_argument("--smollm2", type=Path, default=None, help="capture SmolLM2 GPU vs CPU into this directory")
     ap.add_argument("--smollm2-lengths", default="1024,2048,4096")
     ap.add_argument("--out", type=Path, default=Path("data/bench/triton-capture-h100.json"))
-    ap.add_argument("--commit", default=None, help="commit to record when the checkout has no .git")
+    ap.add_argument("--commit", default=None, help="commit to record (the device copy's .git may be stale or absent)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one capture call")
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.dims = [int(x) for x in args.dims.split(",")]
     result = {"benchmark": "smollm2-gpu-vs-cpu" if args.smollm2 else "triton-capture", "provenance": provenance()}
-    result["provenance"]["commit"] = result["provenance"]["commit"] or args.commit
+    result["provenance"]["commit"] = args.commit or result["provenance"]["commit"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
