@@ -10,7 +10,7 @@ pass 1  ``_instr_fwd_kernel`` (grid P x heads): the dense flash forward of trito
 pass 2  ``triton_tilestats._tile_stats_kernel`` (grid P x heads): reads those per-row values
         back in chunks of tiles and, reusing the log-sum-exp, computes bmax, mass, the gap in all
         three scan orders and t* of every row in every order (no score is recomputed), and in the
-        capture path also the run's histograms, per program.
+        capture path also adds the run's histograms (atomics into one row per head).
 decode  ``_decode_kernel`` (grid Kb x row chunks x H): each of the last R rows' max score and mass
         in every key block; ``triton_tilestats._decode_stats_kernel`` turns them into the three
         orders' gaps (and histograms), each row its own block.
