@@ -46,6 +46,8 @@ def histogram(values: torch.Tensor, edges: torch.Tensor, weights: torch.Tensor |
     flat = (idx + torch.arange(g, device=values.device).unsqueeze(1) * nb).flatten()
     w = None if weights is None else weights.double().flatten()
     out = torch.bincount(flat, weights=w, minlength=g * nb)
+    if w is not None:
+        out = out.double()  # bincount gives int64 zeros when there is nothing to weigh
     return out.view(g, nb)
 
 

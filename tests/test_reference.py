@@ -113,3 +113,13 @@ def test_thresholds_applied_back_keep_exactly_k(seed):
     assert torch.equal(red["bsfa_kept"], want.expand_as(red["bsfa_kept"]))
     # -inf exactly where A_i <= k
     assert torch.equal(torch.isneginf(red["bsfa_threshold"][0]), cand[:, None] <= torch.tensor(cfg.k_values)[None, :])
+
+
+def test_weighted_histogram_is_float_even_when_empty():
+    from sparsecal.kernels.reduce import histogram
+
+    edges = torch.tensor([-1.0, 0.0], dtype=torch.float64)
+    empty = histogram(torch.zeros(2, 0), edges, torch.zeros(2, 0))
+    assert empty.dtype == torch.float64 and empty.shape == (2, 3) and not empty.any()
+    counts = histogram(torch.tensor([[-2.0, 0.5]]), edges)
+    assert counts.dtype == torch.int64 and counts.tolist() == [[1, 0, 1]]
