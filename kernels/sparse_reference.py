@@ -1,0 +1,82 @@
+"""Plain-torch BSFA and BLASST sparse prefill attention: the semantics the sparse kernels implement
+and the CPU backend.
+
+Causal attention of one sequence, tiled BM x BN as in DESIGN.md. Query block i always computes its
+diagonal (non-candidate) key blocks; a candidate block j < A_i is skipped when
+    BSFA:    bmax[i, j] <  thresholds[h, min(i, Pt - 1)]      (max score of the tile)
+    BLASST:  gap[i, j | order] < ln(lambda)                      (rowmax - running max, DESIGN.md)
+A skipped tile contributes nothing: no V load, no exponentials, no P.V, not in the normalizer. The
+output is the softmax attention over the kept keys. A BLASST-skipped tile has every row below the
+running max, so skipping never changes the running max: the decision made from the dense scan
+(what capture records) is exactly the kernel's. thresholds = -inf or ln(lambda) = -inf skips
+nothing (dense attention).
+
+Shape legend: H query heads, Hkv KV heads, N tokens, D head dim, P = ceil(N/BM) query blocks,
+Pt threshold positions (an export's max_num_blocks), Kb = ceil(N/BN) key blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .geometry import cdiv, num_candidates, num_reachable, scan_order
+from .reference import NEG_INF, _block_scores, _pad_blocks, scan_rows
+
+
+@dataclass
+class SkipCounts:
+    """Tiles one sparse call skipped, per query head, next to what could be skipped."""
+
+    skipped: torch.Tensor   # [H] int64 candidate tiles skipped
+    candidates: int         # candidate tiles per head (sum of A_i)
+    reachable: int          # reachable tiles per head (sparsity = skipped / reachable)
+
+
+def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order: str) -> torch.Tensor:
+    """Which of query block i's reachable key blocks are skipped. rmax [H, m, nr] -> [H, nr] bool."""
+    h, _, nr = rmax.shape
+    cand = torch.arange(nr, device=rmax.device) < a
+    if thresholds is not None:
+        thr = thresholds[:, min(i, thresholds.shape[1] - 1)].to(rmax)
+        below = rmax.amax(dim=1) < thr.unsqueeze(-1)
+    else:
+        gap, _ = scan_rows(rmax, scan_order(order, a, nr), rmax.amax(dim=-1))
+        below = gap.amax(dim=1) < log_lambda
+    return below & cand.unsqueeze(0)
+
+
+def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                     log_lambda: float | None = None, order: str = "forward"):
+    """BSFA (``thresholds`` [H, Pt]) or BLASST (``log_lambda``, scan ``order``) causal attention.
+
+    q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32). Exactly one of
+    thresholds and log_lambda. Returns (out [1, H, N, D] in q.dtype, SkipCounts).
+    """
+    if (thresholds is None) == (log_lambda is None):
+        raise ValueError("give exactly one of thresholds (BSFA) or log_lambda (BLASST)")
+    if q.shape[0] != 1:
+        raise ValueError("sparse reference attention takes one sequence at a time (batch size 1)")
+    _, h, n, d = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} KV heads")
+    if thresholds is not None and thresholds.shape[0] != h:
+        raise ValueError(f"thresholds have {thresholds.shape[0]} heads, attention has {h}")
+    group, bm, bn = h // hkv, block_m, block_n
+    qs = q[0].float() * scale
+    kp, vp = _pad_blocks(k[0].float(), bn), _pad_blocks(v[0].float(), bn)
+    out = torch.empty(h, n, d, dtype=torch.float32, device=q.device)
+    skipped = torch.zeros(h, dtype=torch.int64, device=q.device)
+    n_cand = n_reach = 0
+    for i in range(cdiv(n, bm)):
+        r0, r1 = i * bm, min((i + 1) * bm, n)
+        m, nr, a = r1 - r0, num_reachable(i, n, bm, bn), num_candidates(i, bm, bn)
+        s = _block_scores(qs, kp, r0, r1, nr, bn, group)                      # [H, m, nr*BN]
+        skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order)
+        s.view(h, m, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
+        p = torch.softmax(s, dim=-1)
+        out[:, r0:r1] = torch.bmm(p.view(hkv, group * m, nr * bn), vp[:, : nr * bn]).view(h, m, d)
+        skipped += skip.sum(dim=-1)
+        n_cand, n_reach = n_cand + a, n_reach + nr
+    return out.to(q.dtype).unsqueeze(0), SkipCounts(skipped, n_cand, n_reach)

@@ -1,0 +1,125 @@
+"""The plain-torch BSFA/BLASST sparse attention against a float64 full-matrix oracle whose skip
+decisions come from the instrumented reference's tile statistics (the capture semantics)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sparsecal.kernels.config import StatsConfig
+from sparsecal.kernels.geometry import block_counts, cdiv
+from sparsecal.kernels.reduce import bsfa_reduce
+from sparsecal.kernels.reference import instrumented_attention
+from sparsecal.kernels.sparse_reference import sparse_attention
+
+CASES = [  # (N, H, Hkv, D, BM, BN, dtype)
+    (200, 4, 4, 64, 64, 32, torch.float32),
+    (333, 6, 2, 128, 64, 32, torch.bfloat16),
+    (700, 3, 1, 64, 128, 64, torch.float16),
+    (97, 4, 1, 64, 32, 16, torch.float32),
+]
+
+
+def _inputs(seed, n, h, hkv, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, n, d, generator=g) * 1.5
+    k = torch.randn(1, hkv, n, d, generator=g)
+    k[:, :, 0] += 3.0  # a sink-like first key so some tiles are far below the running max
+    v = torch.randn(1, hkv, n, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _oracle(q, k, v, scale, bm, bn, skip):
+    """Full-matrix float64 attention with key blocks ``skip`` [H, P, Kb] masked out per query block."""
+    _, h, n, _ = q.shape
+    group = h // k.shape[1]
+    kk = k[0].double().repeat_interleave(group, 0)
+    vv = v[0].double().repeat_interleave(group, 0)
+    s = q[0].double() @ kk.transpose(1, 2) * scale
+    rows, keys = torch.arange(n), torch.arange(n)
+    allowed = keys[None, :] <= rows[:, None]
+    block_skip = skip[:, rows // bm][:, :, keys // bn]  # [H, N, N]
+    s = s.masked_fill(~allowed | block_skip, -math.inf)
+    return torch.softmax(s, dim=-1) @ vv
+
+
+def _candidates(n, bm, bn):
+    cand, _ = block_counts(n, bm, bn)
+    kb = cdiv(n, bn)
+    return torch.arange(kb)[None, :] < cand[:, None]  # [P, Kb]
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bsfa_matches_oracle(case, seed):
+    n, h, hkv, d, bm, bn, dtype = case
+    q, k, v = _inputs(seed, n, h, hkv, d, dtype)
+    scale = d ** -0.5
+    _, tiles = instrumented_attention(q, k, v, scale, StatsConfig(block_m=bm, block_n=bn, decode_rows=0))
+    p = cdiv(n, bm)
+    rng = np.random.default_rng(seed)
+    finite = tiles.bmax[torch.isfinite(tiles.bmax)]
+    mu, sd = float(finite.mean()), float(finite.std())  # thresholds among the block maxima
+    thr = torch.from_numpy(rng.normal(mu, sd, (h, max(1, p - 1)))).float()  # shorter: last one reused
+    out, counts = sparse_attention(q, k, v, scale, bm, bn, thresholds=thr)
+    pos = torch.clamp(torch.arange(p), max=thr.shape[1] - 1)
+    skip = _candidates(n, bm, bn)[None] & (tiles.bmax < thr[:, pos].unsqueeze(-1))
+    torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
+    assert torch.equal(counts.skipped, skip.sum(dim=(1, 2)))
+    assert counts.skipped.sum() > 0 or p < 3
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("order", ["forward", "reverse", "sink_local"])
+def test_blasst_matches_oracle(case, order, seed):
+    n, h, hkv, d, bm, bn, dtype = case
+    q, k, v = _inputs(seed, n, h, hkv, d, dtype)
+    scale = d ** -0.5
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=(order,), decode_rows=0)
+    _, tiles = instrumented_attention(q, k, v, scale, cfg)
+    log_lambda = -2.5
+    out, counts = sparse_attention(q, k, v, scale, bm, bn, log_lambda=log_lambda, order=order)
+    skip = _candidates(n, bm, bn)[None] & (tiles.gap[:, 0] < log_lambda)
+    torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
+    assert torch.equal(counts.skipped, skip.sum(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_op_thresholds_are_dense(case, seed):
+    n, h, hkv, d, bm, bn, dtype = case
+    q, k, v = _inputs(seed, n, h, hkv, d, dtype)
+    scale = d ** -0.5
+    dense, _ = instrumented_attention(q, k, v, scale, StatsConfig(block_m=bm, block_n=bn, decode_rows=0))
+    for kw in ({"thresholds": torch.full((h, 3), -math.inf)}, {"log_lambda": -math.inf}):
+        out, counts = sparse_attention(q, k, v, scale, bm, bn, **kw)
+        torch.testing.assert_close(out.float(), dense.float(), atol=_tol(dtype), rtol=0)
+        assert counts.skipped.sum() == 0
+        assert counts.reachable * h == int(block_counts(n, bm, bn)[1].sum()) * h
+
+
+def test_sample_thresholds_keep_exactly_k(seed):
+    """A sample's own BSFA thresholds (capture's midpoint rule) keep min(k, A_i) candidates each."""
+    n, h, d, bm, bn = 900, 3, 64, 64, 32
+    q, k, v = _inputs(seed, n, h, 1, d, torch.float32)
+    cfg = StatsConfig(block_m=bm, block_n=bn, k_values=(2, 5), decode_rows=0)
+    _, tiles = instrumented_attention(q, k, v, d ** -0.5, cfg)
+    cand, reach = block_counts(n, bm, bn)
+    thr = bsfa_reduce(tiles.bmax, tiles.mass, cand, cfg)["bsfa_threshold"]  # [H, P, K]
+    for ki, kval in enumerate(cfg.k_values):
+        _, counts = sparse_attention(q, k, v, d ** -0.5, bm, bn, thresholds=thr[..., ki])
+        want = int((cand - torch.clamp(cand, max=kval)).sum())
+        assert counts.skipped.tolist() == [want] * h
+        assert counts.candidates == int(cand.sum()) and counts.reachable == int(reach.sum())
+
+
+def test_argument_errors():
+    q = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="exactly one"):
+        sparse_attention(q, q, q, 1.0, 4, 4)
+    with pytest.raises(ValueError, match="exactly one"):
+        sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(2, 1), log_lambda=0.0)
+    with pytest.raises(ValueError, match="heads"):
+        sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(3, 1))
