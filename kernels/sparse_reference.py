@@ -11,6 +11,11 @@ running max, so skipping never changes the running max: the decision made from t
 (what capture records) is exactly the kernel's. thresholds = -inf or ln(lambda) = -inf skips
 nothing (dense attention).
 
+Decode (one new query row at position r = L - 1 against L cached keys): the row is its own block
+(BM = 1), so its candidates are the key blocks j with (j + 1) * BN <= r and the last reachable
+block is always computed; BSFA reads the threshold of the query block the row falls in,
+min(r // BM, Pt - 1).
+
 Shape legend: H query heads, Hkv KV heads, N tokens, D head dim, P = ceil(N/BM) query blocks,
 Pt threshold positions (an export's max_num_blocks), Kb = ceil(N/BN) key blocks.
 """
@@ -80,3 +85,32 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
         skipped += skip.sum(dim=-1)
         n_cand, n_reach = n_cand + a, n_reach + nr
     return out.to(q.dtype).unsqueeze(0), SkipCounts(skipped, n_cand, n_reach)
+
+
+def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                  log_lambda: float | None = None, order: str = "forward"):
+    """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
+
+    Exactly one of thresholds [H, Pt] (BSFA) or log_lambda (BLASST). Returns (out [B, H, 1, D] in
+    q.dtype, SkipCounts summed over the batch).
+    """
+    if (thresholds is None) == (log_lambda is None):
+        raise ValueError("give exactly one of thresholds (BSFA) or log_lambda (BLASST)")
+    b, h, one, d = q.shape
+    if one != 1:
+        raise ValueError(f"decode takes one query row per sequence, got {one}")
+    hkv, length = k.shape[1], k.shape[2]
+    group, bn, r = h // hkv, block_n, k.shape[2] - 1
+    nr, a = r // bn + 1, num_candidates(r, 1, bn)
+    outs, skipped = [], torch.zeros(h, dtype=torch.int64, device=q.device)
+    for s_i in range(b):
+        kp, vp = _pad_blocks(k[s_i].float(), bn), _pad_blocks(v[s_i].float(), bn)
+        qi = q[s_i].float().reshape(hkv, group, d) * scale
+        s = torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)).view(h, 1, nr * bn)
+        s[..., length:] = NEG_INF                                             # padding keys
+        skip = _skip_mask(s.view(h, 1, nr, bn).amax(dim=-1), r // block_m, a, thresholds, log_lambda, order)
+        s.view(h, 1, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
+        p = torch.softmax(s, dim=-1)
+        outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))
+        skipped += skip.sum(dim=-1)
+    return torch.stack(outs).to(q.dtype), SkipCounts(skipped, a * b, nr * b)

@@ -123,3 +123,33 @@ def test_argument_errors():
         sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(2, 1), log_lambda=0.0)
     with pytest.raises(ValueError, match="heads"):
         sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(3, 1))
+
+
+@pytest.mark.parametrize("length,bm,bn", [(1, 64, 32), (130, 64, 32), (513, 128, 64)])
+def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed):
+    """Decode of row L-1 equals the prefill reference on L tokens with BM = 1, read at the last row:
+    same candidates (r // BN), same thresholds position (r // BM), same gaps."""
+    from sparsecal.kernels.sparse_reference import sparse_decode
+
+    h, hkv, d = 4, 2, 64
+    q, k, v = _inputs(seed, length, h, hkv, d, torch.float32)
+    scale = d ** -0.5
+    thr = torch.randn(h, cdiv(length, bm)) + 3.0
+    row_thr = thr[:, torch.clamp(torch.arange(length) // bm, max=thr.shape[1] - 1)]  # per row = per BM=1 block
+    for kw, kw_row in (({"thresholds": thr}, {"thresholds": row_thr}), ({"log_lambda": -1.5}, {"log_lambda": -1.5})):
+        want, wc = sparse_attention(q, k, v, scale, 1, bn, **kw_row)
+        qq, kk, vv = q[:, :, -1:].repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)
+        got, gc = sparse_decode(qq, kk, vv, scale, bm, bn, **kw)
+        torch.testing.assert_close(got, want[:, :, -1:].expand(2, -1, -1, -1), atol=2e-5, rtol=0)
+        r = length - 1
+        assert gc.candidates == 2 * (r // bn) and gc.reachable == 2 * (r // bn + 1)
+        cfg = StatsConfig(block_m=1, block_n=bn, decode_rows=0)
+        _, tiles = instrumented_attention(q, k, v, scale, cfg)  # row r as its own block
+        cand = torch.arange(cdiv(length, bn)) < r // bn
+        if "thresholds" in kw:
+            skip = cand & (tiles.bmax[:, r] < row_thr[:, r:r + 1])
+        else:
+            skip = cand & (tiles.gap[:, 0, r] < -1.5)
+        assert torch.equal(gc.skipped, 2 * skip.sum(dim=-1))
+        if length > 500:
+            assert 0 < gc.skipped.sum() < gc.candidates * h  # partial skipping: the test can see it
