@@ -40,8 +40,9 @@ from .reference import _pad_blocks, signed_absmax_keys
 from .triton_dense import LAST_COMPILED, LOG2E, _dot, check_inputs, dot_flags, next_pow2
 from .triton_instrumented import QINIT_CHUNK, _qinit_max
 
-# (num_warps, num_stages) per head dim on a CUDA GPU (the interpreter ignores them).
-LAUNCH = {64: (8, 2), 128: (8, 3)}
+# (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
+# sparsecal.bench.triton_forward_stats (data/bench/NOTES.md); the interpreter ignores them.
+LAUNCH = {64: (4, 3), 128: (8, 3)}
 
 
 @triton.jit

@@ -5,7 +5,8 @@ shapes and dtypes), then per (D, N): SDPA cuDNN and FLASH (GQA native), the dens
 forward (its tuned tile, and the run's 128x64 tile), a launch sweep of the single-pass kernel,
 and per scan order the single-pass kernel with statistics and without (the same scan, to
 separate the statistics' cost). bf16, causal, B=1, H=32, 8 KV heads; default geometry 128x64.
-Times are medians of triton.testing.do_bench (L2 flushed, warm-up first).
+Times are medians of triton.testing.do_bench (L2 flushed, warm-up first), each variant timed in
+``--repeats`` round-robin rounds (median of the rounds) so drift hits all variants alike.
 
     python3 -m sparsecal.bench.triton_forward_stats --commit <sha>
 """
@@ -26,7 +27,7 @@ from ..kernels import triton_instrumented as ti
 from .provenance import provenance
 from .triton_capture import HEADS, KV_HEADS, bench_ms, log, random_qkv, sdpa_fn, sweep
 
-LAUNCH_SWEEP = [(8, 2), (8, 3), (4, 3)]
+LAUNCH_SWEEP = [(8, 3), (4, 3), (4, 2), (8, 2)]
 CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
     (1000, 2, 4, 128, 128, 64, torch.bfloat16),
     (777, 1, 3, 64, 128, 64, torch.float16),
@@ -62,28 +63,40 @@ def check_case(case) -> dict:
     return res
 
 
-def measure(d: int, n: int, cfg: StatsConfig) -> dict:
-    """All variants at one (D, N) on the same inputs; ratios are times vs the tuned dense."""
+def variants(q, k, v, scale, cfg: StatsConfig, best) -> dict:
+    """name -> callable of every timed variant (SDPA backends that fail are left out)."""
     from torch.nn.attention import SDPBackend
 
-    q, k, v = random_qkv(n, d, seed=n + d)
-    scale = d ** -0.5
-    res = {"d": d, "n": n, "ms": {}}
+    fns = {}
     for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         try:
-            res["ms"][name] = bench_ms(sdpa_fn(q, k, v, backend)[0])
+            fns[name] = sdpa_fn(q, k, v, backend)[0]
         except Exception as e:
-            res[name + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    res["ms"]["dense"] = bench_ms(lambda: attention_dense(q, k, v, scale))
-    res["ms"]["dense_same_tile"] = bench_ms(lambda: attention_dense(q, k, v, scale, config=(cfg.block_m, cfg.block_n, 8, 3)))
-    res["ms"]["two_pass_pass12"] = bench_ms(lambda: ti.instrumented_forward(q, k, v, scale, cfg, fused=True))
+            log(f"  {name} unavailable: {type(e).__name__}: {str(e)[:200]}")
+    fns["dense"] = lambda: attention_dense(q, k, v, scale)
+    fns["dense_same_tile"] = lambda: attention_dense(q, k, v, scale, config=(cfg.block_m, cfg.block_n, 8, 3))
+    fns["two_pass_pass12"] = lambda: ti.instrumented_forward(q, k, v, scale, cfg, fused=True)
+    for order in ORDERS:
+        fns[f"stats_{order}"] = lambda o=order: instrumented_forward_triton(q, k, v, scale, cfg, o, best)
+        fns[f"nostats_{order}"] = lambda o=order: instrumented_forward_triton(q, k, v, scale, cfg, o, best, stats=False)
+    return fns
+
+
+def measure(d: int, n: int, cfg: StatsConfig, repeats: int) -> dict:
+    """All variants at one (D, N) on the same inputs, timed round-robin ``repeats`` times; ms is
+    the median of the rounds; ratios are times vs the tuned dense."""
+    q, k, v = random_qkv(n, d, seed=n + d)
+    scale = d ** -0.5
+    res = {"d": d, "n": n}
     best, res["launch_sweep"] = sweep(f"forward D={d} N={n}", LAUNCH_SWEEP,
                                       lambda c: lambda: instrumented_forward_triton(q, k, v, scale, cfg, "forward", c))
     res["launch"] = list(best)
-    for order in ORDERS:
-        res["ms"][f"stats_{order}"] = bench_ms(lambda: instrumented_forward_triton(q, k, v, scale, cfg, order, best))
-        res["ms"][f"nostats_{order}"] = bench_ms(
-            lambda: instrumented_forward_triton(q, k, v, scale, cfg, order, best, stats=False))
+    fns = variants(q, k, v, scale, cfg, best)
+    res["samples_ms"] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            res["samples_ms"][name].append(bench_ms(fn))
+    res["ms"] = {name: float(torch.tensor(x).median()) for name, x in res["samples_ms"].items()}
     flops = flops_causal(1, HEADS, n, d)
     res["tflops"] = {k_: flops / (ms * 1e-3) / 1e12 for k_, ms in res["ms"].items()}
     dense = res["ms"]["dense"]
@@ -107,21 +120,25 @@ def main(argv=None) -> None:
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--out", type=Path, default=Path("data/bench/triton-forward-stats-h100.json"))
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="round-robin timing rounds (median)")
+    ap.add_argument("--no-checks", action="store_true")
     args = ap.parse_args(argv)
-    result = {"benchmark": "triton-forward-stats", "provenance": provenance(), "shape": dict(heads=HEADS, kv_heads=KV_HEADS, dtype="bfloat16", causal=True, batch=1)}
+    result = {"benchmark": "triton-forward-stats", "provenance": provenance(),
+              "shape": dict(heads=HEADS, kv_heads=KV_HEADS, dtype="bfloat16", causal=True, batch=1)}
     result["provenance"]["commit"] = args.commit or result["provenance"]["commit"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(result, indent=1, default=str))  # noqa: E731
     log(f"GPU: {result['provenance']['gpu']}, torch {torch.__version__}")
-    result["checks"] = [check_case(c) for c in CHECK_CASES]
-    log("checks ok: " + str([c["ok"] for c in result["checks"]]))
-    save()
+    if not args.no_checks:
+        result["checks"] = [check_case(c) for c in CHECK_CASES]
+        log("checks ok: " + str([c["ok"] for c in result["checks"]]))
+        save()
     cfg = StatsConfig()
     result["measure"] = []
     for d in [int(x) for x in args.dims.split(",")]:
         for n in [int(x) for x in args.lengths.split(",")]:
             try:
-                result["measure"].append(measure(d, n, cfg))
+                result["measure"].append(measure(d, n, cfg, args.repeats))
             except Exception as e:  # record and go on: one failure must not lose the other shapes
                 result.setdefault("errors", []).append(f"D={d} N={n}: {type(e).__name__}: {str(e)[:500]}")
                 log(result["errors"][-1])
