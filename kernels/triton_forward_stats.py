@@ -43,6 +43,7 @@ from .triton_instrumented import QINIT_CHUNK, _qinit_max
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
 # sparsecal.bench.triton_forward_stats (data/bench/NOTES.md); the interpreter ignores them.
 LAUNCH = {64: (4, 3), 128: (8, 3)}
+PAIRS = {64: False, 128: False}  # candidate blocks two per iteration (see _scan_pairs)
 
 
 @triton.jit
@@ -115,13 +116,101 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
 
 
 @triton.jit
+def _max_quad(a, b, c, d, e, f, g, h):
+    return tl.maximum(a, e), tl.maximum(b, f), tl.maximum(c, g), tl.maximum(d, h)
+
+
+@triton.jit
+def _pair_stats(m_i, m_lo, m_hi, m_new, row_ok, j0, j_dir, step, n_cand, t_step, t_where, bmax_ptr, gap_ptr):
+    """Tile statistics of a pair of candidate blocks j0 (scan step ``step``) then j0 + j_dir
+    (step + 1): m_lo / m_hi [BLOCK_M] row maxima of the lower / upper block, m_i before the pair,
+    m_new after it. One 4-operand cross-row reduction; returns the updated (t_step, t_where)."""
+    fwd = j_dir > 0
+    m_a = tl.where(fwd, m_lo, m_hi)  # scanned first
+    m_b = tl.where(fwd, m_hi, m_lo)
+    m_mid = tl.maximum(m_i, m_a)
+    ninf = float("-inf")
+    b_a, b_b, g_a, g_b = tl.reduce((tl.where(row_ok, m_a, ninf), tl.where(row_ok, m_b, ninf),
+                                    tl.where(row_ok, m_a - m_mid, ninf), tl.where(row_ok, m_b - m_new, ninf)),
+                                   0, _max_quad)
+    j1 = j0 + j_dir
+    tl.store(bmax_ptr + j0, b_a * 0.6931471805599453)
+    tl.store(gap_ptr + j0, g_a * 0.6931471805599453)
+    tl.store(bmax_ptr + j1, b_b * 0.6931471805599453)
+    tl.store(gap_ptr + j1, g_b * 0.6931471805599453)
+    up_a = m_a > m_i
+    up_b = m_b > m_mid
+    t_step = tl.where(up_b, step + 1, tl.where(up_a, step, t_step))
+    t_where = tl.where(up_b, tl.where(j1 == 0, 0, tl.where(j1 >= n_cand, 1, 2)),
+                       tl.where(up_a, tl.where(j0 == 0, 0, tl.where(j0 >= n_cand, 1, 2)), t_where))
+    return t_step, t_where
+
+
+@triton.jit
+def _scan_pairs(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, row_ok, offs_d,
+                j_first, j_dir, n_pairs, step0, n_cand, qk_scale, bmax_ptr, gap_ptr,
+                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
+    """Candidate blocks (no mask) two at a time as one [BLOCK_M, 2*BN] tile: pair p is blocks
+    j0 = j_first + 2p*j_dir (scan step step0 + 2p) and j0 + j_dir; each block's row maxima come
+    from a half-masked row max, so the statistics equal the one-block scan's."""
+    offs_n = tl.arange(0, 2 * BN)
+    upper = (offs_n >= BN)[None, :]
+    for pr in range(0, n_pairs):
+        j0 = j_first + 2 * pr * j_dir
+        keys = tl.minimum(j0, j0 + j_dir) * BN + offs_n
+        kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
+        v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
+        qk = _dot(q, kt, None, PREC, UPCAST)
+        if STATS:
+            m_lo = tl.max(tl.where(upper, float("-inf"), qk), 1) * qk_scale
+            m_hi = tl.max(tl.where(upper, qk, float("-inf")), 1) * qk_scale
+            m_new = tl.maximum(m_i, tl.maximum(m_lo, m_hi))
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+        if STATS:
+            t_step, t_where = _pair_stats(m_i, m_lo, m_hi, m_new, row_ok, j0, j_dir, step0 + 2 * pr, n_cand,
+                                          t_step, t_where, bmax_ptr, gap_ptr)
+        m_i = m_new
+    return acc, l_i, m_i, t_step, t_where
+
+
+@triton.jit
+def _scan_candidates(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok,
+                     offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
+                     BN: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PAIRS: tl.constexpr,
+                     PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
+    """A run of candidate blocks (as _scan_segment): with PAIRS (and BN a power of two) two blocks
+    per iteration (_scan_pairs), then the odd one left over alone."""
+    if PAIRS and EVEN_N:
+        n_pairs = tl.maximum(count, 0) // 2
+        acc, l_i, m_i, t_step, t_where = _scan_pairs(
+            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, row_ok, offs_d,
+            j_first, j_dir, n_pairs, step0, n_cand, qk_scale, bmax_ptr, gap_ptr, BN, PREC, UPCAST, STATS)
+        done = 2 * n_pairs
+        acc, l_i, m_i, t_step, t_where = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok, offs_d,
+            j_first + done * j_dir, j_dir, count - done, step0 + done, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
+            BN, BLOCK_N, False, PREC, UPCAST, STATS)
+    else:
+        acc, l_i, m_i, t_step, t_where = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok, offs_d,
+            j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
+            BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS)
+    return acc, l_i, m_i, t_step, t_where
+
+
+@triton.jit
 def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
                       sq_h, sq_n, sk_h, sk_n, sv_h, sv_n, sr_h, sr_j, so_h, so_n,
                       n_ctx, group, n_qb, n_kb, qk_scale,
                       ORDER: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                       EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                      STATS: tl.constexpr):
+                      STATS: tl.constexpr, PAIRS: tl.constexpr):
     """Grid (P, H); query block i (heaviest first) of head program_id(1). ORDER 0 forward, 1
     reverse, 2 sink_local. O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 natural log;
     TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written)."""
@@ -149,9 +238,9 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
     gp = GAP + tile
     # segments (first block, direction, count, first step, masked); see the module docstring
     if ORDER == 0:
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
+        acc, l_i, m_i, t_step, t_where = _scan_candidates(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS)
+            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, EVEN_N, PAIRS, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
             n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
@@ -159,9 +248,9 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
             n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
+        acc, l_i, m_i, t_step, t_where = _scan_candidates(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST,
+            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, EVEN_N, PAIRS, PREC, UPCAST,
             STATS)
     else:
         d0 = tl.maximum(n_cand, 1)
@@ -171,9 +260,9 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
             d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
+        acc, l_i, m_i, t_step, t_where = _scan_candidates(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N,
+            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, EVEN_N, PAIRS,
             PREC, UPCAST, STATS)
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
@@ -185,7 +274,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
 
 
 def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: str, launch: tuple | None = None,
-                                stats: bool = True):
+                                stats: bool = True, pairs: bool | None = None):
     """One launch: causal attention plus one scan order's tile statistics.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (fp16/bf16; fp32 accepted); order one of geometry.ORDERS;
@@ -194,6 +283,7 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     tstar_step [H, N] i32, tstar_where [H, N] i8, qinit_err [H, N] f32), equal to
     reference.instrumented_attention's bmax, gap[:, o], tstar_step/where[:, o], qinit_err.
     stats=False runs the same scan without bmax/gap/t* (left -inf / unset), to measure their cost.
+    pairs: candidate blocks two per iteration (one [BM, 2*BN] product; default PAIRS[D]).
     """
     _, h, hkv, n, d = check_inputs(q, k, v)
     if q.shape[0] != 1:
@@ -217,5 +307,5 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
         krep.stride(0), krep.stride(1), os_[0], os_[1], n, h // hkv, p, kb, scale * LOG2E,
         ORDER=ORDERS.index(order), HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=next_pow2(bm), BLOCK_N=next_pow2(bn),
         BLOCK_R=QINIT_CHUNK, EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast,
-        STATS=stats, num_warps=warps, num_stages=stages)
+        STATS=stats, PAIRS=PAIRS.get(d, False) if pairs is None else pairs, num_warps=warps, num_stages=stages)
     return out, lse, bmax, gap, tstep, twhere, qerr

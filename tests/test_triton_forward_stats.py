@@ -1,6 +1,7 @@
 """The single-pass instrumented forward (kernels/triton_forward_stats.py) against the plain-torch
-reference, under TRITON_INTERPRET=1 on tiny shapes: output, LSE, and for each scan order bmax,
-gap, t* (step and where, exact away from near-ties) and the q-init error."""
+reference, under TRITON_INTERPRET=1 on tiny shapes: output, LSE, and for each scan order (with
+candidate blocks one and two per iteration) bmax, gap, t* (step and where, exact away from
+near-ties) and the q-init error."""
 import math
 
 import pytest
@@ -47,13 +48,12 @@ def test_forward_stats_match_reference(case, seed):
     ref_out, r = instrumented_attention(q, k, v, scale, cfg)
     ties = near_tie_rows(q, k, scale, bn)
     assert ties.float().mean() < 0.05
-    lse_dense = None
+    lse_dense = attention_dense(q, k, v, scale)[1][0]
     for o, order in enumerate(ALL):
-        got = instrumented_forward_triton(q, k, v, scale, cfg, order)
-        check_order(got, ref_out, r, o, ties, dtype)
-        if lse_dense is None:
-            lse_dense = attention_dense(q, k, v, scale)[1][0]
-        torch.testing.assert_close(got[1], lse_dense, atol=1e-4, rtol=1e-5)
+        for pairs in (False, True):  # candidate blocks one or two per iteration
+            got = instrumented_forward_triton(q, k, v, scale, cfg, order, pairs=pairs)
+            check_order(got, ref_out, r, o, ties, dtype)
+            torch.testing.assert_close(got[1], lse_dense, atol=1e-4, rtol=1e-5)
 
 
 def test_rejects_unknown_order():

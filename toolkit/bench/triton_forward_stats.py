@@ -4,7 +4,8 @@ One run: correctness of every output vs the torch reference on the GPU (each ord
 shapes and dtypes), then per (D, N): SDPA cuDNN and FLASH (GQA native), the dense Triton
 forward (its tuned tile, and the run's 128x64 tile), a launch sweep of the single-pass kernel,
 and per scan order the single-pass kernel with statistics and without (the same scan, to
-separate the statistics' cost). bf16, causal, B=1, H=32, 8 KV heads; default geometry 128x64.
+separate the statistics' cost), with candidate blocks one or two per iteration
+(pairs). bf16, causal, B=1, H=32, 8 KV heads; default geometry 128x64.
 Times are medians of triton.testing.do_bench (L2 flushed, warm-up first), each variant timed in
 ``--repeats`` round-robin rounds (median of the rounds) so drift hits all variants alike.
 
@@ -28,12 +29,29 @@ from .provenance import provenance
 from .triton_capture import HEADS, KV_HEADS, bench_ms, log, random_qkv, sdpa_fn, sweep
 
 LAUNCH_SWEEP = [(8, 3), (4, 3), (4, 2), (8, 2)]
+PAIRS_SWEEP = [(8, 3), (8, 2), (4, 3)]  # candidate blocks two per iteration
 CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
     (1000, 2, 4, 128, 128, 64, torch.bfloat16),
     (777, 1, 3, 64, 128, 64, torch.float16),
     (300, 1, 2, 128, 80, 48, torch.bfloat16),
     (640, 1, 2, 64, 128, 64, torch.float32),
 ]
+
+
+def order_errors(got, ref_out, r, o: int, dtype) -> dict:
+    """Max errors of instrumented_forward_triton's outputs vs the reference TileStats (order o)."""
+    out, lse, bmax, gap, tstep, twhere, qerr = got
+    e = {"out": float((out.double() - ref_out.double()).abs().max())}
+    for name, a, b in (("bmax", bmax, r.bmax), ("gap", gap, r.gap[:, o]), ("qinit_err", qerr, r.qinit_err)):
+        fin = torch.isfinite(b)
+        e[name] = float((a[fin].double() - b[fin].double()).abs().max())
+        e[name + "_inf_equal"] = bool(torch.equal(torch.isneginf(a), torch.isneginf(b)))
+    e["tstar_step_mismatch"] = float((tstep.long() != r.tstar_step[:, o]).float().mean())
+    e["tstar_where_mismatch"] = float((twhere != r.tstar_where[:, o]).float().mean())
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    e["ok"] = bool(e["out"] < tol and all(e[x] < 1e-3 for x in ("bmax", "gap", "qinit_err"))
+                   and all(e[x + "_inf_equal"] for x in ("bmax", "gap")) and e["tstar_step_mismatch"] < 0.01)
+    return e
 
 
 def check_case(case) -> dict:
@@ -46,24 +64,15 @@ def check_case(case) -> dict:
     res = {"case": dict(n=n, kv_heads=hkv, group=group, d=d, bm=bm, bn=bn, dtype=str(dtype)), "orders": {}}
     ok = True
     for o, order in enumerate(ORDERS):
-        out, lse, bmax, gap, tstep, twhere, qerr = instrumented_forward_triton(q, k, v, scale, cfg, order)
-        e = {"out": float((out.double() - ref_out.double()).abs().max())}
-        for name, a, b in (("bmax", bmax, r.bmax), ("gap", gap, r.gap[:, o]), ("qinit_err", qerr, r.qinit_err)):
-            fin = torch.isfinite(b)
-            e[name] = float((a[fin].double() - b[fin].double()).abs().max())
-            e[name + "_inf_equal"] = bool(torch.equal(torch.isneginf(a), torch.isneginf(b)))
-        e["tstar_step_mismatch"] = float((tstep.long() != r.tstar_step[:, o]).float().mean())
-        e["tstar_where_mismatch"] = float((twhere != r.tstar_where[:, o]).float().mean())
-        tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-        e["ok"] = bool(e["out"] < tol and all(e[x] < 1e-3 for x in ("bmax", "gap", "qinit_err"))
-                       and all(e[x + "_inf_equal"] for x in ("bmax", "gap")) and e["tstar_step_mismatch"] < 0.01)
-        ok &= e["ok"]
-        res["orders"][order] = e
+        for pairs in (False, True):
+            e = order_errors(instrumented_forward_triton(q, k, v, scale, cfg, order, pairs=pairs), ref_out, r, o, dtype)
+            ok &= e["ok"]
+            res["orders"][order + ("_pairs" if pairs else "")] = e
     res["ok"] = ok
     return res
 
 
-def variants(q, k, v, scale, cfg: StatsConfig, best) -> dict:
+def variants(q, k, v, scale, cfg: StatsConfig, best, best_pairs) -> dict:
     """name -> callable of every timed variant (SDPA backends that fail are left out)."""
     from torch.nn.attention import SDPBackend
 
@@ -76,9 +85,14 @@ def variants(q, k, v, scale, cfg: StatsConfig, best) -> dict:
     fns["dense"] = lambda: attention_dense(q, k, v, scale)
     fns["dense_same_tile"] = lambda: attention_dense(q, k, v, scale, config=(cfg.block_m, cfg.block_n, 8, 3))
     fns["two_pass_pass12"] = lambda: ti.instrumented_forward(q, k, v, scale, cfg, fused=True)
+    run = instrumented_forward_triton
     for order in ORDERS:
-        fns[f"stats_{order}"] = lambda o=order: instrumented_forward_triton(q, k, v, scale, cfg, o, best)
-        fns[f"nostats_{order}"] = lambda o=order: instrumented_forward_triton(q, k, v, scale, cfg, o, best, stats=False)
+        fns[f"stats_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, pairs=False)
+        fns[f"nostats_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, stats=False, pairs=False)
+        if best_pairs is not None:
+            fns[f"pairs_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best_pairs, pairs=True)
+    if best_pairs is not None:
+        fns["nostats_pairs_forward"] = lambda: run(q, k, v, scale, cfg, "forward", best_pairs, stats=False, pairs=True)
     return fns
 
 
@@ -88,10 +102,13 @@ def measure(d: int, n: int, cfg: StatsConfig, repeats: int) -> dict:
     q, k, v = random_qkv(n, d, seed=n + d)
     scale = d ** -0.5
     res = {"d": d, "n": n}
+    run = instrumented_forward_triton
     best, res["launch_sweep"] = sweep(f"forward D={d} N={n}", LAUNCH_SWEEP,
-                                      lambda c: lambda: instrumented_forward_triton(q, k, v, scale, cfg, "forward", c))
-    res["launch"] = list(best)
-    fns = variants(q, k, v, scale, cfg, best)
+                                      lambda c: lambda: run(q, k, v, scale, cfg, "forward", c, pairs=False))
+    best_pairs, res["launch_sweep_pairs"] = sweep(f"forward pairs D={d} N={n}", PAIRS_SWEEP,
+                                                  lambda c: lambda: run(q, k, v, scale, cfg, "forward", c, pairs=True))
+    res["launch"], res["launch_pairs"] = list(best), best_pairs and list(best_pairs)
+    fns = variants(q, k, v, scale, cfg, best, best_pairs)
     res["samples_ms"] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -101,12 +118,14 @@ def measure(d: int, n: int, cfg: StatsConfig, repeats: int) -> dict:
     res["tflops"] = {k_: flops / (ms * 1e-3) / 1e12 for k_, ms in res["ms"].items()}
     dense = res["ms"]["dense"]
     res["ratios_vs_dense"] = {k_: ms / dense for k_, ms in res["ms"].items()}
-    log(f"D={d} N={n}: " + ", ".join(f"{k_} {v_:.2f} ms ({res['ratios_vs_dense'][k_]:.3f}x)" for k_, v_ in res["ms"].items()))
+    log(f"D={d} N={n}: " + ", ".join(f"{k_} {v_:.2f} ms ({res['ratios_vs_dense'][k_]:.3f}x)"
+                                     for k_, v_ in res["ms"].items()))
     return res
 
 
 def table(result: dict) -> str:
-    cols = ["sdpa_cudnn", "dense", "dense_same_tile", "two_pass_pass12"] + [f"stats_{o}" for o in ORDERS]
+    cols = (["sdpa_cudnn", "dense", "dense_same_tile", "two_pass_pass12"] + [f"stats_{o}" for o in ORDERS]
+            + [f"pairs_{o}" for o in ORDERS])
     lines = ["   D      N " + " ".join(f"{c[:15]:>15}" for c in cols) + "   (time / dense)"]
     for m in result.get("measure", []):
         r = m["ratios_vs_dense"]
