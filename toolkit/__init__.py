@@ -8,3 +8,12 @@ are imported by the subpackages that need them.
 
 __version__ = "0.1.0"
 SCHEMA_VERSION = 1
+
+
+def __getattr__(name):
+    """``sparsecal.sparsify`` / ``sparsecal.densify`` without importing torch at package import."""
+    if name in ("sparsify", "densify"):
+        from . import sparse_backend
+
+        return getattr(sparse_backend, name)
+    raise AttributeError(f"module 'sparsecal' has no attribute {name!r}")

@@ -1,0 +1,120 @@
+"""sparsecal.sparsify on a tiny random Llama (reference backend): no-op thresholds reproduce dense
+logits and generation; real exports skip exactly what the capture statistics say; densify undoes."""
+import json
+import math
+
+import pytest
+import torch
+
+import sparsecal
+from sparsecal.errors import UserError
+from sparsecal.exports import write_blasst, write_bsfa
+from sparsecal.kernels.geometry import block_counts
+
+from test_capture import cli, make_checkpoint, write_prompts
+
+
+@pytest.fixture
+def tiny_model(tmp_path, seed):
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
+    return path, AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+
+
+def _noop_export(out, layers=2, heads=4):
+    out.mkdir()
+    thr = torch.full((2, layers, heads, 4), -math.inf)
+    write_bsfa(out, thr, [1, 2], 128, 64, "mean", {"model": "tiny"})
+    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 0.0, "decode": 0.0},
+                       "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": layers,
+                       "num_heads": heads, "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
+    return out
+
+
+def write_bsfa_from_fit(run, exp):
+    """Export only the BSFA part of a run whose BLASST fit was refused (the thresholds are the
+    aggregation of the run's per-sample thresholds, as `sparsecal fit` computes them)."""
+    from sparsecal.analysis.bsfa import ThresholdAccumulator
+    from sparsecal.runstore import RunStore
+
+    store = RunStore.open(run)
+    acc = ThresholdAccumulator()
+    for sid in sorted(store.done_ids()):
+        acc.add(store.load_sample(sid)[1]["bsfa_threshold"].numpy())
+    exp.mkdir()
+    write_bsfa(exp, torch.from_numpy(acc.result()), [1, 2], 128, 64, "mean", {"model": "tiny"})
+
+
+@pytest.mark.parametrize("method,kw", [("bsfa", {"k": 2}), ("blasst", {})])
+def test_noop_thresholds_reproduce_dense(tiny_model, tmp_path, method, kw, seed):
+    _, model = tiny_model
+    ids = torch.randint(0, 300, (2, 333), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        dense = model(ids).logits
+        dense_gen = model.generate(ids[:1, :200], max_new_tokens=6, do_sample=False)
+        sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method=method, **kw)
+        sparse = model(ids).logits
+        stats = {k: v.clone() for k, v in model.sparsecal_stats.items()}
+        sparse_gen = model.generate(ids[:1, :200], max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(sparse, dense, atol=1e-4, rtol=1e-4)
+    assert torch.equal(sparse_gen, dense_gen)
+    assert stats["skipped"].sum() == 0
+    _, reach = block_counts(333, 128, 64)
+    assert (stats["reachable"] == 2 * int(reach.sum())).all()  # two sequences per forward
+    sparsecal.densify(model)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense)
+
+
+def test_real_export_skips_what_capture_measured(tiny_model, tmp_path, seed):
+    """Layer 0 sees the same inputs as in capture, so a sample's own BSFA thresholds skip exactly
+    A_i - min(k, A_i) candidates per query block and head there."""
+    path, model = tiny_model
+    prompts = write_prompts(tmp_path / "p.jsonl", [500], seed)
+    run, exp = tmp_path / "run", tmp_path / "exp"
+    assert cli("capture", "--model", path, "--prompts-file", prompts, "--out", run, "--k", "1,2").exit_code == 0
+    # a random model's prefill tiles nearly all raise some row's max: BLASST prefill cannot skip,
+    # so the fit targets decode-friendly nothing; BSFA is what this test checks
+    res = cli("fit", run, "--holdout", "0", "--targets", "0.05")
+    assert res.exit_code == 2 and "out of reach" in res.output
+    write_bsfa_from_fit(run, exp)
+    ids = torch.tensor([json.loads(prompts.read_text())["input_ids"]])
+    cand, _ = block_counts(500, 128, 64)
+    for k in (1, 2):
+        sparsecal.sparsify(model, exp, method="bsfa", k=k)
+        with torch.no_grad():
+            model(ids)
+        want = int((cand - torch.clamp(cand, max=k)).sum())
+        assert model.sparsecal_stats["skipped"][0].tolist() == [want] * 4
+    sparsecal.densify(model)
+
+
+def test_blasst_decode_skips_below_the_running_max(tiny_model, tmp_path, seed):
+    """With lambda = 1 in decode (factor = length), every candidate tile whose scores all sit below
+    the running max is skipped: a single decode row has such tiles even in a random model."""
+    _, model = tiny_model
+    exp = _noop_export(tmp_path / "e")
+    doc = json.loads((exp / "blasst.json").read_text())
+    doc["threshold_scale_factor"]["decode"] = 451.0  # lambda = 1 at the decode step (451 keys)
+    (exp / "blasst.json").write_text(json.dumps(doc))
+    ids = torch.randint(0, 300, (1, 450), generator=torch.Generator().manual_seed(seed))
+    sparsecal.sparsify(model, exp, method="blasst")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    st = model.sparsecal_stats  # the last forward: one decode step at 451 keys
+    assert (st["reachable"] == 451 // 64 + 1).all()
+    assert 0 < st["skipped"].sum() < 451 // 64 * st["skipped"].numel()
+    sparsecal.densify(model)
+
+
+def test_refusals(tiny_model, tmp_path):
+    _, model = tiny_model
+    exp = _noop_export(tmp_path / "e", heads=8)
+    with pytest.raises(UserError, match="num_heads 8, but it is applied to num_heads 4"):
+        sparsecal.sparsify(model, exp, method="bsfa", k=1)
+    with pytest.raises(UserError, match="needs k"):
+        sparsecal.sparsify(model, _noop_export(tmp_path / "f"), method="bsfa")
+    with pytest.raises(UserError, match="not one of"):
+        sparsecal.sparsify(model, exp, method="window")
