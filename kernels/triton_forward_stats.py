@@ -43,7 +43,7 @@ from .triton_instrumented import QINIT_CHUNK, _qinit_max
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
 # sparsecal.bench.triton_forward_stats (data/bench/NOTES.md); the interpreter ignores them.
 LAUNCH = {64: (4, 3), 128: (8, 3)}
-PAIRS = {64: False, 128: False}  # candidate blocks two per iteration (see _scan_pairs)
+DEFER = False  # tile statistics reduced two tiles at a time (see _scan_segment)
 
 
 @triton.jit
@@ -76,18 +76,46 @@ def _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, 
 
 
 @triton.jit
+def _max_quad(a, b, c, d, e, f, g, h):
+    return tl.maximum(a, e), tl.maximum(b, f), tl.maximum(c, g), tl.maximum(d, h)
+
+
+@triton.jit
+def _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr):
+    """bmax/gap of tile j from its per-row values [BLOCK_M] (log2 units; -inf rows ignored)."""
+    t_b, t_g = tl.reduce((row_b, row_g), 0, _max_pair)
+    tl.store(bmax_ptr + j, t_b * 0.6931471805599453)
+    tl.store(gap_ptr + j, t_g * 0.6931471805599453)
+
+
+@triton.jit
+def _store_two_tiles(prev_b, prev_g, j_prev, row_b, row_g, j, bmax_ptr, gap_ptr):
+    """_store_tile of two tiles with ONE 4-operand cross-row reduction (one shared-memory
+    exchange and barrier for both)."""
+    b0, g0, b1, g1 = tl.reduce((prev_b, prev_g, row_b, row_g), 0, _max_quad)
+    tl.store(bmax_ptr + j_prev, b0 * 0.6931471805599453)
+    tl.store(gap_ptr + j_prev, g0 * 0.6931471805599453)
+    tl.store(bmax_ptr + j, b1 * 0.6931471805599453)
+    tl.store(gap_ptr + j, g1 * 0.6931471805599453)
+
+
+@triton.jit
 def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok,
                   offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
+                  PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr, DEFER: tl.constexpr):
     """Online softmax over key blocks j_first + t*j_dir (t < count, scan steps step0 + t), with
     per-tile bmax/gap stores (bmax_ptr/gap_ptr + j, natural units) and per-row t* tracking.
 
     acc [BLOCK_M, D] f32; l_i, m_i [BLOCK_M] f32 (log2 units); t_step [BLOCK_M] i32, t_where
     [BLOCK_M] i32; rows, row_ok [BLOCK_M]. MASKED as in triton_dense._attend_range; a masked tile
     may leave a row with nothing seen yet (m_new = -inf), which the exponentials guard against.
+    DEFER: each odd step reduces its tile and the previous one together (half the cross-row
+    reductions); an odd count's last tile is reduced after the loop.
     STATS off: the plain scan (no bmax/gap/t*), only to measure what the statistics cost.
     """
+    prev_b = tl.full([rows.shape[0]], float("-inf"), tl.float32)
+    prev_g = prev_b
     for t in range(0, count):
         j = j_first + t * j_dir
         qk, m_ij, v = _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, qk_scale,
@@ -103,103 +131,22 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
         if STATS:
-            seen = row_ok & (m_ij > float("-inf"))
-            t_bmax, t_gap = tl.reduce((tl.where(row_ok, m_ij, float("-inf")),
-                                       tl.where(seen, m_ij - m_new, float("-inf"))), 0, _max_pair)
-            tl.store(bmax_ptr + j, t_bmax * 0.6931471805599453)
-            tl.store(gap_ptr + j, t_gap * 0.6931471805599453)
+            row_b = tl.where(row_ok, m_ij, float("-inf"))
+            row_g = tl.where(row_ok & (m_ij > float("-inf")), m_ij - m_new, float("-inf"))
+            if DEFER:
+                if t % 2 == 1:
+                    _store_two_tiles(prev_b, prev_g, j - j_dir, row_b, row_g, j, bmax_ptr, gap_ptr)
+                prev_b = row_b
+                prev_g = row_g
+            else:
+                _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr)
             up = m_ij > m_i
             t_step = tl.where(up, step0 + t, t_step)
             t_where = tl.where(up, tl.where(j == 0, 0, tl.where(j >= n_cand, 1, 2)), t_where)
         m_i = m_new
-    return acc, l_i, m_i, t_step, t_where
-
-
-@triton.jit
-def _max_quad(a, b, c, d, e, f, g, h):
-    return tl.maximum(a, e), tl.maximum(b, f), tl.maximum(c, g), tl.maximum(d, h)
-
-
-@triton.jit
-def _pair_stats(m_i, m_lo, m_hi, m_new, row_ok, j0, j_dir, step, n_cand, t_step, t_where, bmax_ptr, gap_ptr):
-    """Tile statistics of a pair of candidate blocks j0 (scan step ``step``) then j0 + j_dir
-    (step + 1): m_lo / m_hi [BLOCK_M] row maxima of the lower / upper block, m_i before the pair,
-    m_new after it. One 4-operand cross-row reduction; returns the updated (t_step, t_where)."""
-    fwd = j_dir > 0
-    m_a = tl.where(fwd, m_lo, m_hi)  # scanned first
-    m_b = tl.where(fwd, m_hi, m_lo)
-    m_mid = tl.maximum(m_i, m_a)
-    ninf = float("-inf")
-    b_a, b_b, g_a, g_b = tl.reduce((tl.where(row_ok, m_a, ninf), tl.where(row_ok, m_b, ninf),
-                                    tl.where(row_ok, m_a - m_mid, ninf), tl.where(row_ok, m_b - m_new, ninf)),
-                                   0, _max_quad)
-    j1 = j0 + j_dir
-    tl.store(bmax_ptr + j0, b_a * 0.6931471805599453)
-    tl.store(gap_ptr + j0, g_a * 0.6931471805599453)
-    tl.store(bmax_ptr + j1, b_b * 0.6931471805599453)
-    tl.store(gap_ptr + j1, g_b * 0.6931471805599453)
-    up_a = m_a > m_i
-    up_b = m_b > m_mid
-    t_step = tl.where(up_b, step + 1, tl.where(up_a, step, t_step))
-    t_where = tl.where(up_b, tl.where(j1 == 0, 0, tl.where(j1 >= n_cand, 1, 2)),
-                       tl.where(up_a, tl.where(j0 == 0, 0, tl.where(j0 >= n_cand, 1, 2)), t_where))
-    return t_step, t_where
-
-
-@triton.jit
-def _scan_pairs(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, row_ok, offs_d,
-                j_first, j_dir, n_pairs, step0, n_cand, qk_scale, bmax_ptr, gap_ptr,
-                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
-    """Candidate blocks (no mask) two at a time as one [BLOCK_M, 2*BN] tile: pair p is blocks
-    j0 = j_first + 2p*j_dir (scan step step0 + 2p) and j0 + j_dir; each block's row maxima come
-    from a half-masked row max, so the statistics equal the one-block scan's."""
-    offs_n = tl.arange(0, 2 * BN)
-    upper = (offs_n >= BN)[None, :]
-    for pr in range(0, n_pairs):
-        j0 = j_first + 2 * pr * j_dir
-        keys = tl.minimum(j0, j0 + j_dir) * BN + offs_n
-        kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
-        v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
-        qk = _dot(q, kt, None, PREC, UPCAST)
-        if STATS:
-            m_lo = tl.max(tl.where(upper, float("-inf"), qk), 1) * qk_scale
-            m_hi = tl.max(tl.where(upper, qk, float("-inf")), 1) * qk_scale
-            m_new = tl.maximum(m_i, tl.maximum(m_lo, m_hi))
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
-        if STATS:
-            t_step, t_where = _pair_stats(m_i, m_lo, m_hi, m_new, row_ok, j0, j_dir, step0 + 2 * pr, n_cand,
-                                          t_step, t_where, bmax_ptr, gap_ptr)
-        m_i = m_new
-    return acc, l_i, m_i, t_step, t_where
-
-
-@triton.jit
-def _scan_candidates(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok,
-                     offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
-                     BN: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PAIRS: tl.constexpr,
-                     PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
-    """A run of candidate blocks (as _scan_segment): with PAIRS (and BN a power of two) two blocks
-    per iteration (_scan_pairs), then the odd one left over alone."""
-    if PAIRS and EVEN_N:
-        n_pairs = tl.maximum(count, 0) // 2
-        acc, l_i, m_i, t_step, t_where = _scan_pairs(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, row_ok, offs_d,
-            j_first, j_dir, n_pairs, step0, n_cand, qk_scale, bmax_ptr, gap_ptr, BN, PREC, UPCAST, STATS)
-        done = 2 * n_pairs
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok, offs_d,
-            j_first + done * j_dir, j_dir, count - done, step0 + done, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
-            BN, BLOCK_N, False, PREC, UPCAST, STATS)
-    else:
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok, offs_d,
-            j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
-            BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS)
+    if STATS and DEFER:
+        if count % 2 == 1:
+            _store_tile(prev_b, prev_g, j_first + (count - 1) * j_dir, bmax_ptr, gap_ptr)
     return acc, l_i, m_i, t_step, t_where
 
 
@@ -210,7 +157,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
                       ORDER: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                       EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                      STATS: tl.constexpr, PAIRS: tl.constexpr):
+                      STATS: tl.constexpr, DEFER: tl.constexpr):
     """Grid (P, H); query block i (heaviest first) of head program_id(1). ORDER 0 forward, 1
     reverse, 2 sink_local. O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 natural log;
     TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written)."""
@@ -238,32 +185,32 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
     gp = GAP + tile
     # segments (first block, direction, count, first step, masked); see the module docstring
     if ORDER == 0:
-        acc, l_i, m_i, t_step, t_where = _scan_candidates(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, EVEN_N, PAIRS, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
+            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS, DEFER)
+        acc, l_i, m_i, t_step, t_where = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
     elif ORDER == 1:
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_candidates(
+            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
+        acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, EVEN_N, PAIRS, PREC, UPCAST,
-            STATS)
+            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST,
+            STATS, DEFER)
     else:
         d0 = tl.maximum(n_cand, 1)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, 1, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
+            0, 1, 1, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_candidates(
+            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
+        acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, EVEN_N, PAIRS,
-            PREC, UPCAST, STATS)
+            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N,
+            PREC, UPCAST, STATS, DEFER)
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
     rp = h * n_ctx + rows
@@ -274,7 +221,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
 
 
 def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: str, launch: tuple | None = None,
-                                stats: bool = True, pairs: bool | None = None):
+                                stats: bool = True, defer: bool | None = None):
     """One launch: causal attention plus one scan order's tile statistics.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (fp16/bf16; fp32 accepted); order one of geometry.ORDERS;
@@ -283,7 +230,7 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     tstar_step [H, N] i32, tstar_where [H, N] i8, qinit_err [H, N] f32), equal to
     reference.instrumented_attention's bmax, gap[:, o], tstar_step/where[:, o], qinit_err.
     stats=False runs the same scan without bmax/gap/t* (left -inf / unset), to measure their cost.
-    pairs: candidate blocks two per iteration (one [BM, 2*BN] product; default PAIRS[D]).
+    defer: reduce the tile statistics two tiles at a time (default DEFER).
     """
     _, h, hkv, n, d = check_inputs(q, k, v)
     if q.shape[0] != 1:
@@ -307,5 +254,5 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
         krep.stride(0), krep.stride(1), os_[0], os_[1], n, h // hkv, p, kb, scale * LOG2E,
         ORDER=ORDERS.index(order), HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=next_pow2(bm), BLOCK_N=next_pow2(bn),
         BLOCK_R=QINIT_CHUNK, EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast,
-        STATS=stats, PAIRS=PAIRS.get(d, False) if pairs is None else pairs, num_warps=warps, num_stages=stages)
+        STATS=stats, DEFER=DEFER if defer is None else defer, num_warps=warps, num_stages=stages)
     return out, lse, bmax, gap, tstep, twhere, qerr

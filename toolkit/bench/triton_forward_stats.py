@@ -4,8 +4,8 @@ One run: correctness of every output vs the torch reference on the GPU (each ord
 shapes and dtypes), then per (D, N): SDPA cuDNN and FLASH (GQA native), the dense Triton
 forward (its tuned tile, and the run's 128x64 tile), a launch sweep of the single-pass kernel,
 and per scan order the single-pass kernel with statistics and without (the same scan, to
-separate the statistics' cost), with candidate blocks one or two per iteration
-(pairs). bf16, causal, B=1, H=32, 8 KV heads; default geometry 128x64.
+separate the statistics' cost), with the tile statistics reduced one or two tiles at a time
+(defer). bf16, causal, B=1, H=32, 8 KV heads; default geometry 128x64.
 Times are medians of triton.testing.do_bench (L2 flushed, warm-up first), each variant timed in
 ``--repeats`` round-robin rounds (median of the rounds) so drift hits all variants alike.
 
@@ -28,8 +28,7 @@ from ..kernels import triton_instrumented as ti
 from .provenance import provenance
 from .triton_capture import HEADS, KV_HEADS, bench_ms, log, random_qkv, sdpa_fn, sweep
 
-LAUNCH_SWEEP = [(8, 3), (4, 3), (4, 2), (8, 2)]
-PAIRS_SWEEP = [(8, 2), (8, 1), (4, 2)]  # candidate blocks two per iteration (Triton 3.6: 3 stages overflow smem)
+LAUNCH_SWEEP = [(8, 3), (4, 3), (8, 2)]
 CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
     (1000, 2, 4, 128, 128, 64, torch.bfloat16),
     (777, 1, 3, 64, 128, 64, torch.float16),
@@ -64,10 +63,10 @@ def check_case(case) -> dict:
     res = {"case": dict(n=n, kv_heads=hkv, group=group, d=d, bm=bm, bn=bn, dtype=str(dtype)), "orders": {}}
     ok = True
     for o, order in enumerate(ORDERS):
-        for pairs, launch in ((False, None), (True, (8, 2)), (True, (8, 1))):
-            name = order + ("" if launch is None else f"_pairs{launch[1]}")
+        for defer in (False, True):
+            name = order + ("_defer" if defer else "")
             try:
-                e = order_errors(instrumented_forward_triton(q, k, v, scale, cfg, order, launch, pairs=pairs),
+                e = order_errors(instrumented_forward_triton(q, k, v, scale, cfg, order, defer=defer),
                                  ref_out, r, o, dtype)
             except Exception as ex:  # a launch that does not fit is recorded (and not timed later)
                 res["orders"][name] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
@@ -78,7 +77,7 @@ def check_case(case) -> dict:
     return res
 
 
-def variants(q, k, v, scale, cfg: StatsConfig, best, best_pairs) -> dict:
+def variants(q, k, v, scale, cfg: StatsConfig, best) -> dict:
     """name -> callable of every timed variant (SDPA backends that fail are left out)."""
     from torch.nn.attention import SDPBackend
 
@@ -93,12 +92,9 @@ def variants(q, k, v, scale, cfg: StatsConfig, best, best_pairs) -> dict:
     fns["two_pass_pass12"] = lambda: ti.instrumented_forward(q, k, v, scale, cfg, fused=True)
     run = instrumented_forward_triton
     for order in ORDERS:
-        fns[f"stats_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, pairs=False)
-        fns[f"nostats_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, stats=False, pairs=False)
-        if best_pairs is not None:
-            fns[f"pairs_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best_pairs, pairs=True)
-    if best_pairs is not None:
-        fns["nostats_pairs_forward"] = lambda: run(q, k, v, scale, cfg, "forward", best_pairs, stats=False, pairs=True)
+        fns[f"stats_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, defer=False)
+        fns[f"defer_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, defer=True)
+        fns[f"nostats_{order}"] = lambda o=order: run(q, k, v, scale, cfg, o, best, stats=False)
     return fns
 
 
@@ -110,11 +106,9 @@ def measure(d: int, n: int, cfg: StatsConfig, repeats: int) -> dict:
     res = {"d": d, "n": n}
     run = instrumented_forward_triton
     best, res["launch_sweep"] = sweep(f"forward D={d} N={n}", LAUNCH_SWEEP,
-                                      lambda c: lambda: run(q, k, v, scale, cfg, "forward", c, pairs=False))
-    best_pairs, res["launch_sweep_pairs"] = sweep(f"forward pairs D={d} N={n}", PAIRS_SWEEP,
-                                                  lambda c: lambda: run(q, k, v, scale, cfg, "forward", c, pairs=True))
-    res["launch"], res["launch_pairs"] = list(best), best_pairs and list(best_pairs)
-    fns = variants(q, k, v, scale, cfg, best, best_pairs)
+                                      lambda c: lambda: run(q, k, v, scale, cfg, "forward", c, defer=False))
+    res["launch"] = list(best)
+    fns = variants(q, k, v, scale, cfg, best)
     res["samples_ms"] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -131,7 +125,7 @@ def measure(d: int, n: int, cfg: StatsConfig, repeats: int) -> dict:
 
 def table(result: dict) -> str:
     cols = (["sdpa_cudnn", "dense", "dense_same_tile", "two_pass_pass12"] + [f"stats_{o}" for o in ORDERS]
-            + [f"pairs_{o}" for o in ORDERS])
+            + [f"defer_{o}" for o in ORDERS])
     lines = ["   D      N " + " ".join(f"{c[:15]:>15}" for c in cols) + "   (time / dense)"]
     for m in result.get("measure", []):
         r = m["ratios_vs_dense"]
