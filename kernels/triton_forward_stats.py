@@ -43,7 +43,6 @@ from .triton_instrumented import QINIT_CHUNK, _qinit_max
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
 # sparsecal.bench.triton_forward_stats (data/bench/NOTES.md); the interpreter ignores them.
 LAUNCH = {64: (4, 3), 128: (8, 3)}
-DEFER = False  # tile statistics reduced two tiles at a time (see _scan_segment)
 
 
 @triton.jit
@@ -76,11 +75,6 @@ def _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, 
 
 
 @triton.jit
-def _max_quad(a, b, c, d, e, f, g, h):
-    return tl.maximum(a, e), tl.maximum(b, f), tl.maximum(c, g), tl.maximum(d, h)
-
-
-@triton.jit
 def _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr):
     """bmax/gap of tile j from its per-row values [BLOCK_M] (log2 units; -inf rows ignored)."""
     t_b, t_g = tl.reduce((row_b, row_g), 0, _max_pair)
@@ -89,33 +83,18 @@ def _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr):
 
 
 @triton.jit
-def _store_two_tiles(prev_b, prev_g, j_prev, row_b, row_g, j, bmax_ptr, gap_ptr):
-    """_store_tile of two tiles with ONE 4-operand cross-row reduction (one shared-memory
-    exchange and barrier for both)."""
-    b0, g0, b1, g1 = tl.reduce((prev_b, prev_g, row_b, row_g), 0, _max_quad)
-    tl.store(bmax_ptr + j_prev, b0 * 0.6931471805599453)
-    tl.store(gap_ptr + j_prev, g0 * 0.6931471805599453)
-    tl.store(bmax_ptr + j, b1 * 0.6931471805599453)
-    tl.store(gap_ptr + j, g1 * 0.6931471805599453)
-
-
-@triton.jit
 def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok,
                   offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr, DEFER: tl.constexpr):
+                  PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
     """Online softmax over key blocks j_first + t*j_dir (t < count, scan steps step0 + t), with
     per-tile bmax/gap stores (bmax_ptr/gap_ptr + j, natural units) and per-row t* tracking.
 
     acc [BLOCK_M, D] f32; l_i, m_i [BLOCK_M] f32 (log2 units); t_step [BLOCK_M] i32, t_where
     [BLOCK_M] i32; rows, row_ok [BLOCK_M]. MASKED as in triton_dense._attend_range; a masked tile
     may leave a row with nothing seen yet (m_new = -inf), which the exponentials guard against.
-    DEFER: each odd step reduces its tile and the previous one together (half the cross-row
-    reductions); an odd count's last tile is reduced after the loop.
     STATS off: the plain scan (no bmax/gap/t*), only to measure what the statistics cost.
     """
-    prev_b = tl.full([rows.shape[0]], float("-inf"), tl.float32)
-    prev_g = prev_b
     for t in range(0, count):
         j = j_first + t * j_dir
         qk, m_ij, v = _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, qk_scale,
@@ -133,21 +112,21 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
         if STATS:
             row_b = tl.where(row_ok, m_ij, float("-inf"))
             row_g = tl.where(row_ok & (m_ij > float("-inf")), m_ij - m_new, float("-inf"))
-            if DEFER:
-                if t % 2 == 1:
-                    _store_two_tiles(prev_b, prev_g, j - j_dir, row_b, row_g, j, bmax_ptr, gap_ptr)
-                prev_b = row_b
-                prev_g = row_g
-            else:
-                _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr)
+            _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr)
             up = m_ij > m_i
             t_step = tl.where(up, step0 + t, t_step)
             t_where = tl.where(up, tl.where(j == 0, 0, tl.where(j >= n_cand, 1, 2)), t_where)
         m_i = m_new
-    if STATS and DEFER:
-        if count % 2 == 1:
-            _store_tile(prev_b, prev_g, j_first + (count - 1) * j_dir, bmax_ptr, gap_ptr)
     return acc, l_i, m_i, t_step, t_where
+
+
+@triton.jit
+def _store_rows(LSE, QERR, TSTEP, TWHERE, offs, row_ok, l_i, m_i, m_init, t_step, t_where):
+    """Per-row results at offs [BLOCK_M] of the [H, N] outputs (natural-log LSE and q-init error)."""
+    tl.store(LSE + offs, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    tl.store(QERR + offs, (m_init - m_i) * 0.6931471805599453, mask=row_ok)
+    tl.store(TSTEP + offs, t_step, mask=row_ok)
+    tl.store(TWHERE + offs, t_where.to(tl.int8), mask=row_ok)
 
 
 @triton.jit
@@ -157,7 +136,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
                       ORDER: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                       EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                      STATS: tl.constexpr, DEFER: tl.constexpr):
+                      STATS: tl.constexpr):
     """Grid (P, H); query block i (heaviest first) of head program_id(1). ORDER 0 forward, 1
     reverse, 2 sink_local. O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 natural log;
     TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written)."""
@@ -187,41 +166,37 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
     if ORDER == 0:
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS, DEFER)
+            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
+            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
     elif ORDER == 1:
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
+            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
             n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST,
-            STATS, DEFER)
+            STATS)
     else:
         d0 = tl.maximum(n_cand, 1)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, 1, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
+            0, 1, 1, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS, DEFER)
+            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
             1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N,
-            PREC, UPCAST, STATS, DEFER)
+            PREC, UPCAST, STATS)
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    rp = h * n_ctx + rows
-    tl.store(LSE + rp, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-    tl.store(QERR + rp, (m_init - m_i) * 0.6931471805599453, mask=row_ok)
-    tl.store(TSTEP + rp, t_step, mask=row_ok)
-    tl.store(TWHERE + rp, t_where.to(tl.int8), mask=row_ok)
+    _store_rows(LSE, QERR, TSTEP, TWHERE, h * n_ctx + rows, row_ok, l_i, m_i, m_init, t_step, t_where)
 
 
 def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: str, launch: tuple | None = None,
-                                stats: bool = True, defer: bool | None = None):
+                                stats: bool = True):
     """One launch: causal attention plus one scan order's tile statistics.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (fp16/bf16; fp32 accepted); order one of geometry.ORDERS;
@@ -230,7 +205,6 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     tstar_step [H, N] i32, tstar_where [H, N] i8, qinit_err [H, N] f32), equal to
     reference.instrumented_attention's bmax, gap[:, o], tstar_step/where[:, o], qinit_err.
     stats=False runs the same scan without bmax/gap/t* (left -inf / unset), to measure their cost.
-    defer: reduce the tile statistics two tiles at a time (default DEFER).
     """
     _, h, hkv, n, d = check_inputs(q, k, v)
     if q.shape[0] != 1:
@@ -254,5 +228,5 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
         krep.stride(0), krep.stride(1), os_[0], os_[1], n, h // hkv, p, kb, scale * LOG2E,
         ORDER=ORDERS.index(order), HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=next_pow2(bm), BLOCK_N=next_pow2(bn),
         BLOCK_R=QINIT_CHUNK, EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast,
-        STATS=stats, DEFER=DEFER if defer is None else defer, num_warps=warps, num_stages=stages)
+        STATS=stats, num_warps=warps, num_stages=stages)
     return out, lse, bmax, gap, tstep, twhere, qerr
