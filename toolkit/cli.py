@@ -33,14 +33,22 @@ def _user_errors(fn):
     return wrapper
 
 
-def _int_list(text: str, name: str) -> list[int]:
+def _list(text: str, name: str, cast, kind: str, example: str) -> list:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--{name} '{text}' is not a comma-separated list of integers (e.g. 1024,2048).")
+        raise UserError(f"--{name} '{text}' is not a comma-separated list of {kind} (e.g. {example}).")
     if not values:
-        raise UserError(f"--{name} is empty; give a comma-separated list of integers.")
+        raise UserError(f"--{name} is empty; give a comma-separated list of {kind}.")
     return values
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    return _list(text, name, int, "integers", "1024,2048")
+
+
+def _float_list(text: str, name: str) -> list[float]:
+    return _list(text, name, float, "numbers", "0.5,0.7")
 
 
 @app.callback()
@@ -77,16 +85,6 @@ def capture(
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
                          dtype=dtype, device=device, backend=backend)
     capture_command(req)
-
-
-def _float_list(text: str, name: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--{name} '{text}' is not a comma-separated list of numbers (e.g. 0.5,0.7).")
-    if not values:
-        raise UserError(f"--{name} is empty; give a comma-separated list of numbers.")
-    return values
 
 
 @app.command()
