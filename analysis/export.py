@@ -18,17 +18,15 @@ from .tables import THRESHOLDS
 
 
 def _thresholds(root: Path, fit: dict):
-    from safetensors import safe_open
+    from sparsecal.tensorio import load_tensors
 
     path = root / FIT_DIR / THRESHOLDS
     if not path.is_file():
         raise UserError(f"{path} is missing; run `sparsecal fit {root}` again.")
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
-        thr = f.get_tensor("thresholds")
+    tensors, meta = load_tensors(path, keys=["thresholds"])
     if meta.get("schema_version") != str(SCHEMA_VERSION) or meta.get("model") != fit["model"]["id"]:
         raise UserError(f"{path} does not belong to this fit (schema/model differ); run `sparsecal fit {root}` again.")
-    return thr, meta
+    return tensors["thresholds"], meta
 
 
 def blasst_doc(fit: dict, target: float | None) -> dict:

@@ -193,12 +193,13 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
     tables.write_thresholds(out, thr, ks, store.manifest, split)
     tables.write_gap_cum(out, st.pooled, edges, cfg.orders, B.CURVE_STRIDE)
     label = "held-out" if split.test else "in-sample"
+    evals = {id(c): B.eval_rows(c, st.held[c.mode], edges, o) for o, c in cals}
     frames = {
         "bsfa_density": tables.bsfa_density_rows(st.bsfa_eval, ks, label),
         "bsfa_heads": tables.bsfa_head_rows(st.bsfa_eval, ks),
         "blasst_lambda": [r for _, c in cals for r in B.lambda_rows(c)],
         "blasst_fit": [r for _, c in cals for r in B.fit_rows(c)],
-        "blasst_eval": [dict(r, split=label) for o, c in cals for r in B.eval_rows(c, st.held[c.mode], edges, o)],
+        "blasst_eval": [dict(r, split=label) for _, c in cals for r in evals[id(c)]],
         "blasst_layers": [r for o, c in cals for r in B.layer_rows(c, st.train[c.mode], edges, o)],
         "blasst_heads": [r for o, c in cals if c.order == req.order
                          for r in B.head_rows(c, st.pooled[c.mode], edges, o)],
@@ -215,15 +216,14 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
            "model": store.manifest["model"], "config": store.manifest["config"], "request": asdict(req),
            "k_values": ks, "lengths": split.lengths, "validation": label,
            "split": {"train": [r["id"] for r in split.train], "test": [r["id"] for r in split.test]},
-           "blasst": [_cal_doc(o, c, st.held[c.mode], edges) for o, c in cals if c.order == req.order],
+           "blasst": [_cal_doc(c, evals[id(c)]) for _, c in cals if c.order == req.order],
            "warnings": warnings, "tables": sorted(frames)}
     tables.write_json(out / "fit.json", doc)
     return doc
 
 
-def _cal_doc(o: int, cal: B.Calibration, held, edges) -> dict:
-    """One calibration as fit.json (and later blasst.json) records it."""
-    ev = B.eval_rows(cal, held, edges, o)
+def _cal_doc(cal: B.Calibration, ev: list[dict]) -> dict:
+    """One calibration (with its held-out eval rows) as fit.json, and later blasst.json, records it."""
     per_len = []
     for n, x in zip(cal.lengths, cal.log_lambda):
         got = [r["achieved"] for r in ev if r["length"] == n and r["method"] == "a/L"]

@@ -44,25 +44,23 @@ def read_table(fit_dir, name: str):
 
 
 def write_json(path: Path, doc: dict) -> None:
-    tmp = _tmp(path)
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    from sparsecal.tensorio import atomic_write_text
+
+    atomic_write_text(path, json.dumps(doc, indent=1))
 
 
 def write_thresholds(out: Path, thr: np.ndarray, ks, manifest: dict, split) -> None:
     """The aggregated BSFA thresholds [K, L, H, P] with what export needs to describe them."""
     import torch
-    from safetensors.torch import save_file
 
-    meta = {"schema_version": str(SCHEMA_VERSION), "model": manifest["model"]["id"],
-            "k_values": json.dumps(list(ks)), "samples": str(len(split.train)),
+    from sparsecal.tensorio import save_tensors
+
+    meta = {"schema_version": SCHEMA_VERSION, "model": manifest["model"]["id"],
+            "k_values": json.dumps(list(ks)), "samples": len(split.train),
             "lengths": json.dumps(sorted({r["length"] for r in split.train}))}
     tensors = {"thresholds": torch.from_numpy(np.ascontiguousarray(thr, np.float32)),
                "k_values": torch.tensor(list(ks), dtype=torch.int64)}
-    tmp = _tmp(out / THRESHOLDS)
-    save_file(tensors, str(tmp), metadata=meta)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out / THRESHOLDS)
+    save_tensors(out / THRESHOLDS, tensors, metadata=meta)
 
 
 def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: int) -> None:

@@ -112,18 +112,23 @@ def _softmax_blocks(s, nr, bn):
     return rmax, row_max, bsum, bsum.sum(dim=-1)
 
 
+def check_sequence(q, k, what: str) -> None:
+    """One sequence (batch 1) whose query heads are a multiple of the KV heads."""
+    if q.shape[0] != 1:
+        raise ValueError(f"{what} takes one sequence at a time (batch size 1)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+
+
 def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig):
     """Causal attention output and TileStats of one sequence.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32).
     Returns (out [1, H, N, D] in q.dtype, TileStats).
     """
-    if q.shape[0] != 1:
-        raise ValueError("instrumented attention takes one sequence at a time (batch size 1)")
+    check_sequence(q, k, "instrumented attention")
     _, h, n, d = q.shape
     hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"{h} query heads are not a multiple of {hkv} KV heads")
     group, bm, bn, orders = h // hkv, cfg.block_m, cfg.block_n, cfg.orders
     p, kb = cdiv(n, bm), cdiv(n, bn)
     qs = q[0].float() * scale

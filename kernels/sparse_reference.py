@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .geometry import cdiv, num_candidates, num_reachable, scan_order
-from .reference import NEG_INF, _block_scores, _pad_blocks, scan_rows
+from .reference import NEG_INF, _block_scores, _pad_blocks, check_sequence, scan_rows
 
 
 @dataclass
@@ -60,12 +60,9 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
     """
     if (thresholds is None) == (log_lambda is None):
         raise ValueError("give exactly one of thresholds (BSFA) or log_lambda (BLASST)")
-    if q.shape[0] != 1:
-        raise ValueError("sparse reference attention takes one sequence at a time (batch size 1)")
+    check_sequence(q, k, "sparse reference attention")
     _, h, n, d = q.shape
     hkv = k.shape[1]
-    if h % hkv:
-        raise ValueError(f"{h} query heads are not a multiple of {hkv} KV heads")
     if thresholds is not None and thresholds.shape[0] != h:
         raise ValueError(f"thresholds have {thresholds.shape[0]} heads, attention has {h}")
     group, bm, bn = h // hkv, block_m, block_n

@@ -132,8 +132,11 @@ def load_bsfa(path, expect: dict | None = None) -> BsfaExport:
         raise UserError(f"{path} does not exist; write an export with `sparsecal export RUN --out DIR`.")
     exp = _bsfa_from_pt(path) if path.suffix == ".pt" else _bsfa_from_safetensors(path)
     if exp.model is None and (path.parent / BSFA_ST).is_file():
-        exp = BsfaExport(exp.thresholds, exp.k_values, exp.q_block_size, exp.k_block_size,
-                         exp.aggregation_method, _bsfa_from_safetensors(path.parent / BSFA_ST).model)
+        from dataclasses import replace
+        from safetensors import safe_open
+
+        with safe_open(str(path.parent / BSFA_ST), framework="pt") as f:
+            exp = replace(exp, model=(f.metadata() or {}).get("model"))
     check_geometry(path, {"model": exp.model, "num_layers": exp.num_layers, "num_heads": exp.num_heads,
                           "block_m": exp.q_block_size, "block_n": exp.k_block_size}, expect)
     return exp
