@@ -5,6 +5,7 @@ Causal attention of one sequence, tiled BM x BN as in DESIGN.md. Query block i a
 diagonal (non-candidate) key blocks; a candidate block j < A_i is skipped when
     BSFA:    bmax[i, j] <  thresholds[h, min(i, Pt - 1)]      (max score of the tile)
     BLASST:  gap[i, j | order] < ln(lambda)                      (rowmax - running max, DESIGN.md)
+    window:  j < A_i - W      (sliding window: the W candidates nearest the diagonal are kept)
 A skipped tile contributes nothing: no V load, no exponentials, no P.V, not in the normalizer. The
 output is the softmax attention over the kept keys. A BLASST-skipped tile has every row below the
 running max, so skipping never changes the running max: the decision made from the dense scan
@@ -38,11 +39,22 @@ class SkipCounts:
     reachable: int          # reachable tiles per head (sparsity = skipped / reachable)
 
 
-def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order: str) -> torch.Tensor:
+def check_method(thresholds, log_lambda, window) -> None:
+    """Exactly one of BSFA ``thresholds``, BLASST ``log_lambda`` or a ``window`` (>= 0 blocks)."""
+    if sum(x is not None for x in (thresholds, log_lambda, window)) != 1:
+        raise ValueError("give exactly one of thresholds (BSFA), log_lambda (BLASST) or window")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 key blocks, got {window}")
+
+
+def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order: str,
+               window: int | None = None) -> torch.Tensor:
     """Which of query block i's reachable key blocks are skipped. rmax [H, m, nr] -> [H, nr] bool."""
     h, _, nr = rmax.shape
     cand = torch.arange(nr, device=rmax.device) < a
-    if thresholds is not None:
+    if window is not None:
+        below = (torch.arange(nr, device=rmax.device) < a - window).expand(h, nr)
+    elif thresholds is not None:
         thr = thresholds[:, min(i, thresholds.shape[1] - 1)].to(rmax)
         below = rmax.amax(dim=1) < thr.unsqueeze(-1)
     else:
@@ -52,14 +64,14 @@ def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order
 
 
 def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
-                     log_lambda: float | None = None, order: str = "forward"):
-    """BSFA (``thresholds`` [H, Pt]) or BLASST (``log_lambda``, scan ``order``) causal attention.
+                     log_lambda: float | None = None, window: int | None = None, order: str = "forward"):
+    """BSFA (``thresholds`` [H, Pt]), BLASST (``log_lambda``, scan ``order``) or sliding-window
+    (``window`` candidate blocks) causal attention.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32). Exactly one of
-    thresholds and log_lambda. Returns (out [1, H, N, D] in q.dtype, SkipCounts).
+    thresholds, log_lambda and window. Returns (out [1, H, N, D] in q.dtype, SkipCounts).
     """
-    if (thresholds is None) == (log_lambda is None):
-        raise ValueError("give exactly one of thresholds (BSFA) or log_lambda (BLASST)")
+    check_method(thresholds, log_lambda, window)
     check_sequence(q, k, "sparse reference attention")
     _, h, n, d = q.shape
     hkv = k.shape[1]
@@ -75,7 +87,7 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
         r0, r1 = i * bm, min((i + 1) * bm, n)
         m, nr, a = r1 - r0, num_reachable(i, n, bm, bn), num_candidates(i, bm, bn)
         s = _block_scores(qs, kp, r0, r1, nr, bn, group)                      # [H, m, nr*BN]
-        skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order)
+        skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order, window)
         s.view(h, m, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
         out[:, r0:r1] = torch.bmm(p.view(hkv, group * m, nr * bn), vp[:, : nr * bn]).view(h, m, d)
@@ -85,14 +97,13 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
 
 
 def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
-                  log_lambda: float | None = None, order: str = "forward"):
+                  log_lambda: float | None = None, window: int | None = None, order: str = "forward"):
     """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
 
-    Exactly one of thresholds [H, Pt] (BSFA) or log_lambda (BLASST). Returns (out [B, H, 1, D] in
-    q.dtype, SkipCounts summed over the batch).
+    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST) or window. Returns (out
+    [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
     """
-    if (thresholds is None) == (log_lambda is None):
-        raise ValueError("give exactly one of thresholds (BSFA) or log_lambda (BLASST)")
+    check_method(thresholds, log_lambda, window)
     b, h, one, d = q.shape
     if one != 1:
         raise ValueError(f"decode takes one query row per sequence, got {one}")
@@ -105,7 +116,8 @@ def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, threshol
         qi = q[s_i].float().reshape(hkv, group, d) * scale
         s = torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)).view(h, 1, nr * bn)
         s[..., length:] = NEG_INF                                             # padding keys
-        skip = _skip_mask(s.view(h, 1, nr, bn).amax(dim=-1), r // block_m, a, thresholds, log_lambda, order)
+        skip = _skip_mask(s.view(h, 1, nr, bn).amax(dim=-1), r // block_m, a, thresholds, log_lambda, order,
+                          window)
         s.view(h, 1, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))

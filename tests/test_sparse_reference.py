@@ -88,12 +88,27 @@ def test_blasst_matches_oracle(case, order, seed):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_window_matches_oracle(case, window, seed):
+    """Sliding window: each query block keeps its diagonal and the ``window`` nearest candidates."""
+    n, h, hkv, d, bm, bn, dtype = case
+    q, k, v = _inputs(seed, n, h, hkv, d, dtype)
+    scale = d ** -0.5
+    out, counts = sparse_attention(q, k, v, scale, bm, bn, window=window)
+    cand, _ = block_counts(n, bm, bn)
+    old = torch.arange(cdiv(n, bn))[None, :] < (cand - window)[:, None]  # [P, Kb]
+    skip = (_candidates(n, bm, bn) & old).expand(h, -1, -1)
+    torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
+    assert counts.skipped.tolist() == [int(torch.clamp(cand - window, min=0).sum())] * h
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_no_op_thresholds_are_dense(case, seed):
     n, h, hkv, d, bm, bn, dtype = case
     q, k, v = _inputs(seed, n, h, hkv, d, dtype)
     scale = d ** -0.5
     dense, _ = instrumented_attention(q, k, v, scale, StatsConfig(block_m=bm, block_n=bn, decode_rows=0))
-    for kw in ({"thresholds": torch.full((h, 3), -math.inf)}, {"log_lambda": -math.inf}):
+    for kw in ({"thresholds": torch.full((h, 3), -math.inf)}, {"log_lambda": -math.inf}, {"window": n}):
         out, counts = sparse_attention(q, k, v, scale, bm, bn, **kw)
         torch.testing.assert_close(out.float(), dense.float(), atol=_tol(dtype), rtol=0)
         assert counts.skipped.sum() == 0
@@ -121,6 +136,10 @@ def test_argument_errors():
         sparse_attention(q, q, q, 1.0, 4, 4)
     with pytest.raises(ValueError, match="exactly one"):
         sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(2, 1), log_lambda=0.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        sparse_attention(q, q, q, 1.0, 4, 4, log_lambda=0.0, window=2)
+    with pytest.raises(ValueError, match="window"):
+        sparse_attention(q, q, q, 1.0, 4, 4, window=-1)
     with pytest.raises(ValueError, match="heads"):
         sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(3, 1))
 
@@ -141,7 +160,8 @@ def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed):
     if r // bn:  # the decode row's threshold: the median of its candidate block maxima
         thr[:, -1] = tiles.bmax[:, r, : r // bn].median(dim=-1).values
     row_thr = thr[:, torch.clamp(torch.arange(length) // bm, max=thr.shape[1] - 1)]  # per row = per BM=1 block
-    for kw, kw_row in (({"thresholds": thr}, {"thresholds": row_thr}), ({"log_lambda": -1.5}, {"log_lambda": -1.5})):
+    for kw, kw_row in (({"thresholds": thr}, {"thresholds": row_thr}), ({"log_lambda": -1.5}, {"log_lambda": -1.5}),
+                       ({"window": 2}, {"window": 2})):
         want, wc = sparse_attention(q, k, v, scale, 1, bn, **kw_row)
         qq, kk, vv = q[:, :, -1:].repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)
         got, gc = sparse_decode(qq, kk, vv, scale, bm, bn, **kw)
@@ -149,6 +169,8 @@ def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed):
         assert gc.candidates == 2 * (r // bn) and gc.reachable == 2 * (r // bn + 1)
         if "thresholds" in kw:
             skip = cand & (tiles.bmax[:, r] < row_thr[:, r:r + 1])
+        elif "window" in kw:
+            skip = (cand & (torch.arange(cand.numel()) < r // bn - 2)).expand(h, -1)
         else:
             skip = cand & (tiles.gap[:, 0, r] < -1.5)
         assert torch.equal(gc.skipped, 2 * skip.sum(dim=-1))

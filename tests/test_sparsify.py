@@ -46,7 +46,7 @@ def write_bsfa_from_fit(run, exp):
     write_bsfa(exp, torch.from_numpy(acc.result()), [1, 2], 128, 64, "mean", {"model": "tiny"})
 
 
-@pytest.mark.parametrize("method,kw", [("bsfa", {"k": 2}), ("blasst", {})])
+@pytest.mark.parametrize("method,kw", [("bsfa", {"k": 2}), ("blasst", {}), ("window", {"blocks": 6})])
 def test_noop_thresholds_reproduce_dense(tiny_model, tmp_path, method, kw, seed):
     _, model = tiny_model
     ids = torch.randint(0, 300, (2, 333), generator=torch.Generator().manual_seed(seed))
@@ -117,4 +117,18 @@ def test_refusals(tiny_model, tmp_path):
     with pytest.raises(UserError, match="needs k"):
         sparsecal.sparsify(model, _noop_export(tmp_path / "f"), method="bsfa")
     with pytest.raises(UserError, match="not one of"):
-        sparsecal.sparsify(model, exp, method="window")
+        sparsecal.sparsify(model, exp, method="topk")
+
+
+def test_window_skips_all_but_the_nearest_blocks(tiny_model, tmp_path, seed):
+    """window:1 keeps one candidate per query block: A_i - min(1, A_i) skipped in every layer and head."""
+    _, model = tiny_model
+    ids = torch.randint(0, 300, (1, 700), generator=torch.Generator().manual_seed(seed))
+    sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="window", blocks=1)
+    with torch.no_grad():
+        model(ids)
+    cand, reach = block_counts(700, 128, 64)
+    assert (model.sparsecal_stats["skipped"] == int(torch.clamp(cand - 1, min=0).sum())).all()
+    assert (model.sparsecal_stats["reachable"] == int(reach.sum())).all()
+    with pytest.raises(UserError, match="blocks"):
+        sparsecal.sparsify(model, tmp_path / "e", method="window")

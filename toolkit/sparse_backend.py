@@ -1,6 +1,6 @@
 """Run a loaded model on exported thresholds: ``sparsify(model, EXPORT_DIR, method=..., ...)``
-switches its attention to ``sparsecal_bsfa`` or ``sparsecal_blasst`` (registered with transformers'
-AttentionInterface), ``densify(model)`` switches back.
+switches its attention to ``sparsecal_bsfa``, ``sparsecal_blasst`` or ``sparsecal_window``
+(registered with transformers' AttentionInterface), ``densify(model)`` switches back.
 
 Prefill (one unpadded sequence per batch row, causal) and decode (one new token against the KV
 cache) run the plain-torch reference (kernels/sparse_reference.py); the Triton sparse kernels
@@ -9,7 +9,9 @@ and head the candidate tiles skipped and the reachable tiles of that forward:
 ``{"skipped": [L, H] int64, "reachable": [L, H] int64}``.
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
-cache length (decode); BSFA uses thresholds[k][layer][head, min(query block, P - 1)].
+cache length (decode); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
+(the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
+candidate key blocks nearest to it, with the export's block sizes.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from .errors import UserError
 
-METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst"}
+METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window"}
 _STATE_ATTR = "_sparsecal_state"
 
 
@@ -33,6 +35,7 @@ class _State:
     thresholds: torch.Tensor | None = None        # [L, H, P] (BSFA)
     factors: dict = field(default_factory=dict)   # mode -> a (BLASST)
     order: str = "forward"
+    window: int | None = None                      # candidate blocks kept (window)
     stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
 
 
@@ -42,11 +45,12 @@ def _geometry(model) -> dict:
 
 
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
-             model_id: str | None = None):
+             model_id: str | None = None, blocks: int | None = None):
     """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
 
     BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
-    own target sparsity). ``model_id`` (optional) is checked against the export's model."""
+    own target sparsity); window needs ``blocks`` (candidate key blocks kept per query block; the
+    export gives the block sizes). ``model_id`` (optional) is checked against the export's model."""
     from .exports import load_blasst, load_bsfa
 
     if method not in METHODS:
@@ -60,6 +64,11 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
             raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
         exp = load_bsfa(export_dir, expect)
         state = _State("bsfa", exp.q_block_size, exp.k_block_size, previous, thresholds=exp.for_k(k))
+    elif method == "window":
+        if blocks is None or blocks < 0:
+            raise UserError("window needs blocks >= 0: sparsify(model, EXPORT_DIR, method='window', blocks=32).")
+        exp = load_bsfa(export_dir, expect)
+        state = _State("window", exp.q_block_size, exp.k_block_size, previous, window=int(blocks))
     else:
         doc = load_blasst(export_dir, expect)
         t = doc["target_sparsity"] if target is None else target
@@ -153,6 +162,8 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
 
 
 def _method_args(state: _State, layer: int, mode: str, length: int) -> dict:
+    if state.method == "window":
+        return {"window": state.window}
     if state.method == "bsfa":
         return {"thresholds": state.thresholds[layer]}
     a = state.factors.get(mode)
