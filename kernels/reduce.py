@@ -25,6 +25,8 @@ Output keys
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import StatsConfig
@@ -51,33 +53,64 @@ def histogram(values: torch.Tensor, edges: torch.Tensor, weights: torch.Tensor |
     return out.view(g, nb)
 
 
-def bsfa_reduce(bmax: torch.Tensor, mass: torch.Tensor, cand: torch.Tensor, cfg: StatsConfig):
-    """Per-sample BSFA thresholds at cfg.k_values. bmax, mass [H, P, Kb]; cand [P] (A_i)."""
+def max_candidates(p: int, cfg: StatsConfig) -> int:
+    """max_i A_i over P query blocks (A_i grows with i), from shapes alone: no device read."""
+    return ((p - 1) * cfg.block_m) // cfg.block_n
+
+
+@functools.lru_cache(maxsize=64)
+def _k_index(k_values: tuple, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device tensors (cached: no host-to-device copy, which would wait for the GPU): positions
+    k-1 and k of each k in the sorted top ``width`` values (clamped), and the k values."""
+    ks = torch.tensor(k_values, dtype=torch.int64)
+    return ((ks - 1).clamp(max=width - 1).to(device), ks.clamp(max=width - 1).to(device), ks.to(device))
+
+
+def bsfa_thresholds(bmax: torch.Tensor, cand: torch.Tensor, cfg: StatsConfig):
+    """Per-sample BSFA thresholds and the sorted top candidate block maxima, on bmax's device with
+    no host sync. bmax [H, P, Kb]; cand [P] (A_i, geometry.block_counts) on bmax's device.
+
+    Returns (bsfa_threshold [H, P, K] f32, bsfa_top_bmax [H, P, T] f32, cmask [P, Kb] bool).
+    One torch.topk of the candidate-masked bmax (the top max(T, max(k) + 1) values, sorted
+    descending) replaces a full sort: the values, and so both outputs, are the same. Ties: equal
+    block maxima are equal values, so which tile a sort or topk puts first never changes a value
+    (only -0.0 and +0.0 may trade places; they compare equal).
+    """
     h, p, kb = bmax.shape
-    cand = cand.to(bmax.device)
     cmask = torch.arange(kb, device=bmax.device).unsqueeze(0) < cand.unsqueeze(1)  # [P, Kb]
     cb = bmax.masked_fill(~cmask, NEG_INF)
-    vals = cb.sort(dim=-1, descending=True).values
-    thr, kept, skipped = [], [], []
-    for k in cfg.k_values:
-        if k < kb:
-            mid = (vals[..., k - 1] + vals[..., k]) / 2
-        else:
-            mid = torch.full((h, p), NEG_INF, device=bmax.device)
-        t = torch.where(cand.unsqueeze(0) > k, mid, torch.full_like(mid, NEG_INF))
-        below = cmask & (cb < t.unsqueeze(-1))
-        thr.append(t)
-        kept.append((cmask & ~below).sum(dim=-1))
+    top = max(1, min(cfg.top_count, max_candidates(p, cfg)))
+    width = min(kb, max(top, max(cfg.k_values) + 1))
+    vals = cb.topk(width, dim=-1, sorted=True).values  # [H, P, width] descending
+    lo, hi, ks = _k_index(tuple(cfg.k_values), width, bmax.device)
+    mid = (vals.index_select(-1, lo) + vals.index_select(-1, hi)) / 2  # valid wherever A_i > k
+    thr = torch.where(cand.unsqueeze(1) > ks, mid, torch.full_like(mid, NEG_INF))
+    top_vals = vals[..., :top]
+    if top > width:  # only when the values run out (Kb < T); never for geometry's A_i
+        top_vals = torch.nn.functional.pad(top_vals, (0, top - width), value=NEG_INF)
+    return thr.float(), top_vals.float(), cmask
+
+
+def bsfa_reduce(bmax: torch.Tensor, mass: torch.Tensor, cand: torch.Tensor, cfg: StatsConfig):
+    """Per-sample BSFA thresholds at cfg.k_values. bmax, mass [H, P, Kb]; cand [P] (A_i).
+
+    Device-side with no host sync when cand lives on bmax's device (a CPU cand is copied over).
+    kept = A_i minus the candidates strictly below the threshold (ties with it are kept);
+    skipped mass sums the same products in the same order as a masked sum would.
+    """
+    cand = cand.to(bmax.device)
+    thr, top_vals, cmask = bsfa_thresholds(bmax, cand, cfg)
+    hi = bmax.masked_fill(~cmask, float("inf"))  # non-candidates are never below a threshold
+    kept, skipped = [], []
+    for x in range(len(cfg.k_values)):  # over the configured k values, not over data
+        below = hi < thr[..., x:x + 1]
+        kept.append(cand - below.sum(dim=-1))
         skipped.append((mass * below).sum(dim=-1))
-    top = max(1, min(cfg.top_count, int(cand.max())))
-    top_vals = torch.full((h, p, top), NEG_INF, device=bmax.device)
-    width = min(top, kb)
-    top_vals[..., :width] = vals[..., :width]
     return {
-        "bsfa_threshold": torch.stack(thr, dim=-1).float(),
+        "bsfa_threshold": thr,
         "bsfa_kept": torch.stack(kept, dim=-1),
         "bsfa_skipped_mass": torch.stack(skipped, dim=-1).float(),
-        "bsfa_top_bmax": top_vals.float(),
+        "bsfa_top_bmax": top_vals,
     }
 
 

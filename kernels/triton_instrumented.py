@@ -36,9 +36,9 @@ import triton.language as tl
 
 from .config import StatsConfig
 from .geometry import ORDERS, block_counts, cdiv
-from .reduce import bsfa_reduce
 from .reference import TileStats, _pad_blocks, signed_absmax_keys
 from .triton_dense import LAST_COMPILED, LOG2E, _attend_range, _dot, check_inputs, dot_flags, next_pow2
+from .triton_reduce import capture_reduce
 from .triton_tilestats import HistLayout, _decode_stats_kernel, _tile_stats_kernel
 
 NEG_INF = float("-inf")
@@ -337,21 +337,29 @@ def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per
     return _pick(sec, cfg)
 
 
+def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict:
+    """reduce_tiles' histogram keys (gap, decode gap, t* and q-init counts; f64 masses) from the
+    in-kernel [H, W] rows of the tiles (part) and of the decode rows (dpart)."""
+    lay = HistLayout.of(cfg)
+    part, dpart = part.double(), dpart.double()
+    return {
+        "gap_count": _hist_section(part, cfg, "gap_count", lay.ng, lay.nbp).round().long(),
+        "gap_mass": _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous(),
+        "decode_gap_count": _hist_section(dpart, cfg, "gap_count", lay.ng, lay.nbp).round().long(),
+        "decode_gap_mass": _hist_section(dpart, cfg, "gap_mass", lay.ng, lay.nbp).contiguous(),
+        "tstar_where": _hist_section(part, cfg, "tstar_where", 3, 4).round().long(),
+        "tstar_hist": _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long(),
+        "qinit_count": _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long(),
+    }
+
+
 def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) -> dict:
     """kernels/reduce.py's reduce_tiles output (same keys, shapes, dtypes) from the fused passes;
-    decode = decode_forward(..., fused=True)'s result."""
-    lay = HistLayout.of(cfg)
-    cand = tile_offsets(n, cfg.block_m, cfg.block_n, res.bmax.device)[2]
-    out = bsfa_reduce(res.bmax, res.mass, cand, cfg)
-    part = res.part.double()
-    out["gap_count"] = _hist_section(part, cfg, "gap_count", lay.ng, lay.nbp).round().long()
-    out["gap_mass"] = _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous()
-    dpart = decode[3].double()
-    out["decode_gap_count"] = _hist_section(dpart, cfg, "gap_count", lay.ng, lay.nbp).round().long()
-    out["decode_gap_mass"] = _hist_section(dpart, cfg, "gap_mass", lay.ng, lay.nbp).contiguous()
-    out["tstar_where"] = _hist_section(part, cfg, "tstar_where", 3, 4).round().long()
-    out["tstar_hist"] = _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long()
-    out["qinit_count"] = _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long()
+    decode = decode_forward(..., fused=True)'s result. No host sync (BSFA in triton_reduce)."""
+    dev = res.bmax.device
+    cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
+    out = capture_reduce(res.bmax, res.mass, cand, cfg, _edge_args(cfg, dev))
+    out.update(hist_keys(res.part, decode[3], cfg))
     if cfg.raw:
         out["raw_bmax"] = res.bmax.half()
         out["raw_gap"] = _pick(res.gap, cfg).half()
@@ -360,9 +368,19 @@ def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) ->
 
 
 def instrumented_capture_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
-                                launch: dict | None = None):
+                                launch: dict | None = None, single_pass: bool | None = None):
     """The capture path: (out [1, H, N, D], the per-sample reductions of one call) with the
-    histograms counted in the kernels; equal to reduce_tiles(instrumented_attention_triton(...))."""
+    histograms counted in the kernels; equal to reduce_tiles(instrumented_attention_triton(...)).
+
+    single_pass (default: exactly one order in cfg.orders) runs triton_single_order's path (the
+    single-pass forward for that order + the mass pass); otherwise passes 1 and 2 here, which
+    compute all three orders at once."""
+    if single_pass is None:
+        single_pass = len(cfg.orders) == 1
+    if single_pass:
+        from .triton_single_order import single_order_capture_triton
+
+        return single_order_capture_triton(q, k, v, scale, cfg, launch)
     res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, fused=True)
     decode = decode_forward(q, k, res.lse, scale, cfg, launch, fused=True)
     return res.out, fused_reduce(res, decode, q.shape[2], cfg)
