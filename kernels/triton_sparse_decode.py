@@ -1,0 +1,226 @@
+"""Block-sparse decode attention in Triton, split along the keys: one new query row per sequence
+against a long KV cache, skipping the V load and P.V product of skipped key tiles.
+
+Semantics are ``sparse_reference.sparse_decode`` (the oracle): the row r = L - 1 is its own block,
+its candidates are the key blocks j < A = r // BN, the last reachable block is always computed, and
+a candidate is skipped when
+
+    BSFA     the tile's max score < thresholds[h, min(r // BM, Pt - 1)]
+    BLASST   the tile's max score - the running max after it (in scan order) < ln(lambda)
+    window   j < A - W
+
+The BLASST running max runs over all key blocks in scan order, across splits, so the kernel works
+in two phases (plus a merge):
+
+phase 1 ``_decode_scores_kernel`` (grid splits x B*Hkv): each program reads its range of K tiles
+        once for all query heads of its KV group, stores the scaled scores (f32, log2 units) and
+        each head's tile max.
+decide  the skip mask [B, H, Kb] from the tile maxima (a few small torch ops on [B, H, Kb]).
+phase 2 ``_decode_attend_kernel`` (same grid): for its tiles, heads that keep the tile read their
+        scores back; the V tile is loaded and multiplied only when some head of the group keeps it
+        (with GQA a V tile is shared; FSA's point: small groups skip more V loads). Each program
+        counts the tiles each head skipped and leaves a partial (acc, max, sum).
+merge   ``_decode_merge_kernel`` (grid B*H) combines the splits.
+
+Memory traffic: K once, the scores (4 * group bytes per key and head, vs 2 * D for K) written and
+read once, V only for kept tiles. ``method="dense"`` (no decision, no mask) is the same kernels with
+skipping off, the fair baseline.
+
+Shape legend
+    B batch   H query heads   Hkv KV heads   G = H / Hkv   L cached tokens (row r = L - 1)
+    D head dim   Kb = ceil(L / BN) key blocks   S splits   Pt threshold positions
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .geometry import ORDERS, scan_order
+from .triton_dense import LAST_COMPILED, LOG2E, _dot, dot_flags, next_pow2
+
+DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
+
+
+@triton.jit
+def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n_kb, tiles_per_split,
+                          num_heads, group, qk_scale,
+                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
+                          PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv). Q [B, H, D] (strides sq_b, sq_h); K [B, Hkv, L, D]; S [B, H, Kb * BN] f32
+    scaled scores (log2 units, -inf past L); TMAX [B, H, Kb] f32 each head's tile max."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    hkv = num_heads // group
+    b = (bk // hkv).to(tl.int64)
+    hk = (bk % hkv).to(tl.int64)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < group
+    heads = hk * group + offs_g
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    k_ptr = K + b * sk_b + hk * sk_h
+    s_row = S + (b * num_heads + heads) * (n_kb * BN)    # [GP] row starts
+    t_row = TMAX + (b * num_heads + heads) * n_kb
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, n_kb)
+    for j in range(j0, j1):
+        keys = j * BN + offs_n
+        kmask = (offs_n < BN) & (keys < length)
+        kt = tl.load(k_ptr + keys[None, :] * sk_n + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        s = _dot(q, kt, None, PREC, UPCAST) * qk_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        tl.store(s_row[:, None] + keys[None, :], s, mask=g_ok[:, None] & (offs_n < BN)[None, :])
+        tl.store(t_row + j, tl.max(s, 1), mask=g_ok)
+
+
+@triton.jit
+def _decode_attend_kernel(S, V, SKIP, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length, n_kb, tiles_per_split, n_split,
+                          num_heads, group,
+                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
+                          MASKED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv). SKIP [B, H, Kb] i8 (1 = skip; read only when MASKED); partials ACC
+    [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT [B, H, S] i32 tiles skipped."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    hkv = num_heads // group
+    b = (bk // hkv).to(tl.int64)
+    hk = (bk % hkv).to(tl.int64)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < group
+    heads = hk * group + offs_g
+    bh = b * num_heads + heads                           # [GP]
+    v_ptr = V + b * sv_b + hk * sv_h
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    n_skip = tl.zeros([GP], tl.int32)
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, n_kb)
+    for j in range(j0, j1):
+        keys = j * BN + offs_n
+        if MASKED:
+            keep = (tl.load(SKIP + bh * n_kb + j, mask=g_ok, other=1) == 0) & g_ok
+            n_skip += (g_ok & ~keep).to(tl.int32)
+            any_keep = tl.max(keep.to(tl.int32), 0) > 0
+        else:
+            keep = g_ok
+            any_keep = True
+        if any_keep:
+            s = tl.load(S + bh[:, None] * (n_kb * BN) + keys[None, :], mask=keep[:, None] & (offs_n < BN)[None, :],
+                        other=float("-inf"))
+            v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=((offs_n < BN) & (keys < length))[:, None],
+                        other=0.0)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+            m_i = m_new
+    part = bh * n_split + split
+    tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(M + part, m_i, mask=g_ok)
+    tl.store(LS + part, l_i, mask=g_ok)
+    tl.store(CNT + part, n_skip, mask=g_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(ACC, M, LS, O, so_b, so_h, num_heads, n_split,
+                         HEAD_DIM: tl.constexpr, SP: tl.constexpr):
+    """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < n_split
+    m = tl.load(M + bh * n_split + offs_s, mask=s_ok, other=float("-inf"))
+    ls = tl.load(LS + bh * n_split + offs_s, mask=s_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_all))
+    acc = tl.load(ACC + (bh * n_split + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(ls * w, 0)
+    b = bh // num_heads
+    h = bh % num_heads
+    tl.store(O + b * so_b + h * so_h + offs_d, out.to(O.dtype.element_ty))
+
+
+def num_splits(batch_kv: int, n_kb: int, device) -> int:
+    """Splits along the keys so that about four programs per SM run (each at least 4 tiles)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(4 * sms, batch_kv), triton.cdiv(n_kb, 4)))
+
+
+def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int, *, thresholds=None,
+                     log_lambda=None, window=None, order: str = "forward") -> torch.Tensor:
+    """Which key tiles each head skips. tmax [B, H, Kb] f32 tile maxima (log2 units) -> [B, H, Kb] bool."""
+    _, h, kb = tmax.shape
+    r = length - 1
+    a = r // block_n
+    cand = torch.arange(kb, device=tmax.device) < a
+    if window is not None:
+        return (torch.arange(kb, device=tmax.device) < a - window).expand_as(tmax).clone()
+    if thresholds is not None:
+        thr = thresholds[:, min(r // block_m, thresholds.shape[1] - 1)].to(tmax) * LOG2E
+        return cand & (tmax < thr.view(1, h, 1))
+    seq = torch.tensor(scan_order(order, a, kb), device=tmax.device)
+    running = torch.cummax(tmax[..., seq], dim=-1).values
+    gap = torch.empty_like(tmax)
+    gap[..., seq] = tmax[..., seq] - running
+    ll2 = log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda
+    return cand & (gap < ll2)
+
+
+def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                         log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                         dense: bool = False, splits: int | None = None, launch: tuple | None = None):
+    """One decode step; the Triton twin of ``sparse_reference.sparse_decode``.
+
+    q [B, H, 1, D], k/v [B, Hkv, L, D] (the row sits at L - 1; fp16/bf16, fp32 accepted); exactly
+    one of thresholds [H, Pt], log_lambda, window, or dense=True. Returns (out [B, H, 1, D] in
+    q.dtype, skipped [B, H] int64 candidate tiles skipped, counted by the kernel).
+    """
+    from .triton_sparse import _method_code
+
+    method = _method_code(thresholds, log_lambda, window, dense)
+    b, h, one, d = q.shape
+    if one != 1 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or h % k.shape[1] or k.shape[3] != d:
+        raise ValueError(f"decode takes q [B,H,1,D] and k, v [B,Hkv,L,D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if order not in ORDERS:
+        raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
+    hkv, length = k.shape[1], k.shape[2]
+    group, kb = h // hkv, triton.cdiv(length, block_n)
+    gp, bn_pad = next_pow2(group), next_pow2(block_n)
+    n_split = splits or num_splits(b * hkv, kb, q.device)
+    tps = triton.cdiv(kb, n_split)
+    n_split = triton.cdiv(kb, tps)
+    dev, f32 = q.device, torch.float32
+    s = torch.empty((b, h, kb * block_n), dtype=f32, device=dev)
+    tmax = torch.empty((b, h, kb), dtype=f32, device=dev)
+    prec, upcast = dot_flags(q.dtype)
+    warps, stages = launch or DECODE_LAUNCH
+    q2 = q[:, :, 0]
+    grid = (n_split, b * hkv)
+    common = dict(HEAD_DIM=d, BN=block_n, BLOCK_N=bn_pad, GP=gp, PREC=prec, UPCAST=upcast,
+                  num_warps=warps, num_stages=stages)
+    LAST_COMPILED["decode_scores"] = _decode_scores_kernel[grid](
+        q2, k, s, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2), length, kb, tps,
+        h, group, scale * LOG2E, **common)
+    skip = None
+    if method:
+        skip = decode_skip_mask(tmax, length, block_m, block_n, thresholds=thresholds, log_lambda=log_lambda,
+                                window=window, order=order).to(torch.int8)
+    acc = torch.empty((b, h, n_split, d), dtype=f32, device=dev)
+    m, ls = torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev)
+    cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
+    LAST_COMPILED["decode_attend"] = _decode_attend_kernel[grid](
+        s, v, tmax if skip is None else skip, acc, m, ls, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
+        n_split, h, group, MASKED=bool(method), **common)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(b * h,)](acc, m, ls, out, out.stride(0), out.stride(1), h, n_split,
+                                   HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
+    return out, cnt.sum(dim=-1, dtype=torch.int64)
