@@ -46,8 +46,11 @@ def write_bsfa_from_fit(run, exp):
     write_bsfa(exp, torch.from_numpy(acc.result()), [1, 2], 128, 64, "mean", {"model": "tiny"})
 
 
-@pytest.mark.parametrize("method,kw", [("bsfa", {"k": 2}), ("blasst", {}), ("window", {"blocks": 6})])
+@pytest.mark.parametrize("method,kw", [("bsfa", {"k": 2}), ("blasst", {}), ("window", {"blocks": 6}),
+                                       ("bsfa", {"k": 2, "backend": "triton"}),
+                                       ("blasst", {"backend": "triton"})])
 def test_noop_thresholds_reproduce_dense(tiny_model, tmp_path, method, kw, seed):
+    """Reference backend, and the Triton kernels (in the interpreter): prefill and decode."""
     _, model = tiny_model
     ids = torch.randint(0, 300, (2, 333), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -120,11 +123,12 @@ def test_refusals(tiny_model, tmp_path):
         sparsecal.sparsify(model, exp, method="topk")
 
 
-def test_window_skips_all_but_the_nearest_blocks(tiny_model, tmp_path, seed):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_window_skips_all_but_the_nearest_blocks(tiny_model, tmp_path, backend, seed):
     """window:1 keeps one candidate per query block: A_i - min(1, A_i) skipped in every layer and head."""
     _, model = tiny_model
     ids = torch.randint(0, 300, (1, 700), generator=torch.Generator().manual_seed(seed))
-    sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="window", blocks=1)
+    sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="window", blocks=1, backend=backend)
     with torch.no_grad():
         model(ids)
     cand, reach = block_counts(700, 128, 64)
@@ -132,3 +136,40 @@ def test_window_skips_all_but_the_nearest_blocks(tiny_model, tmp_path, seed):
     assert (model.sparsecal_stats["reachable"] == int(reach.sum())).all()
     with pytest.raises(UserError, match="blocks"):
         sparsecal.sparsify(model, tmp_path / "e", method="window")
+
+
+def test_triton_backend_matches_reference_in_a_model(tiny_model, tmp_path, seed):
+    """BSFA thresholds of +-inf scattered over layers, heads and positions, through both backends:
+    same logits, same per-layer/head counts (the plumbing of layer, head and position)."""
+    _, model = tiny_model
+    g = torch.Generator().manual_seed(seed)
+    thr = torch.where(torch.rand(1, 2, 4, 4, generator=g) < 0.5, -math.inf, math.inf)
+    exp = tmp_path / "e"
+    exp.mkdir()
+    write_bsfa(exp, thr, [1], 128, 64, "mean", {"model": "tiny"})
+    ids = torch.randint(0, 300, (1, 700), generator=g)
+    got = {}
+    for backend in ("reference", "triton"):
+        sparsecal.sparsify(model, exp, method="bsfa", k=1, backend=backend)
+        with torch.no_grad():
+            got[backend] = (model(ids).logits, model.sparsecal_stats["skipped"].clone())
+    torch.testing.assert_close(got["triton"][0], got["reference"][0], atol=2e-4, rtol=2e-4)
+    assert torch.equal(got["triton"][1], got["reference"][1])
+    assert 0 < got["triton"][1].sum() < got["triton"][1].numel() * int(block_counts(700, 128, 64)[0].sum())
+    sparsecal.densify(model)
+
+
+def test_from_pretrained_with_registered_export(tiny_model, tmp_path, seed):
+    """register(EXPORT_DIR, ...) then from_pretrained(attn_implementation="sparsecal_window")."""
+    from transformers import AutoModelForCausalLM
+
+    path, dense_model = tiny_model
+    ids = torch.randint(0, 300, (1, 400), generator=torch.Generator().manual_seed(seed))
+    state = sparsecal.register(_noop_export(tmp_path / "e"), method="window", blocks=1)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparsecal_window").eval()
+    sparsecal.sparsify(dense_model, tmp_path / "e", method="window", blocks=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense_model(ids).logits)
+    cand, _ = block_counts(400, 128, 64)
+    assert (state.stats["skipped"] == int(torch.clamp(cand - 1, min=0).sum())).all()
+    sparsecal.densify(dense_model)

@@ -11,8 +11,8 @@ SCHEMA_VERSION = 1
 
 
 def __getattr__(name):
-    """``sparsecal.sparsify`` / ``sparsecal.densify`` without importing torch at package import."""
-    if name in ("sparsify", "densify"):
+    """``sparsecal.sparsify`` / ``densify`` / ``register`` without importing torch at package import."""
+    if name in ("sparsify", "densify", "register"):
         from . import sparse_backend
 
         return getattr(sparse_backend, name)

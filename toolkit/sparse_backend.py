@@ -1,11 +1,16 @@
 """Run a loaded model on exported thresholds: ``sparsify(model, EXPORT_DIR, method=..., ...)``
 switches its attention to ``sparsecal_bsfa``, ``sparsecal_blasst`` or ``sparsecal_window``
 (registered with transformers' AttentionInterface), ``densify(model)`` switches back.
+``register(EXPORT_DIR, method=..., ...)`` does the same for models loaded afterwards with
+``from_pretrained(..., attn_implementation="sparsecal_bsfa")`` (the geometry is checked at the
+first forward; the counts are in the returned state's ``stats``).
 
-Prefill (one unpadded sequence per batch row, causal) and decode (one new token against the KV
-cache) run the plain-torch reference (kernels/sparse_reference.py); the Triton sparse kernels
-will take the same place on CUDA. After each forward, ``model.sparsecal_stats`` holds per layer
-and head the candidate tiles skipped and the reachable tiles of that forward:
+Prefill (unpadded sequences of one length per batch, causal) and decode (one new token against the
+KV cache) run the Triton kernels (kernels/triton_sparse.py, kernels/triton_sparse_decode.py) on a
+CUDA device and the plain-torch reference (kernels/sparse_reference.py) elsewhere (``backend``:
+auto | triton | reference; triton on a CPU needs TRITON_INTERPRET=1). After each forward,
+``model.sparsecal_stats`` holds per layer and head the candidate tiles skipped and the reachable
+tiles of that forward, on the device the attention ran on:
 ``{"skipped": [L, H] int64, "reachable": [L, H] int64}``.
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
@@ -23,7 +28,9 @@ import torch
 from .errors import UserError
 
 METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window"}
+BACKENDS = ("auto", "triton", "reference")
 _STATE_ATTR = "_sparsecal_state"
+_REGISTERED: dict = {}  # attn_implementation name -> _State for from_pretrained-loaded models
 
 
 @dataclass
@@ -31,53 +38,76 @@ class _State:
     method: str
     block_m: int
     block_n: int
-    previous: str
+    previous: str = "sdpa"
     thresholds: torch.Tensor | None = None        # [L, H, P] (BSFA)
     factors: dict = field(default_factory=dict)   # mode -> a (BLASST)
     order: str = "forward"
     window: int | None = None                      # candidate blocks kept (window)
+    backend: str = "auto"
+    expect: dict = field(default_factory=dict)     # geometry checked at first use (register)
     stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
+    _on_device: dict = field(default_factory=dict)  # device -> thresholds there
+
+    def thresholds_on(self, device) -> torch.Tensor:
+        if device not in self._on_device:
+            self._on_device[device] = self.thresholds.to(device=device, dtype=torch.float32)
+        return self._on_device[device]
+
+    def stats_on(self, device, layers: int, heads: int) -> dict:
+        """The stats tensors, (re)allocated on ``device``; the dict object stays the same."""
+        sk = self.stats.get("skipped")
+        if sk is None or sk.device != torch.device(device) or sk.shape != (layers, heads):
+            zeros = torch.zeros(layers, heads, dtype=torch.int64, device=device)
+            self.stats.update(skipped=zeros, reachable=zeros.clone())
+        return self.stats
 
 
-def _geometry(model) -> dict:
-    text = model.config.get_text_config()
+def _geometry(config) -> dict:
+    text = config.get_text_config()
     return {"num_layers": text.num_hidden_layers, "num_heads": text.num_attention_heads}
 
 
-def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
-             model_id: str | None = None, blocks: int | None = None):
-    """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
-
-    BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
-    own target sparsity); window needs ``blocks`` (candidate key blocks kept per query block; the
-    export gives the block sizes). ``model_id`` (optional) is checked against the export's model."""
+def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
+               blocks: int | None = None, expect: dict | None = None, backend: str = "auto") -> _State:
+    """Read and check an export for one method's operating point (see ``sparsify``)."""
     from .exports import load_blasst, load_bsfa
 
     if method not in METHODS:
         raise UserError(f"method {method!r} is not one of {', '.join(METHODS)}.")
-    expect = dict(_geometry(model), model=model_id)
-    previous = model.config._attn_implementation
-    if hasattr(model, _STATE_ATTR):
-        previous = getattr(model, _STATE_ATTR).previous
+    if backend not in BACKENDS:
+        raise UserError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}.")
+    expect = expect or {}
     if method == "bsfa":
         if k is None:
             raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
         exp = load_bsfa(export_dir, expect)
-        state = _State("bsfa", exp.q_block_size, exp.k_block_size, previous, thresholds=exp.for_k(k))
-    elif method == "window":
+        return _State("bsfa", exp.q_block_size, exp.k_block_size, thresholds=exp.for_k(k), backend=backend)
+    if method == "window":
         if blocks is None or blocks < 0:
             raise UserError("window needs blocks >= 0: sparsify(model, EXPORT_DIR, method='window', blocks=32).")
         exp = load_bsfa(export_dir, expect)
-        state = _State("window", exp.q_block_size, exp.k_block_size, previous, window=int(blocks))
-    else:
-        doc = load_blasst(export_dir, expect)
-        t = doc["target_sparsity"] if target is None else target
-        factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
-        state = _State("blasst", doc["q_block_size"], doc["k_block_size"], previous, factors=factors,
-                       order=doc.get("scan_order", "forward"))
-    geo = _geometry(model)
-    zeros = torch.zeros(geo["num_layers"], geo["num_heads"], dtype=torch.int64)
-    state.stats.update(skipped=zeros, reachable=zeros.clone())
+        return _State("window", exp.q_block_size, exp.k_block_size, window=int(blocks), backend=backend)
+    doc = load_blasst(export_dir, expect)
+    t = doc["target_sparsity"] if target is None else target
+    factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
+    return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
+                  order=doc.get("scan_order", "forward"), backend=backend)
+
+
+def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
+             model_id: str | None = None, blocks: int | None = None, backend: str = "auto"):
+    """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
+
+    BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
+    own target sparsity); window needs ``blocks`` (candidate key blocks kept per query block; the
+    export gives the block sizes). ``model_id`` (optional) is checked against the export's model.
+    ``backend``: auto (Triton on CUDA, else the reference), triton, reference."""
+    geo = _geometry(model.config)
+    state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend)
+    state.previous = model.config._attn_implementation
+    if hasattr(model, _STATE_ATTR):
+        state.previous = getattr(model, _STATE_ATTR).previous
+    state.stats_on(model.device, geo["num_layers"], geo["num_heads"])
     register()
     for m in _attention_modules(model):
         m._sparsecal_state = state
@@ -90,8 +120,8 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
 def _attention_modules(model):
     """The modules transformers calls attention functions with (they carry ``layer_idx``)."""
     mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-    if len(mods) != _geometry(model)["num_layers"]:
-        raise UserError(f"found {len(mods)} attention modules for {_geometry(model)['num_layers']} layers; "
+    if len(mods) != _geometry(model.config)["num_layers"]:
+        raise UserError(f"found {len(mods)} attention modules for {_geometry(model.config)['num_layers']} layers; "
                         "sparsify supports decoder-only models with one attention per layer.")
     return mods
 
@@ -118,54 +148,116 @@ def densify(model):
     return model
 
 
-def register() -> None:
+def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
+             blocks: int | None = None, model_id: str | None = None, backend: str = "auto"):
+    """Register the sparse attention functions with transformers' AttentionInterface.
+
+    With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
+    attn_implementation=METHODS[method])`` run on that export (checked against the model's
+    layers and heads at the first forward); returns the state, whose ``stats`` are those of the
+    last forward."""
     from transformers import AttentionInterface
 
     for name in METHODS.values():
         AttentionInterface.register(name, sparse_attention_fn)
+    if export_dir is None:
+        return None
+    state = load_state(export_dir, method, k, target, blocks, {"model": model_id}, backend)
+    _REGISTERED[METHODS[method]] = state
+    return state
+
+
+def _module_state(module) -> _State:
+    state = getattr(module, "_sparsecal_state", None)
+    if state is not None:
+        return state
+    state = _REGISTERED.get(getattr(module.config, "_attn_implementation", None))
+    if state is None:
+        raise RuntimeError("sparsecal sparse attention needs sparsecal.sparsify(model, ...) or "
+                           "sparsecal.register(EXPORT_DIR, ...) before from_pretrained")
+    if not state.expect:
+        geo = _geometry(module.config)
+        _check_state_geometry(state, geo)
+        state.expect = geo
+    return state
+
+
+def _check_state_geometry(state: _State, geo: dict) -> None:
+    if state.thresholds is not None and tuple(state.thresholds.shape[:2]) != (geo["num_layers"], geo["num_heads"]):
+        raise UserError(f"the export has {tuple(state.thresholds.shape[:2])} (layers, heads), the model "
+                        f"({geo['num_layers']}, {geo['num_heads']}); export for this model.")
 
 
 def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """AttentionInterface function. query [B, H, Nq, D], key/value [B, Hkv, Nk, D] -> ([B, Nq, H, D], None)."""
-    from sparsecal.kernels.sparse_reference import sparse_attention, sparse_decode
-
-    state = getattr(module, "_sparsecal_state", None)
-    if state is None:
-        raise RuntimeError("sparsecal sparse attention runs only on a model switched with sparsecal.sparsify()")
-    b, h, nq, _ = query.shape
+    state = _module_state(module)
+    b, h, nq, d = query.shape
     nk = key.shape[2]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = scaling if scaling is not None else d ** -0.5
     layer = module.layer_idx
     mode = "prefill" if nq == nk else "decode"
     if mode == "decode" and nq != 1:
         raise RuntimeError("sparse attention runs prefill of whole sequences and decode one token at a time")
     if attention_mask is not None and not _is_causal_only(attention_mask, nq, nk):
         raise RuntimeError("sparse attention takes unpadded sequences (no padding mask)")
-    kw = _method_args(state, layer, mode, nk)
+    kw = _method_args(state, layer, mode, nk, query.device)
+    if _use_triton(state, query):
+        out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
+    else:
+        out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
+    geo = _geometry(module.config)
+    stats = state.stats_on(query.device, geo["num_layers"], h)
+    if layer == 0:  # a new forward starts: the counts describe the last forward only
+        stats["skipped"].zero_()
+        stats["reachable"].zero_()
+    stats["skipped"][layer] = skipped
+    stats["reachable"][layer] = reach
+    return out, None
+
+
+def _use_triton(state: _State, query) -> bool:
+    if state.backend == "reference":
+        return False
+    return state.backend == "triton" or query.is_cuda
+
+
+def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict):
+    """Triton kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+    from sparsecal.kernels.triton_sparse import candidate_tiles, sparse_attention_triton
+    from sparsecal.kernels.triton_sparse_decode import sparse_decode_triton
+
+    b, h, nq, d = query.shape
+    if mode == "prefill":
+        out = torch.empty((b, nq, h, d), dtype=query.dtype, device=query.device)
+        _, skipped = sparse_attention_triton(query, key, value, scale, state.block_m, state.block_n,
+                                             order=state.order, out=out.transpose(1, 2), **kw)
+        return out, skipped.sum(dim=0), candidate_tiles(nq, state.block_m, state.block_n)[1] * b
+    o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
+    return o.transpose(1, 2), skipped.sum(dim=0), ((key.shape[2] - 1) // state.block_n + 1) * b
+
+
+def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw: dict):
+    """Plain-torch reference per sequence: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+    from sparsecal.kernels.sparse_reference import sparse_attention, sparse_decode
+
+    kw = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()} if not query.is_cuda else kw
     if mode == "prefill":
         outs, skipped = [], 0
-        for i in range(b):
+        for i in range(query.shape[0]):
             o, c = sparse_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale, state.block_m,
                                     state.block_n, order=state.order, **kw)
             outs.append(o)
             skipped = skipped + c.skipped
-        out, reach = torch.cat(outs), c.reachable * b
-    else:
-        out, c = sparse_decode(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
-        skipped, reach = c.skipped, c.reachable
-    if layer == 0:  # a new forward starts: the counts describe the last forward only
-        state.stats["skipped"].zero_()
-        state.stats["reachable"].zero_()
-    state.stats["skipped"][layer] = skipped.cpu()
-    state.stats["reachable"][layer] = reach
-    return out.transpose(1, 2).contiguous(), None
+        return torch.cat(outs).transpose(1, 2).contiguous(), skipped, c.reachable * query.shape[0]
+    out, c = sparse_decode(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
+    return out.transpose(1, 2).contiguous(), c.skipped, c.reachable
 
 
-def _method_args(state: _State, layer: int, mode: str, length: int) -> dict:
+def _method_args(state: _State, layer: int, mode: str, length: int, device) -> dict:
     if state.method == "window":
         return {"window": state.window}
     if state.method == "bsfa":
-        return {"thresholds": state.thresholds[layer]}
+        return {"thresholds": state.thresholds_on(device)[layer]}
     a = state.factors.get(mode)
     return {"log_lambda": -math.inf if not a else math.log(a / length)}
 
