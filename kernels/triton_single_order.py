@@ -37,14 +37,22 @@ def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch:
     out, lse, bmax, gap, tstep, twhere, qerr = instrumented_forward_triton(
         q, k, v, scale, cfg, order, launch.get("forward_stats"))
     mass = block_mass_triton(q, k, lse, scale, cfg, launch.get("mass"))
+    return out, single_order_reductions(q, k, (lse, bmax, gap, tstep, twhere, qerr), mass, scale, cfg, launch)
+
+
+def single_order_reductions(q, k, fwd: tuple, mass: torch.Tensor, scale: float, cfg: StatsConfig,
+                            launch: dict | None = None) -> dict:
+    """Decode rows and the device reductions after the two passes. fwd = (lse, bmax, gap, tstep,
+    twhere, qerr) of instrumented_forward_triton for cfg.orders[0]; mass [H, P, Kb]."""
+    lse, bmax, gap, tstep, twhere, qerr = fwd
     dev, h, n = q.device, q.shape[1], q.shape[2]
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
     part = torch.zeros((h, HistLayout.of(cfg).offsets["width"]), dtype=torch.float32, device=dev)
-    red = capture_reduce(bmax, mass, cand, cfg, _edge_args(cfg, dev), order, gap, tstep, twhere, qerr, part)
+    red = capture_reduce(bmax, mass, cand, cfg, _edge_args(cfg, dev), cfg.orders[0], gap, tstep, twhere, qerr, part)
     decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True)
     red.update(hist_keys(part, decode[3], cfg))
     if cfg.raw:
         red["raw_bmax"] = bmax.half()
         red["raw_gap"] = gap.unsqueeze(1).half()
         red["raw_mass"] = mass.half()
-    return out, red
+    return red

@@ -29,6 +29,7 @@ class CaptureRequest:
     k_values: list = field(default_factory=lambda: [4, 8, 16, 32, 64])
     decode_rows: int = 64
     raw: bool = False
+    orders: list = field(default_factory=lambda: ["forward", "reverse", "sink_local"])
     dtype: str = "float32"
     device: str = "cpu"
     backend: str = "auto"  # auto | triton | reference
@@ -40,7 +41,15 @@ def stats_config(req: CaptureRequest):
     ks = sorted(set(req.k_values))
     if ks[0] < 1:
         raise UserError(f"--k values must be positive integers, got {req.k_values}.")
-    return StatsConfig(block_m=req.block_m, block_n=req.block_n, k_values=tuple(ks),
+    from sparsecal.kernels.geometry import ORDERS
+
+    for o in req.orders:
+        if o not in ORDERS:
+            from .errors import unknown
+            raise unknown("scan order", o, ORDERS)
+    if not req.orders or len(set(req.orders)) != len(req.orders):
+        raise UserError(f"--orders must name distinct scan orders from {', '.join(ORDERS)}, got {req.orders}.")
+    return StatsConfig(block_m=req.block_m, block_n=req.block_n, k_values=tuple(ks), orders=tuple(req.orders),
                        decode_rows=req.decode_rows, raw=req.raw)
 
 

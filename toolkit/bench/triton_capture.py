@@ -14,7 +14,11 @@
 
 Times are medians of triton.testing.do_bench (L2 flushed before each run, warm-up first).
 ``--smollm2 DIR`` instead captures SmolLM2 on the default prompt set twice (GPU triton, CPU
-reference) into DIR and compares the runs.
+reference) into DIR and compares the runs. ``--single-order`` instead compares the capture paths
+(writes triton-capture-single-order-h100.json): the single-order path (single-pass forward + mass
+pass + decode + reductions) per order against the reference on the GPU, whether both capture paths
+run without a host sync, a launch sweep of the mass pass, then per (D, N) round-robin timings of
+SDPA, dense Triton, the three-order capture and each one-order capture with its parts.
 """
 from __future__ import annotations
 
@@ -409,13 +413,18 @@ def main(argv=None) -> None:
     ap.add_argument("--model-layers", type=int, default=4, help="0 skips the model capture")
     ap.add_argument("--smollm2", type=Path, default=None, help="capture SmolLM2 GPU vs CPU into this directory")
     ap.add_argument("--smollm2-lengths", default="1024,2048,4096")
-    ap.add_argument("--out", type=Path, default=Path("data/bench/triton-capture-h100.json"))
+    ap.add_argument("--out", type=Path, default=None, help="[default: data/bench/triton-capture-h100.json; "
+                    "with --single-order, data/bench/triton-capture-single-order-h100.json]")
+    ap.add_argument("--single-order", action="store_true", help="compare the one-order and three-order capture paths")
+    ap.add_argument("--repeats", type=int, default=3, help="--single-order: round-robin timing rounds (median)")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy's .git may be stale or absent)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one capture call")
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.dims = [int(x) for x in args.dims.split(",")]
-    result = {"benchmark": "smollm2-gpu-vs-cpu" if args.smollm2 else "triton-capture", "provenance": provenance()}
+    name = "triton-capture-single-order" if args.single_order else "triton-capture"
+    args.out = args.out or Path(f"data/bench/{name}-h100.json")
+    result = {"benchmark": "smollm2-gpu-vs-cpu" if args.smollm2 else name, "provenance": provenance()}
     result["provenance"]["commit"] = args.commit or result["provenance"]["commit"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -427,6 +436,13 @@ def main(argv=None) -> None:
         lengths = [int(x) for x in args.smollm2_lengths.split(",")]
         run_section(result, "smollm2", lambda: smollm2_compare(args.smollm2, lengths), save)
         print(json.dumps(result.get("smollm2", {}).get("comparison", {}).get("summary_max_abs_diff"), indent=1))
+        return
+    if args.single_order:
+        from .triton_capture_single import single_order_benchmark, single_order_table
+
+        single_order_benchmark(args, save, result)
+        print(single_order_table(result), flush=True)
+        print(f"-> {args.out}")
         return
     kernel_benchmark(args, save, result)
     print(table(result), flush=True)
