@@ -307,10 +307,18 @@ def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, laun
     return torch.arange(r_first, n, device=dev), gap, mass, part
 
 
+@functools.lru_cache(maxsize=16)
+def _order_index(sel: tuple, device) -> torch.Tensor:
+    return torch.tensor(sel, dtype=torch.int64).to(device)
+
+
 def _pick(t: torch.Tensor, cfg: StatsConfig) -> torch.Tensor:
-    """[H, 3, ...] in geometry.ORDERS -> [H, O, ...] in cfg.orders."""
-    sel = [ORDERS.index(o) for o in cfg.orders]
-    return t if sel == [0, 1, 2] else t[:, sel]
+    """[H, 3, ...] in geometry.ORDERS -> [H, O, ...] in cfg.orders (a slice, or an index cached on
+    the device: a list index would be copied to the device and wait for it each call)."""
+    sel = tuple(ORDERS.index(o) for o in cfg.orders)
+    if sel == tuple(range(sel[0], sel[0] + len(sel))):
+        return t if len(sel) == 3 else t[:, sel[0]:sel[0] + len(sel)]
+    return t.index_select(1, _order_index(sel, t.device))
 
 
 def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
