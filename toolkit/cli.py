@@ -70,6 +70,8 @@ def capture(
     block_n: int = typer.Option(64, min=1, help="Key block size BN."),
     k: str = typer.Option("4,8,16,32,64", help="BSFA k values (top-k key blocks kept)."),
     decode_rows: int = typer.Option(64, min=0, help="Last rows captured as decode queries."),
+    orders: str = typer.Option("forward,reverse,sink_local", help="Scan orders of the BLASST gaps and t*; one order "
+                               "captures fastest on the triton backend (single-pass kernel)."),
     raw: bool = typer.Option(False, "--raw", help="Also store raw tiles (bmax, gap, mass) for heatmaps."),
     dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="torch device for the model."),
@@ -83,6 +85,7 @@ def capture(
                          lengths=_int_list(lengths, "lengths"), samples=samples, seed=seed,
                          prompts_file=prompts_file, block_m=block_m, block_n=block_n,
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
+                         orders=[o.strip() for o in orders.split(",") if o.strip()],
                          dtype=dtype, device=device, backend=backend)
     capture_command(req)
 
@@ -160,6 +163,37 @@ def demo(
         from sparsecal.dashboard.serve import serve as serve_dashboard
 
         raise typer.Exit(serve_dashboard([out], "127.0.0.1", port))
+
+
+@app.command(name="eval")
+@_user_errors
+def eval_(
+    export: Path = typer.Argument(..., help="Export directory (thresholds.safetensors/.bsfa.pt, blasst.json)."),
+    out: Path = typer.Option(..., "--out", help="Evaluation directory (created, or resumed if it holds the same request)."),
+    model: Optional[str] = typer.Option(None, help="'smollm2' or a local HF checkpoint directory [default: smollm2]."),
+    tasks: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: {DEFAULT_TASKS}]."),
+    lengths: Optional[str] = typer.Option(None, help=f"Prompt lengths in tokens [default: {DEFAULT_LENGTHS}]."),
+    samples: Optional[int] = typer.Option(None, min=1, help="Samples per task and length [default: 1]."),
+    seed: Optional[int] = typer.Option(None, help="Base seed of the evaluation prompts, disjoint from calibration's [default: 1009]."),
+    methods: Optional[str] = typer.Option(None, help="dense | bsfa:K[,K...] | blasst:T[,T...] | window:B[,B...], joined by commas [default: dense]; dense always runs."),
+    dtype: Optional[str] = typer.Option(None, help="Model dtype: float32, bfloat16 or float16 [default: float32]."),
+    device: Optional[str] = typer.Option(None, help="torch device for the model [default: cpu]."),
+    reuse_last_threshold: Optional[bool] = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) [default: no]."),
+    calibration: Optional[Path] = typer.Option(None, help="The calibration run [default: the one recorded in the export, or its parent directory]."),
+    held_out_tasks_only: bool = typer.Option(False, "--held-out-tasks-only", help="Refuse tasks the export was calibrated on."),
+    bench: Optional[list[Path]] = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
+):
+    """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
+    agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
+    (options left out on a resumed OUT take the values it was started with)."""
+    from .evaluation import EvalRequest, eval_command
+
+    req = EvalRequest(export=export, out=out, model=model,
+                      tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+                      lengths=_int_list(lengths, "lengths") if lengths else None, samples=samples, seed=seed,
+                      methods=methods, dtype=dtype, device=device, reuse_last_threshold=reuse_last_threshold,
+                      calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []))
+    eval_command(req)
 
 
 if __name__ == "__main__":  # pragma: no cover

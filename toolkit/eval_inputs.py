@@ -89,8 +89,12 @@ def load_export(path: Path, model: dict) -> ExportInfo:
 
 
 def check_methods(methods: list[Method], info: ExportInfo) -> None:
-    """Refuse methods the export cannot run (a k it lacks, a target it was not fitted for)."""
+    """Refuse methods the export cannot run (a k it lacks, a target it was not fitted for, a
+    window without the BSFA file that gives sparsify its block sizes)."""
     for m in methods:
+        if m.name == "window" and info.max_num_blocks is None:
+            raise UserError(f"method {m.label}: export {info.path} has no BSFA thresholds file, which gives the "
+                            "window baseline its block sizes; export the run again with `sparsecal export`.")
         if m.name == "bsfa" and m.value not in info.k_values:
             have = ", ".join(map(str, info.k_values)) or "none: the export has no BSFA thresholds"
             raise UserError(f"method {m.label}: k={m.value} is not in export {info.path} (k values {have}); "

@@ -2,17 +2,17 @@
 that an interrupted evaluation resumes where it stopped.
 
     EVAL/
-      manifest.json            kind sparsecal-eval-run, schema version, the request (tasks, lengths,
+      results.json             the dashboard's Accuracy-speedup rows (kind sparsecal-eval)
+      curves.parquet           accuracy joined to `sparsecal bench` speedups, with provenance
+      data/manifest.json       kind sparsecal-eval-run, schema version, the request (tasks, lengths,
                                samples, seed, methods, dtype, device, reuse rule), model, export
                                identity, calibration run (tasks, sample count), the planned prompts
                                (id, task, length, index, seed, answer, held-out task), versions
-      tables/rows.parquet      one row per finished (sample, method); rewritten whole, atomically
-      tables/summary.parquet   every metric per method, config, length and task
-      results.json             the dashboard's Accuracy-speedup rows (kind sparsecal-eval)
-      curves.parquet           accuracy joined to `sparsecal bench` speedups, with provenance
+      data/rows.parquet        one row per finished (sample, method); rewritten whole, atomically
+      data/summary.parquet     every metric per method, config, length and task
 
-The row tables live under tables/ because the dashboard reads every Parquet file directly in a
-``--results`` directory as accuracy-speedup rows.
+Only the dashboard's result files sit at the top: `sparsecal dashboard RUN --results EVAL` reads
+every Parquet and JSON file there as accuracy-speedup rows.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from . import SCHEMA_VERSION
 from .errors import UserError
 
 EVAL_KIND = "sparsecal-eval-run"
-MANIFEST = "manifest.json"
-ROWS = Path("tables") / "rows.parquet"
-SUMMARY = Path("tables") / "summary.parquet"
+DATA = "data"
+MANIFEST = Path(DATA) / "manifest.json"
+ROWS = Path(DATA) / "rows.parquet"
+SUMMARY = Path(DATA) / "summary.parquet"
 RESULTS = "results.json"
 CURVES = "curves.parquet"
 
@@ -95,7 +96,7 @@ class EvalStore:
     def create(cls, root: Path, manifest: dict) -> "EvalStore":
         """A new evaluation directory holding ``manifest``."""
         root = Path(root)
-        (root / "tables").mkdir(parents=True, exist_ok=True)
+        (root / DATA).mkdir(parents=True, exist_ok=True)
         store = cls(root, dict(manifest, kind=EVAL_KIND, schema_version=SCHEMA_VERSION, created=now()))
         store.save_manifest()
         return store

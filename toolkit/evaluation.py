@@ -12,6 +12,7 @@ evaluation run again only rewrites the summary (and joins new ``--bench`` files)
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -88,7 +89,7 @@ def _check(req: EvalRequest) -> Plan:
     from .capture import check_lengths as check_context
     from .eval_inputs import check_lengths, check_methods, find_calibration, load_export
     from .eval_methods import parse_methods, with_dense
-    from .models import DTYPES, load_config, model_info, resolve_model
+    from .models import DTYPES, resolve_model
 
     methods = with_dense(parse_methods(req.methods))
     if req.dtype not in DTYPES:
@@ -98,7 +99,7 @@ def _check(req: EvalRequest) -> Plan:
             from .errors import unknown
             raise unknown("task", t, P.TASKS)
     ms = resolve_model(req.model)
-    info = model_info(ms, load_config(ms))
+    info = dict(_model_info(ms))
     export = load_export(req.export, info)
     check_methods(methods, export)
     check_context(req.lengths, info["max_context"])
@@ -113,13 +114,27 @@ def _check(req: EvalRequest) -> Plan:
     return Plan(methods, ms, info, export, cal)
 
 
+@functools.lru_cache(maxsize=4)
+def _model_info(ms) -> dict:
+    """The model's identity and geometry (a GGUF's config takes seconds to parse: read once)."""
+    from .models import load_config, model_info
+
+    return model_info(ms, load_config(ms))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(ms):
+    from .models import load_tokenizer
+
+    return load_tokenizer(ms)
+
+
 def _prompts(req: EvalRequest, plan: Plan):
     """(tokenizer, prompts): the task prompts, checked disjoint from the calibration prompts."""
     from . import prompts as P
     from .eval_inputs import check_disjoint
-    from .models import load_tokenizer
 
-    tok = load_tokenizer(plan.ms)
+    tok = _tokenizer(plan.ms)
     prompts = P.build_task_prompts(tok, req.tasks, req.lengths, req.samples, req.seed)
     check_disjoint(prompts, plan.cal, req.seed)
     return tok, prompts
@@ -255,7 +270,7 @@ def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
 
 
 def finish(store, bench_files=()) -> dict:
-    """Write tables/summary.parquet and results.json from the rows, and curves.parquet when bench
+    """Write data/summary.parquet and results.json from the rows, and curves.parquet when bench
     files are given; print the summary. Returns the paths written."""
     import json
 

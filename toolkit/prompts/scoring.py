@@ -9,7 +9,7 @@ all" where the answer has several parts); ``is_correct(sample, text)`` is the st
     text                         the first generated word is the continuation's first word
 
 ``answer_budget(tokenizer, sample)`` is the number of new tokens a greedy generation gets: the
-answer written out, plus a margin for the model's own wording.
+answer written out, plus a margin for the model's own wording (and list formatting).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from .tasks import PromptSample
 _NUMBER = re.compile(r"\d+")
 _NAME = re.compile(r"\b[A-Z]{5}\b")
 _WORD = re.compile(r"[a-z]+")
-MARGIN_TOKENS = 8
+MARGIN_TOKENS = 4
+ITEM_TOKENS = 2  # extra per further answer part: room for '1. word' lists instead of 'word, word'
 TEXT_WORDS = 1  # continuation words the text task scores
 
 
@@ -62,7 +63,9 @@ def is_correct(sample: PromptSample, text: str) -> bool:
 
 
 def answer_budget(tokenizer, sample: PromptSample) -> int:
-    """New tokens a greedy generation of ``sample``'s answer gets: the answer's own tokens
-    (its parts joined by ', ') plus ``MARGIN_TOKENS``."""
-    rendered = " " + ", ".join(answer_items(sample))
-    return len(tokenizer(rendered, add_special_tokens=False)["input_ids"]) + MARGIN_TOKENS
+    """New tokens a greedy generation of ``sample``'s answer gets: the answer's own tokens (its
+    parts joined by ', '), ``MARGIN_TOKENS``, and ``ITEM_TOKENS`` per part after the first."""
+    items = answer_items(sample)
+    rendered = " " + ", ".join(items)
+    own = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return own + MARGIN_TOKENS + ITEM_TOKENS * max(len(items) - 1, 0)

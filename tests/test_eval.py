@@ -1,0 +1,281 @@
+"""`sparsecal eval`: the method grammar, answer scoring on exact-length task prompts, the chunked
+fidelity metrics (dense vs dense: KL 0, agreement 1), and a tiny end-to-end evaluation of the real
+SmolLM2 at 512 tokens through the CLI with resume, the bench join and the bad-input lines."""
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsecal.errors import UserError
+from sparsecal.eval_methods import GRAMMAR, Method, parse_methods, with_dense
+from sparsecal.eval_metrics import fidelity, sparsity
+from sparsecal.prompts import TASKS, build_task_prompts
+from sparsecal.prompts.scoring import answer_budget, answer_items, is_correct, score
+
+from test_capture import assert_user_error, cli, make_checkpoint
+from test_prompts import tok  # noqa: F401 - the real tokenizer fixture
+
+CAL = Path(__file__).resolve().parents[1] / "data" / "calibration" / "smollm2-1k-8k"
+
+
+# ----------------------------------------------------------------------------- method grammar
+def test_methods_grammar():
+    ms = parse_methods("dense,bsfa:16,32,64,blasst:0.5,0.7,window:32")
+    assert [m.label for m in ms] == ["dense", "bsfa:16", "bsfa:32", "bsfa:64", "blasst:0.5", "blasst:0.7", "window:32"]
+    assert [m.config for m in ms] == ["dense", "k=16", "k=32", "k=64", "target=0.5", "target=0.7", "blocks=32"]
+    assert ms[1].sparsify_kwargs == {"method": "bsfa", "k": 16}
+    assert ms[4].sparsify_kwargs == {"method": "blasst", "target": 0.5}
+    assert ms[6].sparsify_kwargs == {"method": "window", "blocks": 32}
+    assert ms[0].sparsify_kwargs == {}
+    assert [m.label for m in with_dense(parse_methods("blasst:0.5, window:0"))] == ["dense", "blasst:0.5", "window:0"]
+    assert with_dense(parse_methods("bsfa:4,dense"))[0] == Method("dense")
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("bsfa:x", "'x' is not a positive integer k"), ("bsfa:0", "'0' is not a positive integer k"),
+    ("blasst:1.5", "between 0 and 1"), ("window:-1", "whole number of blocks"),
+    ("topk:4", "unknown method 'topk'"), ("16,bsfa:4", "the value '16' follows no method name"),
+    ("dense,,bsfa:4", "an item is empty"), ("", "an item is empty"), ("sparse", "'sparse' is not a method"),
+    ("bsfa:4,bsfa:4", "bsfa:4 is given twice"), ("dense,4", "follows no method name"),
+])
+def test_methods_grammar_errors_name_the_grammar(spec, why):
+    with pytest.raises(UserError) as e:
+        parse_methods(spec)
+    assert why in str(e.value) and GRAMMAR in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- tasks and scoring
+def _right(s) -> str:
+    """A generation that gives the right answer, in the wording a model would use."""
+    if s.task in ("niah_single", "niah_multikey"):
+        return f" {s.answer[0]}.\n\nThe passage"
+    if s.task == "text":
+        return " " + s.answer[0]
+    return " " + ", ".join(reversed(s.answer)) + "."
+
+
+def _wrong(s) -> list[str]:
+    """Generations that must not count as right."""
+    if s.task == "niah_multikey":
+        other = next(n for n in s.meta["numbers"] if n != s.answer[0])
+        return [f" {other}.", f" {other} and {s.answer[0]}", " none"]
+    if s.task == "niah_single":
+        return [f" {int(s.answer[0]) + 1}.", f" {s.answer[0][:-1]}", ""]
+    if s.task == "vt":
+        return [" " + ", ".join(s.answer[:-1]), " " + ", ".join(s.answer + s.meta["decoy_names"][:1])]
+    if s.task == "cwe":
+        return [" " + ", ".join(s.answer[:-1]), " " + s.answer[0].upper()]
+    return [" " + s.answer[0].split()[0] + "x", " the end"]
+
+
+def test_task_prompts_exact_length_answer_inside_and_scored(tok):  # noqa: F811
+    samples = build_task_prompts(tok, TASKS, [512, 700], 1, 4242)
+    for s in samples:
+        assert len(s.input_ids) == s.length
+        text = tok.decode(s.input_ids)
+        if s.task != "text":
+            assert all(a in text for a in s.answer), (s.task, s.answer)
+        assert score(s, _right(s)) == 1.0 and is_correct(s, _right(s)), (s.task, _right(s))
+        for wrong in _wrong(s):
+            assert not is_correct(s, wrong), (s.task, wrong)
+        assert answer_budget(tok, s) > len(tok(" " + ", ".join(answer_items(s)), add_special_tokens=False)["input_ids"])
+    vt = next(s for s in samples if s.task == "vt")
+    assert score(vt, " " + ", ".join(vt.answer[:2])) == pytest.approx(2 / len(vt.answer))
+    cwe = next(s for s in samples if s.task == "cwe")
+    listed = "".join(f"\n{i}. {w}" for i, w in enumerate(cwe.answer, 1))  # the prompt's own list style
+    assert is_correct(cwe, listed)
+
+
+# ----------------------------------------------------------------------------- fidelity metrics
+@pytest.fixture
+def tiny_llama(tmp_path, seed):
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(tmp_path / "tiny", seed, heads=2, kv_heads=1, layers=2)
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+
+
+@torch.no_grad()
+def test_dense_vs_dense_kl_zero_agreement_one(tiny_llama, seed):
+    model = tiny_llama
+    ids = torch.randint(0, 300, (1, 301), generator=torch.Generator().manual_seed(seed))
+    h1 = model.base_model(input_ids=ids).last_hidden_state[0]
+    h2 = model.base_model(input_ids=ids).last_hidden_state[0]  # a second, independent dense forward
+    head = model.get_output_embeddings()
+    fid = fidelity(head, h1, h2, ids[0], chunk=64)
+    assert fid.kl == pytest.approx(0.0, abs=1e-7) and fid.top1 == 1.0
+    # the perplexity is the model's own next-token loss over the prompt
+    assert fid.nll == pytest.approx(float(model(ids, labels=ids).loss), rel=1e-5)
+    assert fid.ppl == pytest.approx(math.exp(fid.nll))
+
+
+@torch.no_grad()
+def test_fidelity_chunks_match_the_full_vocabulary_oracle(tiny_llama, seed):
+    model = tiny_llama
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 300, (1, 150), generator=g)
+    h = model.base_model(input_ids=ids).last_hidden_state[0]
+    other = h + 0.5 * torch.randn(h.shape, generator=g)
+    head = model.get_output_embeddings()
+    fid = fidelity(head, h, other, ids[0], chunk=7)  # ragged last chunk
+    p, q = torch.log_softmax(head(h).double(), -1), torch.log_softmax(head(other).double(), -1)
+    kl = (p.exp() * (p - q)).sum(-1).mean()
+    agree = (p.argmax(-1) == q.argmax(-1)).double().mean()
+    nll = -q[:-1].gather(-1, ids[0, 1:, None]).mean()
+    assert fid.kl == pytest.approx(float(kl), rel=1e-4) and fid.kl > 0
+    assert fid.top1 == pytest.approx(float(agree)) and fid.top1 < 1
+    assert fid.nll == pytest.approx(float(nll), rel=1e-5)
+
+
+def test_sparsity_counts():
+    assert sparsity(torch.tensor([[1, 2], [3, 0]]), torch.tensor([[4, 4], [4, 4]])) == 6 / 16
+    assert sparsity(0, 0) == 0.0 and sparsity(3, 12) == 0.25
+
+
+# ----------------------------------------------------------------------------- runner (tiny Llama)
+def _tiny_export(out, layers, heads, model="tiny"):
+    """An export that skips nothing: BSFA thresholds -inf, BLASST factor 0 (lambda 0)."""
+    from sparsecal.exports import write_blasst, write_bsfa
+
+    out.mkdir()
+    write_bsfa(out, torch.full((2, layers, heads, 4), -math.inf), [1, 2], 128, 64, "mean", {"model": model})
+    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 0.0, "decode": 0.0},
+                       "target_sparsity": 0.5, "targets": [], "model": model, "num_layers": layers,
+                       "num_heads": heads, "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
+    return out
+
+
+def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: F811
+    """run_sample on a tiny random Llama with the real tokenizer's vocabulary: thresholds that skip
+    nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from sparsecal.evaluation import run_sample
+    from sparsecal.kernels.geometry import block_counts
+    from sparsecal.prompts import build_sample
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa").eval()
+    exp = _tiny_export(tmp_path / "e", 2, 2)
+    prompt = build_sample(tok, "niah_single", 333, seed)
+    methods = with_dense(parse_methods("bsfa:2,window:0"))
+    manifest = {"model": {"id": "tiny"}, "prompts": [{"id": "x", "held_out_task": True}]}
+    rows = list(run_sample(model, tok, prompt, methods, methods, exp, manifest, set()))
+    dense, noop, window = rows
+    assert [r["label"] for r in rows] == ["dense", "bsfa:2", "window:0"]
+    assert dense["kl"] == 0.0 and dense["top1"] == 1.0 and dense["sparsity"] == 0.0
+    assert noop["kl"] == pytest.approx(0.0, abs=1e-6) and noop["top1"] == 1.0
+    assert noop["sparsity"] == 0.0 and noop["prefill_reachable"] > 0
+    assert noop["generated"] == dense["generated"] and noop["new_tokens"] == answer_budget(tok, prompt)
+    cand, reach = block_counts(333, 128, 64)
+    assert window["sparsity"] == pytest.approx(int(cand.sum()) / int(reach.sum()))
+    assert window["prefill_skipped"] == 2 * 2 * int(cand.sum()) and window["decode_sparsity"] > 0
+    assert window["kl"] > 0 and model.config._attn_implementation == "sdpa"  # dense again afterwards
+    for r in rows:
+        assert r["answer"] == prompt.answer[0] and r["seconds"] >= r["prefill_s"] > 0
+        assert 0.0 <= r["score"] <= 1.0 and r["correct"] == (r["score"] == 1.0)
+
+
+# ----------------------------------------------------------------------------- real model, CLI
+def _foreign_export(out, model="other/llama", heads=9, blocks=4):
+    """A BSFA export of another model (or geometry) for SmolLM2's 30 layers."""
+    from sparsecal.exports import write_bsfa
+
+    out.mkdir()
+    write_bsfa(out, torch.zeros(1, 30, heads, blocks), [4], 128, 64, "mean", {"model": model})
+    return out
+
+
+def _short_export(out):
+    """The real export cut to its first 4 query blocks: Nmax = 512 tokens."""
+    from sparsecal.exports import load_bsfa, write_bsfa
+
+    exp = load_bsfa(CAL / "export")
+    out.mkdir()
+    write_bsfa(out, exp.thresholds[..., :4], exp.k_values, 128, 64, "mean", {"model": exp.model})
+    shutil.copy(CAL / "export" / "blasst.json", out)
+    return out
+
+
+def _bench_file(path):
+    rows = [{"method": "dense", "config": "dense", "length": 512, "speedup": 1.0, "task": "kernel"},
+            {"method": "blasst", "config": "target=0.5", "length": 512, "speedup": 1.8, "sparsity": 0.6, "task": "kernel"},
+            {"method": "blasst", "config": "target=0.5", "length": 512, "speedup": 1.2, "task": "ttft"}]
+    path.write_text(json.dumps({"kind": "sparsecal-bench", "rows": rows, "provenance": {"gpu": "test"}}))
+    return path
+
+
+def _eval(*args):
+    return cli("eval", *args)
+
+
+def test_eval_bad_input_one_line(tmp_path):
+    """Refused before any model loads, with one line and exit 2, nothing written."""
+    out = tmp_path / "ev"
+    exp = CAL / "export"
+    base = ["--out", out, "--tasks", "niah_single", "--lengths", "512"]
+    assert_user_error(_eval(exp, *base, "--methods", "dense,bsfa:x"), "grammar is dense | bsfa:K")
+    assert_user_error(_eval(_foreign_export(tmp_path / "f"), *base, "--methods", "bsfa:4"),
+                      "calibrated for model 'other/llama'")
+    assert_user_error(_eval(_foreign_export(tmp_path / "g", "smollm2:SmolLM2-135M-Instruct.Q4_1.gguf", 8),
+                            *base, "--methods", "bsfa:4"), "num_heads 8")
+    assert_user_error(_eval(exp, *base, "--methods", "bsfa:12"), "k=12 is not in export")
+    assert_user_error(_eval(exp, *base, "--methods", "blasst:0.6"), "target 0.6 is not in export")
+    short = _short_export(tmp_path / "s")
+    assert_user_error(_eval(short, "--out", out, "--tasks", "niah_single", "--lengths", "512,640", "--methods",
+                            "bsfa:4", "--calibration", CAL), "length 640 is over export", "Nmax of 512",
+                      "--reuse-last-threshold")
+    assert_user_error(_eval(exp, *base, "--held-out-tasks-only"), "niah_single was a calibration task")
+    assert not out.exists()
+
+
+@pytest.mark.model
+def test_eval_real_model_end_to_end(tmp_path):
+    """SmolLM2 at 512 tokens, dense and BLASST; resume computes nothing; bench join; refusals."""
+    import polars as pl
+
+    from sparsecal.dashboard import results
+
+    out, exp = tmp_path / "ev", CAL / "export"
+    # the calibration prompts (seed 100) are refused: evaluation prompts must be held out
+    assert_user_error(_eval(exp, "--out", out, "--tasks", "niah_single", "--lengths", "1024", "--seed", "100"),
+                      "is a calibration prompt", "choose another --seed")
+    args = [exp, "--out", out, "--tasks", "niah_single", "--lengths", "512", "--methods", "dense,blasst:0.5"]
+    res = _eval(*args)
+    assert res.exit_code == 0, res.output
+    rows = pl.read_parquet(out / "data" / "rows.parquet")
+    dense, blasst = (rows.filter(pl.col("label") == x).to_dicts()[0] for x in ("dense", "blasst:0.5"))
+    assert dense["kl"] == 0.0 and dense["top1"] == 1.0 and dense["sparsity"] == 0.0
+    assert dense["correct"] and dense["answer"] in dense["generated"]  # SmolLM2 finds a needle at 512
+    assert blasst["kl"] > 0 and 0 < blasst["top1"] < 1 and 0.2 < blasst["sparsity"] < 0.9
+    assert blasst["decode_reachable"] > 0 and blasst["held_out_task"] is False  # calibrated on niah_single
+    man = json.loads((out / "data" / "manifest.json").read_text())
+    assert man["calibration"]["tasks"] == sorted(TASKS) and man["request"]["methods"] == "dense,blasst:0.5"
+    assert set(man["export"]["files"]) == {"thresholds.safetensors", "thresholds.bsfa.pt", "blasst.json"}
+    # the dashboard reads the result file; the per-sample tables stay out of its way
+    pts = results.curves([results.read_result_file(p) for p in results.result_files([out])])
+    assert sorted(pts["config"]) == ["dense", "target=0.5"] and pts["accuracy_rel_dense"].is_not_null().all()
+    # resume: nothing new computed, rows untouched
+    before = (out / "data" / "rows.parquet").read_bytes()
+    res = _eval(*args)
+    assert res.exit_code == 0 and "0 rows to compute" in res.output, res.output
+    assert (out / "data" / "rows.parquet").read_bytes() == before
+    assert_user_error(_eval(exp, "--out", out, "--methods", "dense,blasst:0.7"), "different request", "methods")
+    # bench join later: the recorded options are reused, curves.parquet carries speedups and provenance
+    res = _eval(exp, "--out", out, "--bench", _bench_file(tmp_path / "bench.json"))
+    assert res.exit_code == 0 and "0 rows to compute" in res.output, res.output
+    cur = pl.read_parquet(out / "curves.parquet").filter(pl.col("method") == "blasst").to_dicts()[0]
+    assert cur["speedup"] == 1.8 and cur["speedup_kernel"] == 1.8 and cur["speedup_ttft"] == 1.2
+    assert cur["accuracy_rel_dense"] == blasst["score"] / dense["score"]
+    meta = pl.read_parquet_metadata(out / "curves.parquet")
+    assert json.loads(meta["bench_provenance"])[0]["provenance"] == {"gpu": "test"}
+    assert json.loads(meta["eval_provenance"])["model"] == man["model"]["id"]
+    pts = results.curves([results.read_result_file(p) for p in results.result_files([out])])
+    assert pts.filter(pl.col("method") == "blasst")["speedup"].to_list() == [1.8]
