@@ -149,13 +149,16 @@ def single_order_measure(d: int, n: int, mass_launch, repeats: int) -> dict:
 
 
 def single_order_table(result: dict) -> str:
-    cols = ["sdpa_cudnn", "sdpa_flash", "capture_3orders"] + [f"capture_{o}" for o in ORDERS] + \
-        [f"forward_stats_{o}" for o in ORDERS] + ["mass", "decode_reduce_forward"]
-    lines = ["   D      N  dense ms " + " ".join(f"{c[:14]:>14}" for c in cols) + "   (time / dense Triton)"]
+    short = {"sdpa_cudnn": "cuDNN", "sdpa_flash": "FLASH", "capture_3orders": "cap 3 ord"}
+    for o, tag in zip(ORDERS, ("fwd", "rev", "sink")):
+        short.update({f"capture_{o}": f"cap {tag}", f"forward_stats_{o}": f"1pass {tag}"})
+    short.update(mass="mass", decode_reduce_forward="dec+red")
+    lines = ["   D      N  dense ms " + " ".join(f"{c:>10}" for c in short.values()) + "   (time / dense Triton)"]
     for m in result.get("measure", []):
         r = m["ratios_vs_dense"]
-        lines.append(f"{m['d']:>4} {m['n']:>6} {m['ms']['dense']:9.2f} " + " ".join(f"{r.get(c, float('nan')):14.3f}" for c in cols))
-    return "\n".join(lines) + "\n(target: full capture <= 2.2x dense Triton)"
+        lines.append(f"{m['d']:>4} {m['n']:>6} {m['ms']['dense']:9.2f} "
+                     + " ".join(f"{r.get(c, float('nan')):10.3f}" for c in short))
+    return "\n".join(lines) + "\n(target: full capture (cap ...) <= 2.2x dense Triton)"
 
 
 def single_order_benchmark(args, save, result: dict) -> None:
