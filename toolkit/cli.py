@@ -196,5 +196,17 @@ def eval_(
     eval_command(req)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_user_errors
+def bench(ctx: typer.Context):
+    """Benchmark the sparse kernels on a CUDA GPU against dense Triton and SDPA; writes JSON with
+    provenance. Options (all optional): --dims 128,64 --lengths 16384,32768,65536 --groups 1,4,8
+    --rounds 3 --decode-batch 16 --decode-length 32768 --sections check,sweep,prefill,decode
+    --smollm2 (captured SmolLM2 Q/K/V and TTFT with --export DIR, --model-lengths) --out FILE."""
+    from .bench.sparse import main as bench_main
+
+    bench_main(list(ctx.args))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())

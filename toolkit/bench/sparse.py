@@ -1,0 +1,305 @@
+"""GPU benchmark of the sparse kernels, in one run on one GPU (``sparsecal bench``).
+
+1. correctness on the GPU: the Triton sparse prefill and decode kernels against the plain-torch
+   sparse reference (outputs and skip counts) on small structured inputs;
+2. a launch sweep of the sparse prefill kernel (skipping off and BSFA at 50%) at the first shape;
+3. prefill matrix (bf16, causal, B=1, H=32): per head dim, length and GQA group, round-robin
+   timings of the best SDPA backend (cuDNN, FLASH), the dense Triton forward at its tuned tile,
+   the sparse kernel with skipping off (run geometry), and BSFA and BLASST at about 0%, 50% and 75%
+   sparsity (operating points read from the input's own tile statistics), each with the V load
+   gated and prefetched. Every sparse row carries the sparsity the kernel counted, the speedup
+   over dense Triton and over the best SDPA, and the ideal 1 / (1 - s/2);
+4. decode (B >= 16, 32K cached tokens): the split-K kernel with skipping off vs BLASST and BSFA at
+   about 50% and 75%, with the share of V tiles actually skipped (a V tile is shared by the G
+   query heads of a KV group and is skipped only when all of them skip it) and SDPA for context.
+
+    python -m sparsecal.bench.sparse [--dims 128,64] [--lengths 16384,32768,65536] [--groups 1,4,8]
+        [--decode-batch 16] [--decode-length 32768] [--out data/bench/sparse-h100.json]
+
+Times are medians of triton.testing.do_bench (L2 flushed before each call, warm-up first), taken in
+``--rounds`` round-robin rounds over the variants of one shape; the median over rounds is kept.
+``--smollm2`` adds the model sections (bench/sparse_model.py): kernels on Q/K/V captured from
+SmolLM2 with its calibrated export, and end-to-end prefill time (TTFT) against SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..kernels.sparse_reference import sparse_attention, sparse_decode
+from ..kernels.triton_dense import attention_dense, flops_causal
+from ..kernels.triton_sparse import candidate_tiles, sparse_attention_triton
+from ..kernels.triton_sparse_decode import decode_skip_mask, sparse_decode_triton
+from ..tensorio import atomic_write_text
+from .provenance import provenance
+from .sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, structured_qkv,
+                            tile_stats)
+from .triton_capture import bench_ms, log, sdpa_fn
+
+HEADS, BM, BN = 32, 128, 64
+SPARSITIES = (0.0, 0.5, 0.75)
+LAUNCH_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3), (8, 4)]
+
+
+def ideal(s: float) -> float:
+    """Speedup when skipped tiles save their V load, exponentials and P.V: about half a tile."""
+    return 1.0 / (1.0 - s / 2.0)
+
+
+def check_kernels() -> dict:
+    """Triton vs reference on the GPU: prefill (BSFA, BLASST per order, window) and decode."""
+    rows, ok = [], True
+    for n, kv, group, d, dtype in ((1000, 2, 4, 128, torch.bfloat16), (777, 1, 3, 64, torch.float16),
+                                   (640, 2, 1, 64, torch.float32)):
+        q, k, v = structured_qkv(n, d, kv * group, kv, seed=n, dtype=dtype)
+        scale = d ** -0.5
+        bmax, gap = tile_stats(q, k, v, scale, BM, BN)
+        cases = [{"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, 0.5)},
+                 {"window": 2}] + [{"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, 0.5), "order": o}
+                                   for o in ("forward", "reverse", "sink_local")]
+        for kw in cases:
+            got, sk = sparse_attention_triton(q, k, v, scale, BM, BN, **kw)
+            want, c = sparse_attention(q, k, v, scale, BM, BN, **kw)
+            err = float((got.double() - want.double()).abs().max())
+            same = bool(torch.equal(sk[0].cpu(), c.skipped.cpu()))
+            tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+            ok &= err < tol and same
+            rows.append({"n": n, "d": d, "group": group, "dtype": str(dtype), "method": sorted(kw)[0],
+                         "order": kw.get("order"), "max_abs_err": err, "skip_counts_equal": same,
+                         "sparsity": float(sk.sum()) / (candidate_tiles(n, BM, BN)[1] * q.shape[1])})
+        qd, kd, vd = q[:, :, -1:].expand(3, -1, -1, -1).contiguous(), k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
+        kd, vd = kd.contiguous(), vd.contiguous()
+        ll = decode_log_lambda_for(qd, kd, scale, BN, 0.5)
+        got, sk = sparse_decode_triton(qd, kd, vd, scale, BM, BN, log_lambda=ll)
+        want, c = sparse_decode(qd, kd, vd, scale, BM, BN, log_lambda=ll)
+        err = float((got.double() - want.double()).abs().max())
+        same = bool(torch.equal(sk.sum(0).cpu(), c.skipped.cpu()))
+        ok &= err < 3e-2 and same
+        rows.append({"n": n, "d": d, "group": group, "dtype": str(dtype), "method": "decode_blasst",
+                     "max_abs_err": err, "skip_counts_equal": same})
+        log(f"check n={n} d={d} group={group}: " + ", ".join(f"{r['method']} {r['max_abs_err']:.2e}"
+                                                              f"{'' if r['skip_counts_equal'] else ' COUNTS DIFFER'}"
+                                                              for r in rows[-6:]))
+    return {"ok": bool(ok), "rows": rows}
+
+
+def prefill_variants(q, k, v, d: int, n: int, launch) -> dict:
+    """name -> (callable, kernel-counted sparsity or None, extra info)."""
+    scale = d ** -0.5
+    bmax, gap = tile_stats(q, k, v, scale, BM, BN)
+    reach = candidate_tiles(n, BM, BN)[1] * q.shape[1]
+    out = torch.empty_like(q)
+    variants = {"dense_triton": (lambda: attention_dense(q, k, v, scale, out=out), None, {}),
+                "sparse_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out,
+                                                               launch=launch), 0.0, {})}
+    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+        try:
+            fn, mode = sdpa_fn(q, k, v, getattr(torch.nn.attention.SDPBackend, backend))
+            variants[f"sdpa_{backend.split('_')[0].lower()}"] = (fn, None, {"gqa": mode})
+        except Exception as e:  # a backend that does not run here is recorded, not fatal
+            log(f"  sdpa {backend}: unavailable ({type(e).__name__})")
+    for s in SPARSITIES:
+        points = {"bsfa": {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, s)},
+                  "blasst": {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, s)}}
+        for method, kw in points.items():
+            for gate in (True, False):
+                _, sk = sparse_attention_triton(q, k, v, scale, BM, BN, gate_v=gate, out=out, launch=launch, **kw)
+                got = float(sk.sum()) / reach
+
+                def fn(kw=kw, gate=gate):
+                    return sparse_attention_triton(q, k, v, scale, BM, BN, gate_v=gate, out=out, launch=launch, **kw)
+
+                info = {"target": s, **({"log_lambda": kw["log_lambda"]} if "log_lambda" in kw else {})}
+                variants[f"{method}_s{int(s * 100)}_{'gated' if gate else 'prefetch'}"] = (fn, got, info)
+    return variants
+
+
+def time_round_robin(variants: dict, rounds: int) -> dict:
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, _, _) in variants.items():
+            times[name].append(bench_ms(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def prefill_shape(d: int, n: int, group: int, rounds: int, launch) -> dict:
+    q, k, v = structured_qkv(n, d, HEADS, HEADS // group, seed=n + d + group)
+    variants = prefill_variants(q, k, v, d, n, launch)
+    ms = time_round_robin(variants, rounds)
+    sdpa = min((t for name, t in ms.items() if name.startswith("sdpa")), default=None)
+    dense, off = ms["dense_triton"], ms["sparse_off"]
+    rows = []
+    for name, (_, sp, info) in variants.items():
+        row = {"variant": name, "ms": ms[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9, **info}
+        if sp is not None:
+            row.update(sparsity=sp, speedup_vs_dense=dense / ms[name], speedup_vs_off=off / ms[name],
+                       ideal=ideal(sp), of_ideal=dense / ms[name] / ideal(sp))
+            if sdpa:
+                row["speedup_vs_sdpa"] = sdpa / ms[name]
+        rows.append(row)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return {"d": d, "n": n, "group": group, "heads": HEADS, "kv_heads": HEADS // group, "best_sdpa_ms": sdpa,
+            "rows": rows}
+
+
+def launch_sweep(d: int, n: int) -> tuple:
+    q, k, v = structured_qkv(n, d, HEADS, HEADS // 4, seed=1)
+    scale = d ** -0.5
+    bmax, _ = tile_stats(q, k, v, scale, BM, BN)
+    thr = bsfa_thresholds_for(bmax, n, BM, BN, 0.5)
+    rows, best = [], None
+    for launch in LAUNCH_SWEEP:
+        try:
+            t_off = bench_ms(lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, launch=launch))
+            t_half = bench_ms(lambda: sparse_attention_triton(q, k, v, scale, BM, BN, thresholds=thr, launch=launch))
+        except Exception as e:  # a config that does not compile or fit is recorded, not fatal
+            rows.append({"launch": list(launch), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        rows.append({"launch": list(launch), "off_ms": t_off, "bsfa50_ms": t_half})
+        log(f"  launch {launch}: off {t_off:.3f} ms, bsfa 50% {t_half:.3f} ms")
+        if best is None or t_off + t_half < best[1]:
+            best = (launch, t_off + t_half)
+    return best[0], rows
+
+
+def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> dict:
+    q, k, v = structured_qkv(length, d, HEADS, HEADS // group, seed=length + group, batch=batch)
+    q = q[:, :, -1:].contiguous()
+    scale = d ** -0.5
+    variants = {"decode_off": (lambda: sparse_decode_triton(q, k, v, scale, BM, BN, dense=True), None, {})}
+    try:
+        fn, mode = sdpa_fn(q, k, v, torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+        variants["sdpa_flash"] = (lambda: fn(), None, {"gqa": mode})
+    except Exception as e:
+        log(f"  decode sdpa: unavailable ({type(e).__name__})")
+    reach = (length - 1) // BN + 1
+    for s in (0.5, 0.75):
+        ll = decode_log_lambda_for(q, k, scale, BN, s)
+        _, sk = sparse_decode_triton(q, k, v, scale, BM, BN, log_lambda=ll)
+        tmax = _decode_tile_max(q, k, scale)
+        mask = decode_skip_mask(tmax, length, BM, BN, log_lambda=ll)
+        v_skip = float(mask.view(batch, HEADS // group, group, -1).all(dim=2).float().mean()) * (reach - 1) / reach
+        variants[f"blasst_s{int(s * 100)}"] = (lambda ll=ll: sparse_decode_triton(q, k, v, scale, BM, BN, log_lambda=ll),
+                                               float(sk.sum()) / (reach * batch * HEADS),
+                                               {"log_lambda": ll, "v_tiles_skipped": v_skip})
+    ms = time_round_robin(variants, rounds)
+    rows = []
+    for name, (_, sp, info) in variants.items():
+        row = {"variant": name, "ms": ms[name], **info}
+        if sp is not None:
+            row.update(sparsity=sp, speedup_vs_off=ms["decode_off"] / ms[name], ideal=ideal(sp),
+                       of_ideal=ms["decode_off"] / ms[name] / ideal(sp))
+        rows.append(row)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return {"d": d, "group": group, "batch": batch, "length": length, "rows": rows}
+
+
+def _decode_tile_max(q, k, scale: float) -> torch.Tensor:
+    """[B, H, Kb] tile maxima of the decode row in log2 units (as the kernel's phase 1)."""
+    b, h, _, _ = q.shape
+    length = k.shape[2]
+    kb = -(-length // BN)
+    sc = (q.float() @ k.repeat_interleave(h // k.shape[1], 1).float().transpose(-1, -2))[:, :, 0] * scale
+    sc = torch.cat([sc, torch.full((b, h, kb * BN - length), -math.inf, device=sc.device)], -1)
+    return sc.view(b, h, kb, BN).amax(-1) * 1.4426950408889634
+
+
+def summarize(result: dict) -> str:
+    lines = []
+    for shp in result.get("prefill", []):
+        if "rows" not in shp:
+            continue
+        r = {x["variant"]: x for x in shp["rows"]}
+        def f(name, key="of_ideal"):
+            return f"{r[name][key]:.2f}" if name in r and key in r[name] else "-"
+        lines.append(f"D={shp['d']} N={shp['n']} G={shp['group']}: dense {r['dense_triton']['tflops']:.0f} TF/s, "
+                     f"sdpa {shp['best_sdpa_ms']:.2f} ms; off/dense {r['dense_triton']['ms'] / r['sparse_off']['ms']:.3f}; "
+                     f"bsfa0 {f('bsfa_s0_gated', 'speedup_vs_dense')} bsfa50 {f('bsfa_s50_gated')} "
+                     f"bsfa75 {f('bsfa_s75_gated')} blasst50 {f('blasst_s50_gated')} blasst75 {f('blasst_s75_gated')} "
+                     f"(of ideal); blasst75 vs sdpa {f('blasst_s75_gated', 'speedup_vs_sdpa')}")
+    for shp in result.get("decode", []):
+        if "rows" in shp:
+            lines.append(f"decode D={shp['d']} G={shp['group']} B={shp['batch']} L={shp['length']}: " + ", ".join(
+                f"{x['variant']} {x['ms']:.3f} ms" + (f" s={x['sparsity']:.2f} of_ideal={x['of_ideal']:.2f}"
+                                                       if "sparsity" in x else "") for x in shp["rows"]))
+    return "\n".join(lines)
+
+
+def _section(result: dict, key: str, fn, save) -> None:
+    try:
+        result.setdefault(key, []).append(fn())
+    except Exception as e:  # one failed shape is recorded and the run goes on
+        traceback.print_exc()
+        result.setdefault(key, []).append({"error": f"{type(e).__name__}: {str(e)[:500]}"})
+    save()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="sparsecal bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--lengths", default="16384,32768,65536")
+    ap.add_argument("--groups", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--decode-length", type=int, default=32768)
+    ap.add_argument("--sections", default="check,sweep,prefill,decode")
+    ap.add_argument("--smollm2", action="store_true", help="also the SmolLM2 sections (captured Q/K/V, TTFT)")
+    ap.add_argument("--export", type=Path, default=Path("data/calibration/smollm2-1k-8k/export"))
+    ap.add_argument("--model-lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--out", type=Path, default=Path("data/bench/sparse-h100.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the sparse benchmark needs a CUDA GPU (the kernels' CPU checks run in make test).", file=sys.stderr)
+        raise SystemExit(2)
+    dims, lengths, groups = ([int(x) for x in a.split(",")] for a in (args.dims, args.lengths, args.groups))
+    sections = args.sections.split(",")
+    result = {"benchmark": "sparse-kernels", "provenance": provenance(), "args": vars(args) | {"out": str(args.out),
+              "export": str(args.export)}, "geometry": {"block_m": BM, "block_n": BN, "heads": HEADS}}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(result, indent=1, default=str))
+
+    launch = {}
+    if "check" in sections:
+        _section(result, "check", check_kernels, save)
+    for d in dims:
+        launch[d] = None
+        if "sweep" in sections:
+            best, rows = launch_sweep(d, lengths[0])
+            result.setdefault("sweep", []).append({"d": d, "n": lengths[0], "best": best, "rows": rows})
+            launch[d] = tuple(best) if best else None
+            save()
+    if "prefill" in sections:
+        for d in dims:
+            for n in lengths:
+                for g in groups:
+                    log(f"prefill D={d} N={n} G={g}")
+                    _section(result, "prefill", lambda: prefill_shape(d, n, g, args.rounds, launch.get(d)), save)
+                    log(summarize({"prefill": result["prefill"][-1:]}))
+    if "decode" in sections:
+        for d in dims:
+            for g in groups:
+                log(f"decode D={d} G={g}")
+                _section(result, "decode", lambda: decode_shape(d, g, args.decode_batch, args.decode_length,
+                                                               args.rounds), save)
+                log(summarize({"decode": result["decode"][-1:]}))
+    if args.smollm2:
+        from .sparse_model import model_sections
+
+        model_sections(result, args, save)
+    log("summary\n" + summarize(result))
+    save()
+
+
+if __name__ == "__main__":
+    main()
