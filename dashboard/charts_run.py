@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 import polars as pl
 
 from .charts_fit import color, empty_figure, finish
+from .derive import pareto_front
 
 TILE_VALUES = {
     "bmax": ("block max score (nats)", "Viridis"),
@@ -98,8 +99,8 @@ def tiles_figure(tiles: pl.DataFrame, value: str, show_bsfa: bool = True, show_b
 
 def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
     """Accuracy relative to dense vs speedup over dense: one curve per (method, length) through its
-    configurations (sorted by speedup), the dense point at (1, 1). ``df``: results.curves rows with
-    both measures."""
+    configurations (sorted by speedup), the points on each length's Pareto front ringed, the dense
+    point at (1, 1). ``df``: results.curves rows with both measures."""
     title = "Accuracy vs speedup (relative to dense)"
     d = df.filter(pl.col("accuracy_rel_dense").is_not_null() & pl.col("speedup").is_not_null()) if df.height else df
     if not d.height:
@@ -118,6 +119,11 @@ def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
                 customdata=g["sparsity"].fill_null(float("nan")),
                 hovertemplate=(f"{method} %{{text}}<br>{n} tokens<br>speedup %{{x:.2f}}x<br>accuracy / dense "
                                "%{y:.3f}<br>sparsity %{customdata:.3f}<extra></extra>")))
+    front = pareto_front(d)
+    fig.add_trace(go.Scatter(x=front["speedup"], y=front["accuracy_rel_dense"], mode="markers", name="Pareto front",
+                             marker={"symbol": "circle-open", "size": 16, "color": "black", "line": {"width": 2}},
+                             text=front["method"] + " " + front["config"], hovertemplate=(
+                                 "Pareto: %{text}<br>speedup %{x:.2f}x<br>accuracy / dense %{y:.3f}<extra></extra>")))
     fig.add_trace(go.Scatter(x=[1.0], y=[1.0], mode="markers", name="dense", marker={"symbol": "star", "size": 14,
                                                                                  "color": "black"}))
     fig.update_xaxes(title="speedup over dense (x)")

@@ -6,6 +6,7 @@
 - ``law_lambda``: lambda of a fitted law at a length, from the blasst_fit table.
 - ``tile_frame``: one (sample, layer, head)'s raw tiles with the BSFA and BLASST skip decisions.
 - ``thresholds_frame``: a [H, P] slice of BSFA thresholds as rows.
+- ``pareto_front``: the accuracy-speedup points no other point of the same length beats.
 
 Geometry is DESIGN.md's: query block i covers rows [i*BM, min((i+1)*BM, N)), key block j keys
 [j*BN, ...); j is reachable from i when j*BN <= min((i+1)*BM, N) - 1 and a candidate (skippable)
@@ -128,3 +129,18 @@ def thresholds_frame(thr: np.ndarray, ks: list, k: int, layer: int) -> pl.DataFr
     return pl.DataFrame({"head": heads.ravel(), "q_block": blocks.ravel(),
                          "threshold": np.where(np.isfinite(t), t, np.nan).ravel()}
                         ).with_columns(pl.col("threshold").fill_nan(None))
+
+
+def pareto_front(points: pl.DataFrame) -> pl.DataFrame:
+    """Rows of ``points`` (length, speedup, accuracy_rel_dense) that no other row of the same length
+    dominates: none is at least as fast and as accurate and strictly better in one of the two."""
+    if not points.height:
+        return points
+    keep = []
+    for n in sorted(set(points["length"])):
+        g = points.filter(pl.col("length") == n)
+        s, a = g["speedup"].to_numpy(), g["accuracy_rel_dense"].to_numpy()
+        beaten = ((s[None, :] >= s[:, None]) & (a[None, :] >= a[:, None])
+                  & ((s[None, :] > s[:, None]) | (a[None, :] > a[:, None]))).any(axis=1)
+        keep.append(g.filter(pl.Series(~beaten)))
+    return pl.concat(keep)

@@ -1,7 +1,7 @@
 """Accuracy-speedup result files: the format the dashboard reads, and reading it.
 
-No evaluation or benchmark command exists yet (issue 6); this module fixes what the dashboard
-expects from them, so that `sparsecal eval` and `sparsecal bench` can write it.
+This module fixes what the dashboard expects from `sparsecal eval` (EVAL/results.json, and
+EVAL/curves.parquet once bench files are joined) and `sparsecal bench`.
 
 Where: every ``*.parquet`` and ``*.json`` file directly in RUN/results/ and in each directory given
 with ``sparsecal dashboard --results DIR`` (environment variable SPARSECAL_RESULTS).
@@ -38,8 +38,8 @@ KEYS = ("method", "config", "length")
 MEASURES = ("accuracy_rel_dense", "speedup")
 OPTIONAL = ("sparsity",)
 KINDS = ("sparsecal-eval", "sparsecal-bench")
-PRODUCERS = ("`sparsecal eval RUN --results DIR` (accuracy relative to dense) and `sparsecal bench "
-             "--results DIR` (speedup)")
+PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
+             "into DIR/curves.parquet) and `sparsecal bench --results DIR` (speedup)")
 
 
 def result_files(dirs) -> list[Path]:

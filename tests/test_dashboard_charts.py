@@ -221,8 +221,22 @@ def test_results_join_eval_and_bench_rows_and_refuse_bad_files(tmp_path):
     assert row["sources"] == "bench.json, eval.parquet"
     assert pts.height == 3
     fig = charts_run.accuracy_speedup(pts)
-    assert sum(len(t.x) for t in fig.data if t.name != "dense") == 1  # only bsfa k=2 has both measures
+    assert sum(len(t.x) for t in fig.data if t.name not in ("dense", "Pareto front")) == 1  # only bsfa k=2 has both
     assert _is_empty(charts_run.accuracy_speedup(results.curves([])))
+
+
+def test_pareto_front_per_length():
+    from sparsecal.dashboard.derive import pareto_front
+
+    pts = pl.DataFrame({"method": ["bsfa", "bsfa", "blasst", "window", "bsfa"],
+                        "config": ["k=4", "k=8", "target=0.5", "blocks=2", "k=4"],
+                        "length": [512, 512, 512, 512, 1024], "speedup": [2.0, 1.5, 1.5, 1.2, 1.1],
+                        "accuracy_rel_dense": [0.7, 0.9, 0.8, 0.9, 0.5]})
+    front = pareto_front(pts)  # blasst is beaten by bsfa k=8, window by bsfa k=8; 1024 stands alone
+    assert sorted(zip(front["length"], front["config"])) == [(512, "k=4"), (512, "k=8"), (1024, "k=4")]
+    fig = charts_run.accuracy_speedup(pts.with_columns(pl.lit(None, pl.Float64).alias("sparsity")))
+    ring = next(t for t in fig.data if t.name == "Pareto front")
+    assert sorted(zip(ring.x, ring.y)) == [(1.1, 0.5), (1.5, 0.9), (2.0, 0.7)]
 
 
 def test_export_lambda_chart_from_blasst_json():
