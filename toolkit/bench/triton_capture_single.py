@@ -29,8 +29,8 @@ from ..kernels.triton_dense import attention_dense, flops_causal
 from ..kernels.triton_forward_stats import instrumented_forward_triton
 from ..kernels.triton_mass import block_mass_triton
 from ..kernels.triton_single_order import single_order_reductions
-from .triton_capture import (CHECK_CASES, HEADS, KV_HEADS, bench_ms, log, profile_capture, random_qkv, run_section,
-                             sdpa_fn, sweep, sync)
+from .triton_capture import (CHECK_CASES, HEADS, KV_HEADS, bench_ms, compiled_info, log, profile_capture, random_qkv,
+                             run_section, sdpa_fn, sweep, sync)
 
 MASS_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3)]
 
@@ -140,6 +140,7 @@ def single_order_measure(d: int, n: int, mass_launch, repeats: int) -> dict:
         for name, fn in fns.items():
             res["samples_ms"][name].append(bench_ms(fn))
     res["ms"] = {name: float(torch.tensor(x).median()) for name, x in res["samples_ms"].items()}
+    res["compiled"] = {name: compiled_info(name) for name in ("mass", "forward_stats")}  # last launches
     flops = flops_causal(1, HEADS, n, d)
     res["tflops"] = {x: flops / (ms * 1e-3) / 1e12 for x, ms in res["ms"].items()}
     dense = res["ms"]["dense"]
