@@ -12,7 +12,7 @@ import torch
 
 from sparsecal.errors import UserError
 from sparsecal.eval_methods import GRAMMAR, Method, parse_methods, with_dense
-from sparsecal.eval_metrics import fidelity, sparsity
+from sparsecal.eval_metrics import Fidelity, Reference, fidelity, sparsity
 from sparsecal.prompts import TASKS, build_task_prompts
 from sparsecal.prompts.scoring import answer_budget, answer_items, is_correct, score
 
@@ -129,6 +129,13 @@ def test_fidelity_chunks_match_the_full_vocabulary_oracle(tiny_llama, seed):
     assert fid.kl == pytest.approx(float(kl), rel=1e-4) and fid.kl > 0
     assert fid.top1 == pytest.approx(float(agree)) and fid.top1 < 1
     assert fid.nll == pytest.approx(float(nll), rel=1e-5)
+    # the dense reference's chunks, cached within a byte budget (all, some, none), give the same
+    for budget in (1 << 30, 3 * 7 * 300 * 4, 0):
+        ref = Reference(head, h, chunk=7, budget_bytes=budget)
+        for _ in range(2):  # a second method reads the cached chunks
+            assert fidelity(head, ref, other, ids[0]) == fid
+        assert len(ref._cache) == min(22, budget // (7 * 300 * 4))
+    assert fidelity(head, Reference(head, h, chunk=7), h, ids[0]) == Fidelity(0.0, 1.0, fidelity(head, h, h, ids[0], chunk=7).nll)
 
 
 def test_sparsity_counts():

@@ -225,7 +225,7 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
     method on the same prompt. Yields each row as soon as it is finished."""
     import torch
 
-    from .eval_metrics import fidelity
+    from .eval_metrics import Reference, fidelity
     from .eval_model import generate, prefill, use_method
     from .prompts.scoring import answer_budget
 
@@ -234,15 +234,15 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
     model_id, held = manifest["model"]["id"], _held_out(manifest, prompt)
     head = model.get_output_embeddings()
     ref = None
-    for method in methods:  # dense first (with_dense put it there): every method needs its states
+    for method in methods:  # dense first (with_dense put it there): the reference of the others
         if ref is not None and method not in pending:
             continue
         use_method(model, method, export_dir, model_id)
         pre = prefill(model, prompt.input_ids)
-        ref = pre.hidden if ref is None else ref
+        ref = Reference(head, pre.hidden) if ref is None else ref
         if method in pending:
             gen = generate(model, pre, budget, eos)
-            fid = fidelity(head, ref, pre.hidden, ids.to(ref.device))
+            fid = fidelity(head, ref, pre.hidden, ids.to(pre.hidden.device))
             yield _row(prompt, method, tok, pre, gen, fid, held)
         del pre
     use_method(model, methods[0], export_dir, model_id)
