@@ -243,8 +243,18 @@ def test_eval_bad_input_one_line(tmp_path):
     assert not out.exists()
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a 2-core machine shared with other jobs, torch's second thread
+    mostly waits for a core, and a decode step (hundreds of small ops) takes 8x longer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.model
-def test_eval_real_model_end_to_end(tmp_path):
+def test_eval_real_model_end_to_end(tmp_path, one_thread):
     """SmolLM2 at 512 tokens, dense and BLASST; resume computes nothing; bench join; refusals."""
     import polars as pl
 
@@ -271,9 +281,11 @@ def test_eval_real_model_end_to_end(tmp_path):
     assert sorted(pts["config"]) == ["dense", "target=0.5"] and pts["accuracy_rel_dense"].is_not_null().all()
     # resume: nothing new computed, rows untouched
     before = (out / "data" / "rows.parquet").read_bytes()
+    (out / "data" / ".rows.parquet.tmp-1").write_bytes(b"cut short")  # an interrupted write
     res = _eval(*args)
     assert res.exit_code == 0 and "0 rows to compute" in res.output, res.output
     assert (out / "data" / "rows.parquet").read_bytes() == before
+    assert not (out / "data" / ".rows.parquet.tmp-1").exists()
     assert_user_error(_eval(exp, "--out", out, "--methods", "dense,blasst:0.7"), "different request", "methods")
     # bench join later: the recorded options are reused, curves.parquet carries speedups and provenance
     res = _eval(exp, "--out", out, "--bench", _bench_file(tmp_path / "bench.json"))

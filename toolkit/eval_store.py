@@ -88,6 +88,8 @@ class EvalStore:
             if diff:
                 raise UserError(f"{root} holds an evaluation with a different {key} ({diff}); "
                                 "use a new --out directory, or the options it was started with.")
+        for tmp in (root / DATA).glob(".*.tmp-*"):  # a write cut short by Ctrl-C or a crash
+            tmp.unlink(missing_ok=True)
         store = cls(root, have)
         store.rows = store._read_rows()
         return store
