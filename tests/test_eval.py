@@ -3,7 +3,6 @@ fidelity metrics (dense vs dense: KL 0, agreement 1), and a tiny end-to-end eval
 SmolLM2 at 512 tokens through the CLI with resume, the bench join and the bad-input lines."""
 import json
 import math
-import re
 import shutil
 from pathlib import Path
 
