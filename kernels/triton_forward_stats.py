@@ -111,7 +111,8 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
         if STATS:
             row_b = tl.where(row_ok, m_ij, float("-inf"))
-            row_g = tl.where(row_ok & (m_ij > float("-inf")), m_ij - m_new, float("-inf"))
+            gap = tl.where(m_ij >= m_new, 0.0, m_ij - m_new)  # exactly 0 where the max rises (no fma rounding)
+            row_g = tl.where(row_ok & (m_ij > float("-inf")), gap, float("-inf"))
             _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr)
             up = m_ij > m_i
             t_step = tl.where(up, step0 + t, t_step)

@@ -81,7 +81,9 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
         elif METHOD == 1:
             keep = tl.max(tl.where(row_ok, m_ij, float("-inf")), 0) >= thr
         else:
-            keep = tl.max(tl.where(row_ok, m_ij - m_new, float("-inf")), 0) >= thr
+            # a row whose max rises has gap exactly 0 (no fused-multiply rounding at lambda = 1)
+            gap = tl.where(m_ij >= m_new, 0.0, m_ij - m_new)
+            keep = tl.max(tl.where(row_ok, gap, float("-inf")), 0) >= thr
         if keep:
             if GATE_V:
                 v = _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)

@@ -17,9 +17,10 @@ phase 1 ``_decode_scores_kernel`` (grid splits x B*Hkv): each program reads its 
         each head's tile max.
 decide  the skip mask [B, H, Kb] from the tile maxima (a few small torch ops on [B, H, Kb]).
 phase 2 ``_decode_attend_kernel`` (same grid): for its tiles, heads that keep the tile read their
-        scores back; the V tile is loaded and multiplied only when some head of the group keeps it
-        (with GQA a V tile is shared; FSA's point: small groups skip more V loads). Each program
-        counts the tiles each head skipped and leaves a partial (acc, max, sum).
+        scores back; the V tile is loaded only when some head of the group keeps it (with GQA a V
+        tile is shared; FSA's point: small groups skip more V loads). Skipped loads are masked,
+        not branched around, so the loop stays pipelined. Each program counts the tiles each head
+        skipped and leaves a partial (acc, max, sum).
 merge   ``_decode_merge_kernel`` (grid B*H) combines the splits.
 
 Memory traffic: K once, the scores (4 * group bytes per key and head, vs 2 * D for K) written and
@@ -78,12 +79,14 @@ def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n
 
 
 @triton.jit
-def _decode_attend_kernel(S, V, SKIP, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length, n_kb, tiles_per_split, n_split,
-                          num_heads, group,
+def _decode_attend_kernel(S, V, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length, n_kb, tiles_per_split,
+                          n_split, num_heads, group,
                           HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                           MASKED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Grid (S, B * Hkv). SKIP [B, H, Kb] i8 (1 = skip; read only when MASKED); partials ACC
-    [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT [B, H, S] i32 tiles skipped."""
+    """Grid (S, B * Hkv). SKIP [B, H, Kb] i8 (1 = the head skips the tile), SKIPV [B, Hkv, Kb] i8
+    (1 = every head of the group skips it: no V load), read only when MASKED. No branch: skipped
+    scores and V rows are masked loads (no memory traffic), so the loop stays software-pipelined.
+    Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT [B, H, S] i32 skipped."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     hkv = num_heads // group
@@ -104,25 +107,25 @@ def _decode_attend_kernel(S, V, SKIP, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length,
     j1 = tl.minimum(j0 + tiles_per_split, n_kb)
     for j in range(j0, j1):
         keys = j * BN + offs_n
+        kmask = (offs_n < BN) & (keys < length)
         if MASKED:
             keep = (tl.load(SKIP + bh * n_kb + j, mask=g_ok, other=1) == 0) & g_ok
             n_skip += (g_ok & ~keep).to(tl.int32)
-            any_keep = tl.max(keep.to(tl.int32), 0) > 0
+            skip_v = tl.load(SKIPV + bk.to(tl.int64) * n_kb + j).to(tl.int32)
+            vmask = kmask & ((offs_n * 0 + skip_v) == 0)
         else:
             keep = g_ok
-            any_keep = True
-        if any_keep:
-            s = tl.load(S + bh[:, None] * (n_kb * BN) + keys[None, :], mask=keep[:, None] & (offs_n < BN)[None, :],
-                        other=float("-inf"))
-            v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=((offs_n < BN) & (keys < length))[:, None],
-                        other=0.0)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_ref[:, None])
-            alpha = tl.math.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
-            m_i = m_new
+            vmask = kmask
+        s = tl.load(S + bh[:, None] * (n_kb * BN) + keys[None, :], mask=keep[:, None] & (offs_n < BN)[None, :],
+                    other=float("-inf"))
+        v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=vmask[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+        m_i = m_new
     part = bh * n_split + split
     tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
     tl.store(M + part, m_i, mask=g_ok)
@@ -210,15 +213,16 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
     LAST_COMPILED["decode_scores"] = _decode_scores_kernel[grid](
         q2, k, s, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2), length, kb, tps,
         h, group, scale * LOG2E, **common)
-    skip = None
+    skip = skip_v = tmax  # unread placeholders when nothing is skipped
     if method:
-        skip = decode_skip_mask(tmax, length, block_m, block_n, thresholds=thresholds, log_lambda=log_lambda,
-                                window=window, order=order).to(torch.int8)
+        mask = decode_skip_mask(tmax, length, block_m, block_n, thresholds=thresholds, log_lambda=log_lambda,
+                                window=window, order=order)
+        skip, skip_v = mask.to(torch.int8), mask.view(b, hkv, group, kb).all(dim=2).to(torch.int8)
     acc = torch.empty((b, h, n_split, d), dtype=f32, device=dev)
     m, ls = torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev)
     cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
     LAST_COMPILED["decode_attend"] = _decode_attend_kernel[grid](
-        s, v, tmax if skip is None else skip, acc, m, ls, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
+        s, v, skip, skip_v, acc, m, ls, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
         n_split, h, group, MASKED=bool(method), **common)
     out = torch.empty_like(q)
     _decode_merge_kernel[(b * h,)](acc, m, ls, out, out.stride(0), out.stride(1), h, n_split,
