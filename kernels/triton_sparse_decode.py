@@ -15,8 +15,10 @@ in two phases (plus a merge):
 phase 1 ``_decode_scores_kernel`` (grid splits x B*Hkv): each program reads its range of K tiles
         once for all query heads of its KV group, stores the scaled scores (f32, log2 units) and
         each head's tile max.
-decide  the skip mask [B, H, Kb] from the tile maxima (a few small torch ops on [B, H, Kb]).
-phase 2 ``_decode_attend_kernel`` (same grid): for its tiles, heads that keep the tile read their
+phase 2 ``_decode_attend_kernel`` (same grid): decides from the tile maxima (BSFA: against the
+        threshold; BLASST forward: the running max, starting from the max over the earlier splits'
+        tiles; window: the index), or reads a mask made in torch (BLASST reverse / sink_local,
+        ``decode_skip_mask``). For its tiles, heads that keep the tile read their
         scores back; the V tile is loaded only when some head of the group keeps it (with GQA a V
         tile is shared; FSA's point: small groups skip more V loads). Skipped loads are masked,
         not branched around, so the loop stays pipelined. Each program counts the tiles each head
@@ -79,14 +81,18 @@ def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n
 
 
 @triton.jit
-def _decode_attend_kernel(S, V, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length, n_kb, tiles_per_split,
-                          n_split, num_heads, group,
+def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length, n_kb,
+                          tiles_per_split, n_split, num_heads, group, n_thr, thr_pos, log_lambda2, window,
                           HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
-                          MASKED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Grid (S, B * Hkv). SKIP [B, H, Kb] i8 (1 = the head skips the tile), SKIPV [B, Hkv, Kb] i8
-    (1 = every head of the group skips it: no V load), read only when MASKED. No branch: skipped
-    scores and V rows are masked loads (no memory traffic), so the loop stays software-pipelined.
-    Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT [B, H, S] i32 skipped."""
+                          DECIDE: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv). DECIDE: 0 keep everything; 1 read SKIP [B, H, Kb] i8 (1 = skip) and
+    SKIPV [B, Hkv, Kb] i8 (1 = the whole group skips: no V load), made by ``decode_skip_mask``;
+    2 BSFA (THR [H, n_thr] f32 natural units, read at thr_pos); 3 BLASST in forward order (the
+    running max before this split is the max of TMAX [B, H, Kb] over the earlier tiles, log2
+    units; log_lambda2 = ln(lambda) * log2(e)); 4 window (keep the last ``window`` candidates).
+    No branch: skipped scores and V rows are masked loads (no memory traffic), so the loop stays
+    software-pipelined. Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT
+    [B, H, S] i32 candidate tiles skipped."""
     split = tl.program_id(0)
     bk = tl.program_id(1)
     hkv = num_heads // group
@@ -105,17 +111,40 @@ def _decode_attend_kernel(S, V, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, sv_h, sv_n, 
     n_skip = tl.zeros([GP], tl.int32)
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, n_kb)
+    n_cand = (length - 1) // BN
+    thr = tl.zeros([GP], tl.float32)
+    run = tl.full([GP], float("-inf"), tl.float32)
+    if DECIDE == 2:
+        thr = tl.load(THR + heads * n_thr + thr_pos, mask=g_ok, other=0.0) * 1.4426950408889634
+    if DECIDE == 3:  # the forward running max before this split's first tile
+        offs_c = tl.arange(0, CHUNK)
+        for c in range(0, j0, CHUNK):
+            t = tl.load(TMAX + bh[:, None] * n_kb + c + offs_c[None, :],
+                        mask=g_ok[:, None] & ((c + offs_c) < j0)[None, :], other=float("-inf"))
+            run = tl.maximum(run, tl.max(t, 1))
     for j in range(j0, j1):
         keys = j * BN + offs_n
         kmask = (offs_n < BN) & (keys < length)
-        if MASKED:
-            keep = (tl.load(SKIP + bh * n_kb + j, mask=g_ok, other=1) == 0) & g_ok
-            n_skip += (g_ok & ~keep).to(tl.int32)
-            skip_v = tl.load(SKIPV + bk.to(tl.int64) * n_kb + j).to(tl.int32)
-            vmask = kmask & ((offs_n * 0 + skip_v) == 0)
-        else:
+        if DECIDE == 0:
             keep = g_ok
-            vmask = kmask
+        elif DECIDE == 1:
+            keep = (tl.load(SKIP + bh * n_kb + j, mask=g_ok, other=1) == 0) & g_ok
+        elif DECIDE == 4:
+            keep = g_ok & ((offs_g * 0 + j) >= n_cand - window)
+        else:
+            tm = tl.load(TMAX + bh * n_kb + j, mask=g_ok, other=float("-inf"))
+            if DECIDE == 2:
+                keep = g_ok & (tm >= thr)
+            else:
+                run = tl.maximum(run, tm)
+                keep = g_ok & (tl.where(tm >= run, 0.0, tm - run) >= log_lambda2)
+        keep = keep | (g_ok & ((offs_g * 0 + j) >= n_cand))  # the last (diagonal) tile is always computed
+        n_skip += (g_ok & ~keep).to(tl.int32)
+        if DECIDE == 1:
+            skip_v = tl.load(SKIPV + bk.to(tl.int64) * n_kb + j).to(tl.int32)
+        else:
+            skip_v = 1 - tl.max(keep.to(tl.int32), 0)
+        vmask = kmask & ((offs_n * 0 + skip_v) == 0)
         s = tl.load(S + bh[:, None] * (n_kb * BN) + keys[None, :], mask=keep[:, None] & (offs_n < BN)[None, :],
                     other=float("-inf"))
         v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=vmask[:, None], other=0.0)
@@ -213,17 +242,22 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
     LAST_COMPILED["decode_scores"] = _decode_scores_kernel[grid](
         q2, k, s, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2), length, kb, tps,
         h, group, scale * LOG2E, **common)
-    skip = skip_v = tmax  # unread placeholders when nothing is skipped
-    if method:
-        mask = decode_skip_mask(tmax, length, block_m, block_n, thresholds=thresholds, log_lambda=log_lambda,
-                                window=window, order=order)
+    # the decision: in the attend kernel (BSFA, window, BLASST forward), else a torch mask
+    decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
+    skip = skip_v = thr = tmax  # placeholders the kernel does not read
+    if decide == 1:
+        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order)
         skip, skip_v = mask.to(torch.int8), mask.view(b, hkv, group, kb).all(dim=2).to(torch.int8)
+    if decide == 2:
+        thr = thresholds.to(device=dev, dtype=f32).contiguous()
+    ll2 = 0.0 if log_lambda is None else (log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda)
     acc = torch.empty((b, h, n_split, d), dtype=f32, device=dev)
     m, ls = torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev)
     cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
     LAST_COMPILED["decode_attend"] = _decode_attend_kernel[grid](
-        s, v, skip, skip_v, acc, m, ls, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
-        n_split, h, group, MASKED=bool(method), **common)
+        s, v, tmax, thr, skip, skip_v, acc, m, ls, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
+        n_split, h, group, thr.shape[-1], min((length - 1) // block_m, thr.shape[-1] - 1), ll2,
+        0 if window is None else int(window), DECIDE=decide, CHUNK=64, **common)
     out = torch.empty_like(q)
     _decode_merge_kernel[(b * h,)](acc, m, ls, out, out.stride(0), out.stride(1), h, n_split,
                                    HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
