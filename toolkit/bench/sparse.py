@@ -48,6 +48,7 @@ LAUNCH_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3), (8, 4)]
 # decision structures timed side by side (NOTES: V prefetched with K and a decide-then-attend
 # form were measured slower at 16K and removed)
 STYLES = {"gated": {"gate_v": True}}
+DECODE_SWEEP = [(4, 2), (4, 3), (4, 4), (2, 3), (8, 3)]  # (num_warps, num_stages) of the decode kernels
 
 
 def ideal(s: float) -> float:
@@ -176,7 +177,16 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
     q, k, v = structured_qkv(length, d, HEADS, HEADS // group, seed=length + group, batch=batch)
     q = q[:, :, -1:].contiguous()
     scale = d ** -0.5
-    variants = {"decode_off": (lambda: sparse_decode_triton(q, k, v, scale, BM, BN, dense=True), None, {})}
+    sweep = {}
+    for launch in DECODE_SWEEP:  # the same launch for skipping off and on: the best with skipping off
+        sweep[launch] = bench_ms(lambda: sparse_decode_triton(q, k, v, scale, BM, BN, dense=True, launch=launch))
+    best = min(sweep, key=sweep.get)
+    log(f"  decode launch sweep (skipping off): " + ", ".join(f"{x}: {t:.3f} ms" for x, t in sweep.items()))
+
+    def dec(**kw):
+        return sparse_decode_triton(q, k, v, scale, BM, BN, launch=best, **kw)
+
+    variants = {"decode_off": (lambda: dec(dense=True), None, {"launch": list(best)})}
     try:
         fn, mode = sdpa_fn(q, k, v, torch.nn.attention.SDPBackend.FLASH_ATTENTION)
         variants["sdpa_flash"] = (lambda: fn(), None, {"gqa": mode})
@@ -185,11 +195,11 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
     reach = (length - 1) // BN + 1
     for s in (0.5, 0.75):
         ll = decode_log_lambda_for(q, k, scale, BN, s)
-        _, sk = sparse_decode_triton(q, k, v, scale, BM, BN, log_lambda=ll)
+        _, sk = dec(log_lambda=ll)
         tmax = _decode_tile_max(q, k, scale)
         mask = decode_skip_mask(tmax, length, BM, BN, log_lambda=ll)
         v_skip = float(mask.view(batch, HEADS // group, group, -1).all(dim=2).float().mean()) * (reach - 1) / reach
-        variants[f"blasst_s{int(s * 100)}"] = (lambda ll=ll: sparse_decode_triton(q, k, v, scale, BM, BN, log_lambda=ll),
+        variants[f"blasst_s{int(s * 100)}"] = (lambda ll=ll: dec(log_lambda=ll),
                                                float(sk.sum()) / (reach * batch * HEADS),
                                                {"log_lambda": ll, "v_tiles_skipped": v_skip})
     ms = time_round_robin(variants, rounds)
