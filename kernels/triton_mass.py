@@ -26,7 +26,7 @@ from .triton_dense import LAST_COMPILED, LOG2E, _dot, check_inputs, dot_flags, n
 
 # (num_warps, num_stages) per head dim on a CUDA GPU (a guess before the H100 sweep of
 # sparsecal.bench.triton_capture --single-order; the interpreter ignores them).
-LAUNCH = {64: (4, 3), 128: (8, 3)}
+LAUNCH = {64: (4, 3), 128: (4, 2)}  # best of the H100 mass sweep (triton-capture-single-order-h100.json)
 
 
 @triton.jit

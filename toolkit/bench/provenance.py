@@ -12,8 +12,9 @@ from ..runstore import versions
 def provenance() -> dict:
     import torch
 
+    commit = os.environ.get("SPARSECAL_COMMIT")  # a copy without its own git metadata names its commit
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
