@@ -70,6 +70,24 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED: tl.constexpr, PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """Online-softmax step of one key tile: (acc, l_i) rescaled to the new running max m_new and
+    the tile's P.V added. qk [BLOCK_M, BLOCK_N] are scaled scores (log2 units, -inf where masked)
+    when MASKED, else unscaled; a MASKED tile may leave a row with nothing seen (m_new = -inf)."""
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_ref[:, None])
+    else:
+        m_ref = m_new
+        p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+    return acc, l_i
+
+
+@triton.jit
 def _attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j_lo, j_hi,
                   n_ctx, qk_scale, xy_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, STATS: tl.constexpr,

@@ -37,7 +37,7 @@ import triton.language as tl
 from .config import StatsConfig
 from .geometry import ORDERS, cdiv
 from .reference import _pad_blocks, signed_absmax_keys
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, check_inputs, dot_flags, next_pow2
+from .triton_dense import LAST_COMPILED, LOG2E, _dot, _softmax_update, check_inputs, dot_flags, next_pow2
 from .triton_instrumented import QINIT_CHUNK, _qinit_max
 
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
@@ -100,15 +100,7 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
         qk, m_ij, v = _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, qk_scale,
                                    BN, BLOCK_N, MASKED, PREC, UPCAST)
         m_new = tl.maximum(m_i, m_ij)
-        if MASKED:
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_ref[:, None])
-        else:
-            m_ref = m_new
-            p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+        acc, l_i = _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
         if STATS:
             row_b = tl.where(row_ok, m_ij, float("-inf"))
             gap = tl.where(m_ij >= m_new, 0.0, m_ij - m_new)  # exactly 0 where the max rises (no fma rounding)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .geometry import ORDERS, block_counts, cdiv
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, check_inputs, dot_flags, interpreting, next_pow2
+from .triton_dense import LAST_COMPILED, LOG2E, _dot, _softmax_update, check_inputs, dot_flags, interpreting, next_pow2
 
 SPARSE_METHODS = ("dense", "bsfa", "blasst", "window")
 # (num_warps, num_stages) per head dim on a CUDA GPU; the interpreter ignores them.
@@ -87,15 +87,7 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
         if keep:
             if GATE_V:
                 v = _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
-            if MASKED:
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(qk - m_ref[:, None])
-            else:
-                m_ref = m_new
-                p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
-            alpha = tl.math.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+            acc, l_i = _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
             m_i = m_new
         else:
             n_skip += 1

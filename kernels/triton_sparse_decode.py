@@ -48,22 +48,27 @@ DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GP
 
 
 @triton.jit
+def _group_program(num_heads, group, GP: tl.constexpr):
+    """This program's split, (batch, KV head) index bk, batch b, KV head hk, and its query heads:
+    offs_g [GP], g_ok [GP] (real heads of the group), heads [GP] (query head indices)."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    hkv = num_heads // group
+    offs_g = tl.arange(0, GP)
+    hk = (bk % hkv).to(tl.int64)
+    return split, bk, (bk // hkv).to(tl.int64), hk, offs_g, offs_g < group, hk * group + offs_g
+
+
+@triton.jit
 def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n_kb, tiles_per_split,
                           num_heads, group, qk_scale,
                           HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                           PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (S, B * Hkv). Q [B, H, D] (strides sq_b, sq_h); K [B, Hkv, L, D]; S [B, H, Kb * BN] f32
     scaled scores (log2 units, -inf past L); TMAX [B, H, Kb] f32 each head's tile max."""
-    split = tl.program_id(0)
-    bk = tl.program_id(1)
-    hkv = num_heads // group
-    b = (bk // hkv).to(tl.int64)
-    hk = (bk % hkv).to(tl.int64)
-    offs_g = tl.arange(0, GP)
+    split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    g_ok = offs_g < group
-    heads = hk * group + offs_g
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     k_ptr = K + b * sk_b + hk * sk_h
     s_row = S + (b * num_heads + heads) * (n_kb * BN)    # [GP] row starts
@@ -93,16 +98,9 @@ def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, s
     No branch: skipped scores and V rows are masked loads (no memory traffic), so the loop stays
     software-pipelined. Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT
     [B, H, S] i32 candidate tiles skipped."""
-    split = tl.program_id(0)
-    bk = tl.program_id(1)
-    hkv = num_heads // group
-    b = (bk // hkv).to(tl.int64)
-    hk = (bk % hkv).to(tl.int64)
-    offs_g = tl.arange(0, GP)
+    split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    g_ok = offs_g < group
-    heads = hk * group + offs_g
     bh = b * num_heads + heads                           # [GP]
     v_ptr = V + b * sv_b + hk * sv_h
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
