@@ -32,6 +32,8 @@ CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, orders)
     (250, 1, 2, 64, 80, 48, torch.float32, ("sink_local",)),  # BM, BN not powers of two
 ]
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# plus one rounding step of the output dtype (two kernels may round a large output differently)
+OUT_RTOL = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 def make_qkv(seed, n, hkv, group, d, dtype):
@@ -131,7 +133,7 @@ def test_triton_matches_reference(case, seed):
     out, t = instrumented_attention_triton(q, k, v, scale, cfg)
     ref_out, r = instrumented_attention(q, k, v, scale, cfg)
     assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=0)
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=OUT_RTOL[dtype])
     ties = near_tie_rows(q, k, scale, bn)
     assert ties.float().mean() < 0.05
     assert_tiles_match(t, r, ties, orders)
