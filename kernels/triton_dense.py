@@ -70,6 +70,23 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """The query block of a grid (P, H) program (heaviest blocks first): (i, h, hk, rows [BLOCK_M],
+    row_ok [BLOCK_M], offs_d [D], q [BLOCK_M, D] (zeros on invalid rows), A_i, reachable blocks)."""
+    i = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    hk = (tl.program_id(1) // group).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = i * BM + offs_m
+    row_ok = (offs_m < BM) & (rows < n_ctx)
+    q = tl.load(Q + h * sq_h + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+    return i, h, hk, rows, row_ok, offs_d, q, (i * BM) // BN, n_reach
+
+
+@triton.jit
 def _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED: tl.constexpr, PREC: tl.constexpr,
                     UPCAST: tl.constexpr):
     """Online-softmax step of one key tile: (acc, l_i) rescaled to the new running max m_new and

@@ -37,7 +37,8 @@ import triton.language as tl
 from .config import StatsConfig
 from .geometry import ORDERS, cdiv
 from .reference import _pad_blocks, signed_absmax_keys
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, _softmax_update, check_inputs, dot_flags, next_pow2
+from .triton_dense import (LAST_COMPILED, LOG2E, _dot, _query_block, _softmax_update, check_inputs, dot_flags,
+                           next_pow2)
 from .triton_instrumented import QINIT_CHUNK, _qinit_max
 
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
@@ -133,16 +134,8 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
     """Grid (P, H); query block i (heaviest first) of head program_id(1). ORDER 0 forward, 1
     reverse, 2 sink_local. O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 natural log;
     TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written)."""
-    i = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    hk = (tl.program_id(1) // group).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = i * BM + offs_m
-    row_ok = (offs_m < BM) & (rows < n_ctx)
-    q = tl.load(Q + h * sq_h + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    n_cand = (i * BM) // BN
-    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+    i, h, hk, rows, row_ok, offs_d, q, n_cand, n_reach = _query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM, BM,
+                                                                      BN, BLOCK_M)
     m_init = _qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, BLOCK_M, BLOCK_R, PREC, UPCAST)
     k_ptr = K + hk * sk_h
     v_ptr = V + hk * sv_h

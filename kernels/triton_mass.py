@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .config import StatsConfig
 from .geometry import cdiv
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, check_inputs, dot_flags, next_pow2
+from .triton_dense import LAST_COMPILED, LOG2E, _dot, _query_block, check_inputs, dot_flags, next_pow2
 
 # (num_warps, num_stages) per head dim on a CUDA GPU (a guess before the H100 sweep of
 # sparsecal.bench.triton_capture --single-order; the interpreter ignores them).
@@ -56,17 +56,9 @@ def _mass_kernel(Q, K, LSE, MASS, sq_h, sq_n, sk_h, sk_n, n_ctx, group, n_qb, n_
                  HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (P, H). LSE [H, N] f32 natural log; MASS [H, P, Kb] f32 (reachable tiles written)."""
-    i = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
-    h = tl.program_id(1).to(tl.int64)
-    hk = (tl.program_id(1) // group).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = i * BM + offs_m
-    row_ok = (offs_m < BM) & (rows < n_ctx)
-    q = tl.load(Q + h * sq_h + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    i, h, hk, rows, row_ok, offs_d, q, n_cand, n_reach = _query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM, BM,
+                                                                     BN, BLOCK_M)
     lse2 = tl.load(LSE + h * n_ctx + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    n_cand = (i * BM) // BN
-    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
     inv_rows = 1.0 / (tl.minimum((i + 1) * BM, n_ctx) - i * BM).to(tl.float32)
     k_ptr = K + hk * sk_h
     mass_ptr = MASS + (h * n_qb + i) * n_kb
