@@ -87,6 +87,36 @@ def _query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM: tl.constexpr, BM: tl.con
 
 
 @triton.jit
+def _tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Key block j against the query block: (qk [BLOCK_M, BLOCK_N], m_ij [BLOCK_M], keys, kmask
+    [BLOCK_N]). MASKED (diagonal or ragged blocks): qk scaled (log2 units) and -inf where a key is
+    past the block, the sequence or the row (m_ij -inf where a row sees nothing); otherwise qk is
+    unscaled (the exponent folds the scale in) and every key is visible. m_ij is always scaled."""
+    offs_n = tl.arange(0, BLOCK_N)
+    keys = j * BN + offs_n
+    kmask = (offs_n < BN) & (keys < n_ctx)
+    if MASKED:
+        kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        qk = _dot(q, kt, None, PREC, UPCAST)
+        qk = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), qk * qk_scale, float("-inf"))
+        m_ij = tl.max(qk, 1)
+    else:
+        kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
+        qk = _dot(q, kt, None, PREC, UPCAST)
+        m_ij = tl.max(qk, 1) * qk_scale
+    return qk, m_ij, keys, kmask
+
+
+@triton.jit
+def _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED: tl.constexpr):
+    """V rows ``keys`` [BLOCK_N, D] (zeros where kmask is off, only when MASKED)."""
+    if MASKED:
+        return tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    return tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
+
+
+@triton.jit
 def _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED: tl.constexpr, PREC: tl.constexpr,
                     UPCAST: tl.constexpr):
     """Online-softmax step of one key tile: (acc, l_i) rescaled to the new running max m_new and

@@ -37,8 +37,8 @@ import triton.language as tl
 from .config import StatsConfig
 from .geometry import ORDERS, cdiv
 from .reference import _pad_blocks, signed_absmax_keys
-from .triton_dense import (LAST_COMPILED, LOG2E, _dot, _query_block, _softmax_update, check_inputs, dot_flags,
-                           next_pow2)
+from .triton_dense import (LAST_COMPILED, LOG2E, _load_v, _query_block, _softmax_update, _tile_qk, check_inputs,
+                           dot_flags, next_pow2)
 from .triton_instrumented import QINIT_CHUNK, _qinit_max
 
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
@@ -49,30 +49,6 @@ LAUNCH = {64: (4, 3), 128: (8, 3)}
 @triton.jit
 def _max_pair(a, b, c, d):
     return tl.maximum(a, c), tl.maximum(b, d)
-
-
-@triton.jit
-def _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, qk_scale,
-                 BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Key block j: (scaled scores [BLOCK_M, BLOCK_N] (log2 units, -inf where masked; unscaled
-    when not MASKED), row block max m_ij [BLOCK_M] (scaled; -inf where a row sees nothing), v
-    [BLOCK_N, D])."""
-    offs_n = tl.arange(0, BLOCK_N)
-    keys = j * BN + offs_n
-    if MASKED:
-        kmask = (offs_n < BN) & (keys < n_ctx)
-        kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
-        v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        qk = _dot(q, kt, None, PREC, UPCAST)
-        qk = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), qk * qk_scale, float("-inf"))
-        m_ij = tl.max(qk, 1)
-    else:
-        kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
-        v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
-        qk = _dot(q, kt, None, PREC, UPCAST)
-        m_ij = tl.max(qk, 1) * qk_scale
-    return qk, m_ij, v
 
 
 @triton.jit
@@ -98,8 +74,9 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
     """
     for t in range(0, count):
         j = j_first + t * j_dir
-        qk, m_ij, v = _tile_scores(q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j, n_ctx, qk_scale,
-                                   BN, BLOCK_N, MASKED, PREC, UPCAST)
+        qk, m_ij, keys, kmask = _tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN, BLOCK_N, MASKED,
+                                         PREC, UPCAST)
+        v = _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
         m_new = tl.maximum(m_i, m_ij)
         acc, l_i = _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
         if STATS:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .config import StatsConfig
 from .geometry import cdiv
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, _query_block, check_inputs, dot_flags, next_pow2
+from .triton_dense import LAST_COMPILED, LOG2E, _query_block, _tile_qk, check_inputs, dot_flags, next_pow2
 
 # (num_warps, num_stages) per head dim on a CUDA GPU (a guess before the H100 sweep of
 # sparsecal.bench.triton_capture --single-order; the interpreter ignores them).
@@ -36,18 +36,12 @@ def _mass_range(q, k_ptr, stride_kn, rows, lse2, offs_d, j_lo, j_hi, n_ctx, qk_s
     """mass_ptr + j <- inv_rows * sum of exp2(scores - lse2) over tile j, for j_lo <= j < j_hi.
     lse2 [BLOCK_M] log2-unit log-sum-exp (+inf on invalid rows, so they add 0). MASKED: causal,
     length and block-width mask (diagonal or ragged blocks); otherwise every key is visible."""
-    offs_n = tl.arange(0, BLOCK_N)
     for j in range(j_lo, j_hi):
-        keys = j * BN + offs_n
-        if MASKED:
-            kmask = (offs_n < BN) & (keys < n_ctx)
-            kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
-            qk = _dot(q, kt, None, PREC, UPCAST)
-            vis = kmask[None, :] & (keys[None, :] <= rows[:, None])
-            p = tl.where(vis, tl.math.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        qk, _, _, _ = _tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN, BLOCK_N, MASKED, PREC, UPCAST)
+        if MASKED:  # scaled, -inf where masked: exp2 gives 0 there
+            p = tl.math.exp2(qk - lse2[:, None])
         else:
-            kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
-            p = tl.math.exp2(_dot(q, kt, None, PREC, UPCAST) * qk_scale - lse2[:, None])
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         tl.store(mass_ptr + j, tl.sum(tl.sum(p, 1), 0) * inv_rows)
 
 

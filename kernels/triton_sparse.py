@@ -25,6 +25,7 @@ Shape legend
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,19 +33,13 @@ import triton
 import triton.language as tl
 
 from .geometry import ORDERS, block_counts, cdiv
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, _softmax_update, check_inputs, dot_flags, interpreting, next_pow2
+from .sparse_reference import check_method
+from .triton_dense import (LAST_COMPILED, LOG2E, _load_v, _softmax_update, _tile_qk, check_inputs, dot_flags,
+                           interpreting, next_pow2)
 
 SPARSE_METHODS = ("dense", "bsfa", "blasst", "window")
 # (num_warps, num_stages) per head dim on a CUDA GPU; the interpreter ignores them.
 LAUNCH = {64: (4, 3), 128: (8, 3)}
-
-
-@triton.jit
-def _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED: tl.constexpr):
-    """V rows ``keys`` [BLOCK_N, D] (zeros where masked)."""
-    if MASKED:
-        return tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :], mask=kmask[:, None], other=0.0)
-    return tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
 
 
 @triton.jit
@@ -59,20 +54,10 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
     METHOD 0 computes every tile (dense, or diagonal blocks); 1 BSFA; 2 BLASST (candidates only).
     MASKED: causal/length/block-width mask (diagonal or ragged blocks).
     """
-    offs_n = tl.arange(0, BLOCK_N)
     for t in range(0, count):
         j = j_first + t * j_dir
-        keys = j * BN + offs_n
-        kmask = (offs_n < BN) & (keys < n_ctx)
-        if MASKED:
-            kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
-            qk = _dot(q, kt, None, PREC, UPCAST)
-            qk = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), qk * qk_scale, float("-inf"))
-            m_ij = tl.max(qk, 1)
-        else:
-            kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
-            qk = _dot(q, kt, None, PREC, UPCAST)
-            m_ij = tl.max(qk, 1) * qk_scale
+        qk, m_ij, keys, kmask = _tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN, BLOCK_N, MASKED,
+                                         PREC, UPCAST)
         if not GATE_V:
             v = _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
         m_new = tl.maximum(m_i, m_ij)
@@ -165,15 +150,12 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
 
 
 def _method_code(thresholds, log_lambda, window, dense: bool) -> int:
-    given = sum(x is not None for x in (thresholds, log_lambda, window))
+    """0 dense, 1 BSFA, 2 BLASST, 3 window (the reference's argument rules, plus dense)."""
     if dense:
-        if given:
+        if any(x is not None for x in (thresholds, log_lambda, window)):
             raise ValueError("method 'dense' takes no thresholds, log_lambda or window")
         return 0
-    if given != 1:
-        raise ValueError("give exactly one of thresholds (BSFA), log_lambda (BLASST) or window (or dense=True)")
-    if window is not None and window < 0:
-        raise ValueError(f"window must be >= 0 key blocks, got {window}")
+    check_method(thresholds, log_lambda, window)
     return 1 if thresholds is not None else 2 if log_lambda is not None else 3
 
 
@@ -215,8 +197,10 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
     return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=256)
 def candidate_tiles(n: int, block_m: int, block_n: int) -> tuple[int, int]:
-    """(candidate tiles, reachable tiles) of one head of an N-token causal prefill."""
+    """(candidate tiles, reachable tiles) of one head of an N-token causal prefill (cached: the
+    sparse backend asks once per layer and forward)."""
     cand, reach = block_counts(n, block_m, block_n)
     return int(cand.sum()), int(reach.sum())
 

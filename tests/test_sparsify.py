@@ -173,3 +173,14 @@ def test_from_pretrained_with_registered_export(tiny_model, tmp_path, seed):
     cand, _ = block_counts(400, 128, 64)
     assert (state.stats["skipped"] == int(torch.clamp(cand - 1, min=0).sum())).all()
     sparsecal.densify(dense_model)
+
+
+def test_registered_export_is_checked_against_the_model(tiny_model, tmp_path):
+    """register() cannot see the model: its first forward runs sparsify's checks (heads here)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_model
+    sparsecal.register(_noop_export(tmp_path / "e", heads=8), method="blasst")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparsecal_blasst").eval()
+    with pytest.raises(UserError, match="num_heads 8, but it is applied to num_heads 4"), torch.no_grad():
+        model(torch.randint(0, 300, (1, 100)))

@@ -44,7 +44,9 @@ class _State:
     order: str = "forward"
     window: int | None = None                      # candidate blocks kept (window)
     backend: str = "auto"
-    expect: dict = field(default_factory=dict)     # geometry checked at first use (register)
+    source: dict = field(default_factory=dict)     # register(): load_state arguments, re-checked at first use
+    model_id: str | None = None                    # register(): the expected model id
+    checked: bool = True                           # register(): False until checked against a model
     stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
     _on_device: dict = field(default_factory=dict)  # device -> thresholds there
 
@@ -162,7 +164,9 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
         AttentionInterface.register(name, sparse_attention_fn)
     if export_dir is None:
         return None
-    state = load_state(export_dir, method, k, target, blocks, {"model": model_id}, backend)
+    source = dict(export_dir=export_dir, method=method, k=k, target=target, blocks=blocks, backend=backend)
+    state = load_state(**source, expect={"model": model_id})
+    state.source, state.model_id, state.checked = source, model_id, False
     _REGISTERED[METHODS[method]] = state
     return state
 
@@ -175,17 +179,10 @@ def _module_state(module) -> _State:
     if state is None:
         raise RuntimeError("sparsecal sparse attention needs sparsecal.sparsify(model, ...) or "
                            "sparsecal.register(EXPORT_DIR, ...) before from_pretrained")
-    if not state.expect:
-        geo = _geometry(module.config)
-        _check_state_geometry(state, geo)
-        state.expect = geo
+    if not state.checked:  # the export against the model it now runs in: the same checks as sparsify
+        load_state(**state.source, expect=dict(_geometry(module.config), model=state.model_id))
+        state.checked = True
     return state
-
-
-def _check_state_geometry(state: _State, geo: dict) -> None:
-    if state.thresholds is not None and tuple(state.thresholds.shape[:2]) != (geo["num_layers"], geo["num_heads"]):
-        raise UserError(f"the export has {tuple(state.thresholds.shape[:2])} (layers, heads), the model "
-                        f"({geo['num_layers']}, {geo['num_heads']}); export for this model.")
 
 
 def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -240,7 +237,6 @@ def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw
     """Plain-torch reference per sequence: (out [B, Nq, H, D], skipped [H], reachable per head)."""
     from sparsecal.kernels.sparse_reference import sparse_attention, sparse_decode
 
-    kw = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()} if not query.is_cuda else kw
     if mode == "prefill":
         outs, skipped = [], 0
         for i in range(query.shape[0]):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import traceback
@@ -33,13 +32,13 @@ from pathlib import Path
 import torch
 
 from ..kernels.sparse_reference import sparse_attention, sparse_decode
-from ..kernels.triton_dense import attention_dense, flops_causal
+from ..kernels.triton_dense import LOG2E, attention_dense, flops_causal
 from ..kernels.triton_sparse import candidate_tiles, sparse_attention_triton
 from ..kernels.triton_sparse_decode import decode_skip_mask, sparse_decode_triton
 from ..tensorio import atomic_write_text
 from .provenance import provenance
-from .sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, structured_qkv,
-                            tile_stats)
+from .sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, decode_tile_max,
+                            structured_qkv, tile_stats)
 from .triton_capture import bench_ms, log, sdpa_fn
 
 HEADS, BM, BN = 32, 128, 64
@@ -193,12 +192,12 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
     except Exception as e:
         log(f"  decode sdpa: unavailable ({type(e).__name__})")
     reach = (length - 1) // BN + 1
+    tmax = decode_tile_max(q, k, scale, BN) * LOG2E  # the kernel's units
     for s in (0.5, 0.75):
         ll = decode_log_lambda_for(q, k, scale, BN, s)
         _, sk = dec(log_lambda=ll)
-        tmax = _decode_tile_max(q, k, scale)
-        mask = decode_skip_mask(tmax, length, BM, BN, log_lambda=ll)
-        v_skip = float(mask.view(batch, HEADS // group, group, -1).all(dim=2).float().mean()) * (reach - 1) / reach
+        mask = decode_skip_mask(tmax, length, BM, BN, log_lambda=ll)  # [B, H, Kb], the last tile never skipped
+        v_skip = float(mask.view(batch, HEADS // group, group, -1).all(dim=2).float().mean())
         variants[f"blasst_s{int(s * 100)}"] = (lambda ll=ll: dec(log_lambda=ll),
                                                float(sk.sum()) / (reach * batch * HEADS),
                                                {"log_lambda": ll, "v_tiles_skipped": v_skip})
@@ -213,16 +212,6 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
     del q, k, v
     torch.cuda.empty_cache()
     return {"d": d, "group": group, "batch": batch, "length": length, "rows": rows}
-
-
-def _decode_tile_max(q, k, scale: float) -> torch.Tensor:
-    """[B, H, Kb] tile maxima of the decode row in log2 units (as the kernel's phase 1)."""
-    b, h, _, _ = q.shape
-    length = k.shape[2]
-    kb = -(-length // BN)
-    sc = (q.float() @ k.repeat_interleave(h // k.shape[1], 1).float().transpose(-1, -2))[:, :, 0] * scale
-    sc = torch.cat([sc, torch.full((b, h, kb * BN - length), -math.inf, device=sc.device)], -1)
-    return sc.view(b, h, kb, BN).amax(-1) * 1.4426950408889634
 
 
 def summarize(result: dict) -> str:

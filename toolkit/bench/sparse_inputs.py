@@ -102,22 +102,28 @@ def blasst_log_lambda_for(gap: torch.Tensor, n: int, block_m: int, block_n: int,
     return (lo + float(gaps[want])) / 2
 
 
-def decode_log_lambda_for(q, k, scale: float, block_n: int, s: float) -> float:
-    """ln(lambda) at which a share s of the decode row's reachable tiles (all sequences and heads)
-    sit below the forward running max. q [B, H, 1, D], k [B, Hkv, L, D]."""
-    if s <= 0:
-        return -math.inf
-    b, h, _, d = q.shape
+def decode_tile_max(q, k, scale: float, block_n: int) -> torch.Tensor:
+    """The decode row's tile maxima [B, H, Kb] (natural units, -inf padding). q [B, H, 1, D],
+    k [B, Hkv, L, D]."""
+    b, h, _, _ = q.shape
     length = k.shape[2]
     kb = -(-length // block_n)
     kk = k.repeat_interleave(h // k.shape[1], dim=1).float()
     sc = (q.float() @ kk.transpose(-1, -2))[:, :, 0] * scale             # [B, H, L]
     pad = torch.full((b, h, kb * block_n - length), -math.inf, device=sc.device)
-    tmax = torch.cat([sc, pad], dim=-1).view(b, h, kb, block_n).amax(-1)
+    return torch.cat([sc, pad], dim=-1).view(b, h, kb, block_n).amax(-1)
+
+
+def decode_log_lambda_for(q, k, scale: float, block_n: int, s: float) -> float:
+    """ln(lambda) at which a share s of the decode row's reachable tiles (all sequences and heads)
+    sit below the forward running max. q [B, H, 1, D], k [B, Hkv, L, D]."""
+    if s <= 0:
+        return -math.inf
+    tmax = decode_tile_max(q, k, scale, block_n)
     gap = tmax - torch.cummax(tmax, dim=-1).values
-    a = (length - 1) // block_n
+    a = (k.shape[2] - 1) // block_n
     gaps = gap[..., :a].flatten().sort().values
-    want = min(int(round(s * kb * b * h)), gaps.numel())
+    want = min(int(round(s * tmax.numel())), gaps.numel())
     if want >= gaps.numel():
         return float(gaps[-1]) + 1.0
     return (float(gaps[want - 1]) + float(gaps[want])) / 2 if want else float(gaps[0]) - 1.0

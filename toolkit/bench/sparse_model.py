@@ -74,6 +74,7 @@ def captured_section(model, ids, export_dir) -> dict:
 
     n = ids.shape[1]
     qkv = capture_qkv(model, ids, CAPTURE_LAYERS)
+    points = [(method, config, load_state(export_dir, **kw)) for method, config, kw in configs(export_dir)]
     rows, bench_rows = [], []
     for layer, (q, k, v) in sorted(qkv.items()):
         d = q.shape[-1]
@@ -87,8 +88,7 @@ def captured_section(model, ids, export_dir) -> dict:
             except Exception as e:  # unavailable backend: recorded by its absence
                 log(f"  sdpa {backend}: unavailable ({type(e).__name__})")
         sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
-        for method, config, kw in configs(export_dir):
-            state = load_state(export_dir, **kw)
+        for method, config, state in points:
             args = _method_args(state, layer, "prefill", n, q.device)
             _, sk = sparse_attention_triton(q, k, v, scale, state.block_m, state.block_n, order=state.order, **args)
             t = bench_ms(lambda: sparse_attention_triton(q, k, v, scale, state.block_m, state.block_n,
@@ -100,7 +100,7 @@ def captured_section(model, ids, export_dir) -> dict:
                                "sparsity": sp, "task": "kernel", "layer": layer})
         rows.append({"layer": layer, "baselines_ms": ms})
         log(f"  captured layer {layer}: " + ", ".join(f"{r['config']} s={r['sparsity']:.2f} x{r['speedup_vs_sdpa']:.2f}"
-                                                     for r in rows[-len(configs(export_dir)) - 1:-1]))
+                                                     for r in rows[-len(points) - 1:-1]))
     return {"length": n, "layers": list(CAPTURE_LAYERS), "rows": rows, "bench_rows": bench_rows}
 
 
