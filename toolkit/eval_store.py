@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import SCHEMA_VERSION
 from .errors import UserError
+from .runstore import read_json_manifest
 
 EVAL_KIND = "sparsecal-eval-run"
 DATA = "data"
@@ -64,15 +65,7 @@ class EvalStore:
                 raise UserError(f"--out {root} is a non-empty directory that is not a sparsecal evaluation; "
                                 "choose a new directory.")
             return None
-        try:
-            man = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e.msg}); evaluate again into a new directory.")
-        if man.get("kind") != EVAL_KIND:
-            raise UserError(f"--out {root} holds a {man.get('kind')!r}, not a sparsecal evaluation; choose a new directory.")
-        if man.get("schema_version") != SCHEMA_VERSION:
-            raise UserError(f"{path} has schema version {man.get('schema_version')}; this sparsecal reads "
-                            f"{SCHEMA_VERSION}: evaluate again into a new directory.")
+        man = read_json_manifest(path, EVAL_KIND, "evaluate again into a new directory")
         return man
 
     @classmethod

@@ -53,6 +53,22 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def read_json_manifest(path: Path, kind: str, remedy: str) -> dict:
+    """The JSON manifest at ``path``, checked to be of ``kind`` at this sparsecal's schema version;
+    anything else is one UserError line ending in ``remedy`` (what the user should do)."""
+    try:
+        man = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg}); {remedy}.") from None
+    if not isinstance(man, dict) or man.get("kind") != kind:
+        found = man.get("kind") if isinstance(man, dict) else type(man).__name__
+        raise UserError(f"{path} holds a {found!r}, not a {kind} manifest; {remedy}.")
+    if man.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path} has schema version {man.get('schema_version')}; this sparsecal reads "
+                        f"{SCHEMA_VERSION}: {remedy}.")
+    return man
+
+
 @dataclass
 class RunStore:
     root: Path
@@ -66,15 +82,7 @@ class RunStore:
         path = root / MANIFEST
         if not path.is_file():
             raise UserError(f"{root} is not a sparsecal run (no {MANIFEST}). Create one with `sparsecal capture --out {root}`.")
-        try:
-            man = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e.msg}); the run is damaged: capture it again into a new directory.")
-        if man.get("kind") != RUN_KIND:
-            raise UserError(f"{path} is not a sparsecal run manifest (kind {man.get('kind')!r}).")
-        if man.get("schema_version") != SCHEMA_VERSION:
-            raise UserError(f"{path} has schema version {man.get('schema_version')}; this sparsecal reads version "
-                            f"{SCHEMA_VERSION}. Capture the run again with this version.")
+        man = read_json_manifest(path, RUN_KIND, "capture the run again into a new directory with this sparsecal")
         return cls(root, man)
 
     @classmethod
