@@ -46,13 +46,14 @@ LAUNCH = {64: (4, 3), 128: (8, 3)}
 def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok, offs_d,
                     j_first, j_dir, count, n_ctx, qk_scale, thr,
                     BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, METHOD: tl.constexpr,
-                    GATE_V: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                    GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over key blocks j_first + t * j_dir (t < count), skipping per METHOD.
 
     acc [BLOCK_M, D] f32; l_i, m_i [BLOCK_M] f32 (log2 units); n_skip i32 tiles skipped so far;
     thr the program's threshold in log2 units (BSFA: the tile max's; BLASST: ln(lambda)).
     METHOD 0 computes every tile (dense, or diagonal blocks); 1 BSFA; 2 BLASST (candidates only).
-    MASKED: causal/length/block-width mask (diagonal or ragged blocks).
+    MASKED: causal/length/block-width mask (diagonal or ragged blocks). DO_SKIP False (count_only):
+    the decision is made and counted but every tile is computed (the decision's cost, measured).
     """
     for t in range(0, count):
         j = j_first + t * j_dir
@@ -69,7 +70,14 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
             # a row whose max rises has gap exactly 0 (no fused-multiply rounding at lambda = 1)
             gap = tl.where(m_ij >= m_new, 0.0, m_ij - m_new)
             keep = tl.max(tl.where(row_ok, gap, float("-inf")), 0) >= thr
-        if keep:
+        if METHOD == 0 or not DO_SKIP:  # every tile computed (count_only: the decision is only counted)
+            if METHOD != 0:
+                n_skip += 1 - keep.to(tl.int32)
+            if GATE_V:
+                v = _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
+            acc, l_i = _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
+            m_i = m_new
+        elif keep:
             if GATE_V:
                 v = _load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
             acc, l_i = _softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
@@ -85,7 +93,8 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
                        n_ctx, num_heads, group, n_thr, qk_scale, log_lambda2, window,
                        METHOD: tl.constexpr, ORDER: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       EVEN_N: tl.constexpr, GATE_V: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                       EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, PREC: tl.constexpr,
+                       UPCAST: tl.constexpr):
     """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST, 3 window;
     ORDER (BLASST) 0 forward, 1 reverse, 2 sink_local. THR [H, n_thr] f32 natural units (BSFA);
     log_lambda2 = ln(lambda) * log2(e) (BLASST); window = W (window). O [B, H, N, D] by strides;
@@ -118,21 +127,21 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
     if METHOD == 2 and ORDER == 1:  # reverse: diagonal blocks down, then candidates down
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_reach - 1, -1, n_diag,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand - 1, -1, n_cand,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, DO_SKIP, PREC, UPCAST)
     elif METHOD == 2 and ORDER == 2:  # sink_local: block 0, diagonal up, candidates 1.. up
         d0 = tl.maximum(n_cand, 1)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, 0, 1, 1,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, d0, 1, n_reach - d0,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, 1, 1, n_cand - 1,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, DO_SKIP, PREC, UPCAST)
     else:  # forward: candidates up (the window starts at A - W), then the diagonal blocks up
         j_lo = 0
         if METHOD == 3:
@@ -140,10 +149,10 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
             n_skip += j_lo
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, j_lo, 1, n_cand - j_lo,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, CAND, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, CAND, GATE_V, DO_SKIP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand, 1, n_diag,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, PREC, UPCAST)
+            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
     o_ptr = O + b * so_b + h.to(tl.int64) * so_h + rows[:, None] * so_n + offs_d[None, :]
     tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(SKIP + bh.to(tl.int64) * tl.num_programs(0) + i, n_skip)
@@ -161,13 +170,15 @@ def _method_code(thresholds, log_lambda, window, dense: bool) -> int:
 
 def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                             log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                            dense: bool = False, gate_v: bool = True, out: torch.Tensor | None = None,
-                            launch: tuple | None = None):
+                            dense: bool = False, gate_v: bool = True, count_only: bool = False,
+                            out: torch.Tensor | None = None, launch: tuple | None = None):
     """Block-sparse causal attention; the Triton twin of ``sparse_reference.sparse_attention``.
 
     q [B, H, N, D], k/v [B, Hkv, N, D]; exactly one of thresholds [H, Pt] (BSFA, natural units of
     the scaled scores), log_lambda (BLASST, scan ``order``), window (blocks), or dense=True.
-    gate_v: load V only for computed tiles (else V is prefetched with K). out: optional [B, H, N, D]
+    gate_v: load V only for computed tiles (else V is prefetched with K). count_only: decide and
+    count as the method does but compute every tile (dense output; what deciding costs, measured
+    without the skip). out: optional [B, H, N, D]
     buffer (any strides, last axis contiguous). launch: (num_warps, num_stages).
     Returns (out [B, H, N, D] in q.dtype, skipped [B, H] int64 candidate tiles skipped).
     """
@@ -175,6 +186,8 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
     method = _method_code(thresholds, log_lambda, window, dense)
     if order not in ORDERS:
         raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
+    if count_only and method not in (1, 2):
+        raise ValueError("count_only counts a per-tile decision: give thresholds (BSFA) or log_lambda (BLASST)")
     if method == 1:
         if thresholds.dim() != 2 or thresholds.shape[0] != h:
             raise ValueError(f"thresholds must be [H={h}, positions], got {tuple(thresholds.shape)}")
@@ -193,7 +206,7 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
         n, h, h // hkv, thr.shape[1], scale * LOG2E, ll2, 0 if window is None else int(window),
         METHOD=method, ORDER=ORDERS.index(order) if method == 2 else 0, HEAD_DIM=d, BM=block_m, BN=block_n,
         BLOCK_M=next_pow2(block_m), BLOCK_N=next_pow2(block_n), EVEN_N=block_n == next_pow2(block_n),
-        GATE_V=gate_v, PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        GATE_V=gate_v, DO_SKIP=not count_only, PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
     return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
 
 

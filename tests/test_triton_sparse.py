@@ -106,6 +106,23 @@ def test_no_op_is_dense(case, seed):
         assert skipped.sum() == 0
 
 
+@pytest.mark.parametrize("case", CASES[:3])
+def test_count_only_counts_and_computes_everything(case, seed):
+    """count_only: the method's skip counts (the reference's), the dense output."""
+    b, n, h, hkv, d, bm, bn, dtype = case
+    q, k, v = _inputs(seed, b, n, h, hkv, d, dtype)
+    scale = d ** -0.5
+    dense, _ = sparse_attention(q[:1], k[:1], v[:1], scale, bm, bn, thresholds=torch.full((h, 1), -math.inf))
+    thr = _median_bmax_thresholds(q, k, v, bm, bn, seed)
+    for kw in ({"thresholds": thr}, {"log_lambda": -2.0, "order": "reverse"}):
+        _, want_skip = _reference(q, k, v, scale, bm, bn, **kw)
+        got, got_skip = sparse_attention_triton(q, k, v, scale, bm, bn, count_only=True, **kw)
+        assert torch.equal(got_skip, want_skip) and want_skip.sum() > 0
+        torch.testing.assert_close(got[:1].float(), dense.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    with pytest.raises(ValueError, match="count_only"):  # the window has no per-tile decision to count
+        sparse_attention_triton(q, k, v, scale, bm, bn, window=1, count_only=True)
+
+
 def test_out_buffer_and_errors(seed):
     q, k, v = _inputs(seed, 1, 70, 2, 1, 64, torch.float32)
     buf = torch.empty(1, 70, 2, 64)
