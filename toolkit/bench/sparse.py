@@ -36,6 +36,7 @@ from ..kernels.triton_dense import LOG2E, attention_dense, flops_causal
 from ..kernels.triton_sparse import candidate_tiles, sparse_attention_triton
 from ..kernels.triton_sparse_decode import decode_skip_mask, sparse_decode_triton
 from ..tensorio import atomic_write_text
+from .kernel_profile import bandwidth, device_us, pick
 from .provenance import provenance
 from .sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, decode_tile_max,
                             structured_qkv, tile_stats)
@@ -120,6 +121,10 @@ def prefill_variants(q, k, v, d: int, n: int, launch) -> dict:
 
                 info = {"target": s, **({"log_lambda": kw["log_lambda"]} if "log_lambda" in kw else {})}
                 variants[f"{method}_s{int(s * 100)}_{style}"] = (fn, got, info)
+            if s == 0.5:  # the decision made and counted, every tile computed: what deciding costs
+                variants[f"{method}_count_only"] = (
+                    lambda kw=kw: sparse_attention_triton(q, k, v, scale, BM, BN, out=out, launch=launch,
+                                                          count_only=True, **kw), None, {"decides_like": s})
     return variants
 
 
@@ -186,11 +191,12 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
         return sparse_decode_triton(q, k, v, scale, BM, BN, launch=best, **kw)
 
     variants = {"decode_off": (lambda: dec(dense=True), None, {"launch": list(best)})}
-    try:
-        fn, mode = sdpa_fn(q, k, v, torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-        variants["sdpa_flash"] = (lambda: fn(), None, {"gqa": mode})
-    except Exception as e:
-        log(f"  decode sdpa: unavailable ({type(e).__name__})")
+    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        try:
+            fn, mode = sdpa_fn(q, k, v, getattr(torch.nn.attention.SDPBackend, backend), causal=False)
+            variants[f"sdpa_{backend.split('_')[0].lower()}"] = (fn, None, {"gqa": mode})
+        except Exception as e:  # a backend that does not run here is recorded by its absence
+            log(f"  decode sdpa {backend}: unavailable ({type(e).__name__}: {str(e)[:120]})")
     reach = (length - 1) // BN + 1
     tmax = decode_tile_max(q, k, scale, BN) * LOG2E  # the kernel's units
     for s in (0.5, 0.75):
@@ -208,10 +214,29 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
         if sp is not None:
             row.update(sparsity=sp, speedup_vs_off=ms["decode_off"] / ms[name], ideal=ideal(sp),
                        of_ideal=ms["decode_off"] / ms[name] / ideal(sp))
+        if name.startswith(("decode", "blasst")):
+            row["profile"] = decode_profile(variants[name][0], q, k, group, info.get("v_tiles_skipped", 0.0))
         rows.append(row)
     del q, k, v
     torch.cuda.empty_cache()
     return {"d": d, "group": group, "batch": batch, "length": length, "rows": rows}
+
+
+def decode_profile(fn, q, k, group: int, v_skip: float) -> dict:
+    """Device time per decode pass (scores, attend, merge, other) and the bandwidth the scores and
+    attend passes reach: scores read K and write the f32 scores; attend reads the scores of kept
+    tiles and V of the tiles some head of the group keeps (``v_skip`` = share of V tiles skipped)."""
+    us = device_us(fn)
+    b, h, _, d = q.shape
+    length = k.shape[2]
+    k_bytes = k.numel() * k.element_size()
+    s_bytes = b * h * length * 4
+    parts = {p: pick(us, f"_decode_{p}_kernel") for p in ("scores", "attend", "merge")}
+    parts["other"] = sum(us.values()) - sum(parts.values())
+    return {"us": parts, "kernels": us,
+            "scores_gbs": bandwidth(k_bytes + s_bytes, parts["scores"]),
+            "attend_gbs_if_dense": bandwidth(s_bytes + k_bytes, parts["attend"]),
+            "attend_gbs_moved": bandwidth(s_bytes + k_bytes * (1.0 - v_skip), parts["attend"])}
 
 
 def summarize(result: dict) -> str:
@@ -226,12 +251,17 @@ def summarize(result: dict) -> str:
                      f"sdpa {shp['best_sdpa_ms']:.2f} ms; off/dense {r['dense_triton']['ms'] / r['sparse_off']['ms']:.3f}; "
                      f"bsfa0 {f('bsfa_s0_gated', 'speedup_vs_dense')} bsfa50 {f('bsfa_s50_gated')} "
                      f"bsfa75 {f('bsfa_s75_gated')} blasst50 {f('blasst_s50_gated')} blasst75 {f('blasst_s75_gated')} "
-                     f"(of ideal); blasst75 vs sdpa {f('blasst_s75_gated', 'speedup_vs_sdpa')}")
+                     f"(of ideal); blasst75 vs sdpa {f('blasst_s75_gated', 'speedup_vs_sdpa')}; count-only/off "
+                     f"bsfa {r['sparse_off']['ms'] / r['bsfa_count_only']['ms']:.3f} "
+                     f"blasst {r['sparse_off']['ms'] / r['blasst_count_only']['ms']:.3f}")
     for shp in result.get("decode", []):
         if "rows" in shp:
             lines.append(f"decode D={shp['d']} G={shp['group']} B={shp['batch']} L={shp['length']}: " + ", ".join(
                 f"{x['variant']} {x['ms']:.3f} ms" + (f" s={x['sparsity']:.2f} of_ideal={x['of_ideal']:.2f}"
                                                        if "sparsity" in x else "") for x in shp["rows"]))
+            lines += [f"  {x['variant']} us " + " ".join(f"{p} {t:.0f}" for p, t in x["profile"]["us"].items())
+                      + f"; scores {x['profile']['scores_gbs']:.0f} GB/s, attend {x['profile']['attend_gbs_moved']:.0f} GB/s"
+                      for x in shp["rows"] if "profile" in x]
     return "\n".join(lines)
 
 

@@ -134,15 +134,16 @@ def sweep(name: str, variants, make_fn) -> tuple:
     return (best[0] if best else None), rows
 
 
-def sdpa_fn(q, k, v, backend):
+def sdpa_fn(q, k, v, backend, causal: bool = True):
     """A callable running SDPA with one backend: GQA natively when supported, else on K/V expanded
-    outside the timed call. Returns (fn, gqa mode)."""
+    outside the timed call. ``causal`` False for decode (one query row sees the whole cache).
+    Returns (fn, gqa mode)."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     def native():
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
     try:
         native()
@@ -153,7 +154,7 @@ def sdpa_fn(q, k, v, backend):
 
         def expanded():
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal)
 
         expanded()
         return expanded, "expanded"
