@@ -1,13 +1,12 @@
 """The Triton split-K sparse decode kernel against the plain-torch sparse decode reference
-(TRITON_INTERPRET=1): outputs and per-head skip counts for BSFA, BLASST, window and dense, with
-the attend loop taking one key tile or a chunk of several per iteration."""
+(TRITON_INTERPRET=1): outputs and per-head skip counts for BSFA, BLASST, window and dense."""
 import math
 
 import pytest
 import torch
 
 from sparsecal.kernels.sparse_reference import sparse_decode
-from sparsecal.kernels.triton_sparse_decode import TILES_PER_STEP, sparse_decode_triton
+from sparsecal.kernels.triton_sparse_decode import sparse_decode_triton
 
 from test_triton_sparse import TOL, _inputs
 
@@ -24,12 +23,12 @@ def _decode_inputs(seed, b, length, h, hkv, d, dtype):
     return q[:, :, -1:].contiguous(), k, v
 
 
-def _check(case, seed, splits, tiles_per_step=TILES_PER_STEP, **kw):
+def _check(case, seed, splits, **kw):
     b, length, h, hkv, d, bm, bn, dtype = case
     q, k, v = _decode_inputs(seed, b, length, h, hkv, d, dtype)
     scale = d ** -0.5
     want, counts = sparse_decode(q, k, v, scale, bm, bn, **kw)
-    got, skipped = sparse_decode_triton(q, k, v, scale, bm, bn, splits=splits, tiles_per_step=tiles_per_step, **kw)
+    got, skipped = sparse_decode_triton(q, k, v, scale, bm, bn, splits=splits, **kw)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
     assert torch.equal(skipped.sum(dim=0), counts.skipped)
     return skipped
@@ -63,37 +62,3 @@ def test_no_op_is_dense(case, seed):
         got, skipped = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=2, **kw)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         assert skipped.sum() == 0
-
-
-CHUNK_CASES = [  # (case, splits): Kb = 19 in 3 ranges of 7 tiles (each ends mid-chunk); GQA 4, one
-    (CASES[0], 3),  # range of 16 tiles; BN 24 and 48 (not powers of two) in 2 ranges of 3 and 6 tiles
-    (CASES[1], 1),
-    (CASES[3], 2),
-    ((1, 520, 4, 2, 64, 64, 48, torch.bfloat16), 2),
-]
-
-
-@pytest.mark.parametrize("case,splits", CHUNK_CASES)
-@pytest.mark.parametrize("tiles", [1, 2, 4, 8])
-def test_tiles_per_step(case, splits, tiles, seed):
-    """Every method with 1 .. 8 key tiles per iteration: chunks that end past a range, BLASST's
-    running max carried across chunks and splits, decisions read from a torch mask (reverse)."""
-    h, length, bm = case[2], case[1], case[5]
-    thr = torch.randn(h, max(1, (length - 1) // bm)) + 3.0
-    total = 0
-    for kw in ({"thresholds": thr}, {"log_lambda": -2.0}, {"log_lambda": -1.0, "order": "reverse"},
-               {"window": 3}):
-        total += int(_check(case, seed, splits, tiles, **kw).sum())
-    assert total > 0
-    q, k, v = _decode_inputs(seed, case[0], length, h, case[3], case[4], case[7])
-    dense, skipped = sparse_decode_triton(q, k, v, 0.125, bm, case[6], dense=True, splits=splits, tiles_per_step=tiles)
-    want, _ = sparse_decode(q, k, v, 0.125, bm, case[6], log_lambda=-math.inf)
-    torch.testing.assert_close(dense.float(), want.float(), atol=TOL[case[7]][0], rtol=TOL[case[7]][1])
-    assert skipped.sum() == 0
-
-
-@pytest.mark.parametrize("tiles", [0, 3])
-def test_tiles_per_step_power_of_two(tiles):
-    q, k, v = _decode_inputs(0, *CASES[0][:5], torch.float32)
-    with pytest.raises(ValueError, match="power of two"):
-        sparse_decode_triton(q, k, v, 0.125, 32, 16, window=3, tiles_per_step=tiles)
