@@ -49,7 +49,6 @@ LAUNCH_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3), (8, 4)]
 # form were measured slower at 16K and removed)
 STYLES = {"gated": {"gate_v": True}}
 DECODE_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3)]  # (num_warps, num_stages) of the decode kernels
-DECODE_TILES = (1, 8)  # attend-loop chunk sizes timed beside the default (TILES_PER_STEP)
 
 
 def ideal(s: float) -> float:
@@ -213,16 +212,6 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
         variants[f"blasst_s{int(s * 100)}"] = (lambda ll=ll: dec(log_lambda=ll),
                                                float(sk.sum()) / (reach * batch * HEADS),
                                                {"log_lambda": ll, "v_tiles_skipped": v_skip})
-        for tiles in DECODE_TILES:  # one key tile per attend step: the decide-then-load chain per tile
-            try:
-                dec(log_lambda=ll, tiles_per_step=tiles)
-            except Exception as e:  # does not build at this launch: left out
-                log(f"  decode tiles_per_step {tiles}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            variants[f"blasst_s{int(s * 100)}_t{tiles}"] = (
-                lambda ll=ll, tiles=tiles: dec(log_lambda=ll, tiles_per_step=tiles),
-                float(sk.sum()) / (reach * batch * HEADS), {"log_lambda": ll, "v_tiles_skipped": v_skip,
-                                                            "tiles_per_step": tiles})
     ms = time_round_robin(variants, rounds)
     rows = []
     for name, (_, sp, info) in variants.items():
