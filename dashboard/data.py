@@ -91,10 +91,19 @@ def run_paths(argv=None) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
+def shipped_result_dirs() -> list[Path]:
+    """The evaluations committed with the project (data/eval/*/ holding a curves.parquet), when this
+    sparsecal runs from a checkout; none otherwise."""
+    root = Path(__file__).resolve().parents[1] / "data" / "eval"  # dashboard/ sits in the checkout root
+    return sorted(d for d in root.glob("*") if (d / "curves.parquet").is_file()) if root.is_dir() else []
+
+
 def result_dirs(root: Path) -> list[Path]:
-    """Where Accuracy-speedup looks: RUN/results/ and every directory in $SPARSECAL_RESULTS."""
-    env = os.environ.get(RESULTS_ENV, "")
-    return [Path(root) / "results"] + [Path(p).expanduser().resolve() for p in env.split(os.pathsep) if p]
+    """Where Accuracy-speedup looks: RUN/results/ and every directory in $SPARSECAL_RESULTS; while
+    that variable is unset, the committed evaluations (shipped_result_dirs) stand in for it."""
+    env = os.environ.get(RESULTS_ENV)
+    extra = shipped_result_dirs() if env is None else [Path(p).expanduser().resolve() for p in env.split(os.pathsep) if p]
+    return [Path(root) / "results"] + extra
 
 
 # ---- manifest and samples ----------------------------------------------------------------------

@@ -17,12 +17,13 @@ PAGES = {"overview": "page_overview.py", "density": "page_density.py", "blasst":
 CHARTS = {"overview": 1, "density": 2, "blasst": 4, "stabilization": 4, "tiles": 3, "curves": 0, "export": 2}
 
 
-def _app(monkeypatch, *runs, results=None) -> AppTest:
+def _app(monkeypatch, *runs, results="") -> AppTest:
+    """results: a directory, "" (none), or None (the variable unset: the committed evaluations)."""
     monkeypatch.setenv("SPARSECAL_RUNS", ":".join(map(str, runs)))
-    if results:
-        monkeypatch.setenv("SPARSECAL_RESULTS", str(results))
-    else:
+    if results is None:
         monkeypatch.delenv("SPARSECAL_RESULTS", raising=False)
+    else:
+        monkeypatch.setenv("SPARSECAL_RESULTS", str(results))
     at = AppTest.from_file(str(APP), default_timeout=120)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
@@ -119,6 +120,18 @@ def test_curves_empty_state_names_the_commands(fixture_app):
     _ok(at, 0)
     text = " ".join(i.value for i in at.info)
     assert "sparsecal eval" in text and "sparsecal bench" in text and "--results" in text
+
+
+def test_curves_out_of_the_box_from_the_committed_evaluation(monkeypatch):
+    """No --results: the evaluation committed under data/eval/ (SmolLM2 on an H100) is plotted."""
+    from sparsecal.dashboard.data import shipped_result_dirs
+
+    shipped = shipped_result_dirs()
+    assert [d.name for d in shipped] == ["smollm2-1k-8k-h100"]
+    at = _page(_app(monkeypatch, FIXTURE, results=None), "curves")
+    _ok(at, 1)
+    table = at.dataframe[0].value
+    assert {"blasst", "bsfa", "window"} <= set(table["method"]) and table["speedup"].notna().any()
 
 
 def write_results(folder: Path) -> Path:

@@ -155,6 +155,25 @@ def _tiny_export(out, layers, heads, model="tiny"):
     return out
 
 
+def test_relative_accuracy_needs_a_task_dense_can_do():
+    """Answer tasks: score / dense's score only where dense scores >= MIN_DENSE_SCORE; text: ppl ratio."""
+    import polars as pl
+
+    from sparsecal.eval_summary import MIN_DENSE_SCORE, curves, summarize
+
+    base = {"length": 1024, "correct": True, "kl": 0.0, "top1": 1.0, "nll": 1.0, "sparsity": 0.0,
+            "decode_sparsity": 0.0, "prefill_s": 0.1, "decode_s": 0.1, "held_out_task": False}
+    rows = []
+    for task, dense_score, score in (("niah_single", 0.8, 0.6), ("cwe", MIN_DENSE_SCORE / 2, 0.3)):
+        rows.append(dict(base, method="dense", config="dense", label="dense", task=task, score=dense_score))
+        rows.append(dict(base, method="bsfa", config="k=16", label="bsfa:16", task=task, score=score))
+    summ = summarize(rows)
+    rel = {(r["label"], r["task"]): r["accuracy_rel_dense"] for r in summ.to_dicts()}
+    assert rel[("bsfa:16", "niah_single")] == pytest.approx(0.75) and rel[("bsfa:16", "cwe")] is None
+    cur = curves(summ, pl.DataFrame()).filter(pl.col("label") == "bsfa:16").to_dicts()[0]
+    assert cur["accuracy_rel_dense"] == pytest.approx(0.75) and cur["tasks"] == "niah_single"
+
+
 def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: F811
     """run_sample on a tiny random Llama with the real tokenizer's vocabulary: thresholds that skip
     nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile."""
