@@ -86,6 +86,58 @@ def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n
 
 
 @triton.jit
+def _decode_step(acc, m_i, l_i, s, v, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Online-softmax step of one key tile: s [GP, BLOCK_N] f32 scores (log2 units, -inf where not
+    computed), v [BLOCK_N, D]; returns (acc [GP, D], m_i, l_i [GP]) updated."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_gather_kernel(S, V, IDX, NKEEP, HSKIP, ACC, M, LS, sv_b, sv_h, sv_n, length, n_kb, n_split,
+                          num_heads, group, HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GP: tl.constexpr, HEAD_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv): the attend pass over the kept tiles only. IDX [B, Hkv, Kb] i32 the tiles
+    some head of the group keeps, ascending, first NKEEP [B, Hkv] i32 of them; this program takes
+    its share ceil(NKEEP / S) of that list. HEAD_MASK: HSKIP [B, H, Kb] i8 (1 = this head skips a
+    tile its group keeps: its scores stay -inf). The loop has no decision: the tile index is a load
+    that depends only on the loop counter, so the pipeliner runs it (and the S and V loads it
+    addresses) ahead. Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units)."""
+    split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    bh = b * num_heads + heads                           # [GP]
+    v_ptr = V + b * sv_b + hk * sv_h
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    n_keep = tl.load(NKEEP + bk)
+    share = tl.cdiv(n_keep, n_split)
+    t0 = split * share
+    t1 = tl.minimum(t0 + share, n_keep)
+    for t in range(t0, t1):
+        j = tl.load(IDX + bk.to(tl.int64) * n_kb + t)
+        keys = j * BN + offs_n
+        kmask = (offs_n < BN) & (keys < length)
+        rows = g_ok
+        if HEAD_MASK:
+            rows = g_ok & (tl.load(HSKIP + bh * n_kb + j, mask=g_ok, other=1) == 0)
+        s = tl.load(S + bh[:, None] * (n_kb * BN) + keys[None, :], mask=rows[:, None] & (offs_n < BN)[None, :],
+                    other=float("-inf"))
+        v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s, v, PREC, UPCAST)
+    part = bh * n_split + split
+    tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(M + part, m_i, mask=g_ok)
+    tl.store(LS + part, l_i, mask=g_ok)
+
+
+@triton.jit
 def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, sv_h, sv_n, length, n_kb,
                           tiles_per_split, n_split, num_heads, group, n_thr, thr_pos, log_lambda2, window,
                           HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
@@ -146,13 +198,7 @@ def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, s
         s = tl.load(S + bh[:, None] * (n_kb * BN) + keys[None, :], mask=keep[:, None] & (offs_n < BN)[None, :],
                     other=float("-inf"))
         v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=vmask[:, None], other=0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
-        m_i = m_new
+        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s, v, PREC, UPCAST)
     part = bh * n_split + split
     tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
     tl.store(M + part, m_i, mask=g_ok)
@@ -197,22 +243,30 @@ def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int
     if thresholds is not None:
         thr = thresholds[:, min(r // block_m, thresholds.shape[1] - 1)].to(tmax) * LOG2E
         return cand & (tmax < thr.view(1, h, 1))
-    seq = torch.tensor(scan_order(order, a, kb), device=tmax.device)
-    running = torch.cummax(tmax[..., seq], dim=-1).values
-    gap = torch.empty_like(tmax)
-    gap[..., seq] = tmax[..., seq] - running
+    if order == "forward":  # the scan order is the tile order: no permutation to upload
+        gap = tmax - torch.cummax(tmax, dim=-1).values
+    else:
+        seq = torch.tensor(scan_order(order, a, kb), device=tmax.device)
+        gap = torch.empty_like(tmax)
+        gap[..., seq] = tmax[..., seq] - torch.cummax(tmax[..., seq], dim=-1).values
     ll2 = log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda
     return cand & (gap < ll2)
 
 
+SCHEDULES = ("gather", "inline")
+
+
 def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                          log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                         dense: bool = False, splits: int | None = None, launch: tuple | None = None):
+                         dense: bool = False, schedule: str = "gather", splits: int | None = None,
+                         launch: tuple | None = None):
     """One decode step; the Triton twin of ``sparse_reference.sparse_decode``.
 
     q [B, H, 1, D], k/v [B, Hkv, L, D] (the row sits at L - 1; fp16/bf16, fp32 accepted); exactly
-    one of thresholds [H, Pt], log_lambda, window, or dense=True. Returns (out [B, H, 1, D] in
-    q.dtype, skipped [B, H] int64 candidate tiles skipped, counted by the kernel).
+    one of thresholds [H, Pt], log_lambda, window, or dense=True. schedule: "gather" (the decision
+    made in torch from the tile maxima, the attend pass walks the list of kept tiles; skipped counted
+    from that decision) or "inline" (decided tile by tile in the attend pass, counted there).
+    Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles skipped).
     """
     from .triton_sparse import _method_code
 
@@ -222,41 +276,75 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
         raise ValueError(f"decode takes q [B,H,1,D] and k, v [B,Hkv,L,D], got {tuple(q.shape)}, {tuple(k.shape)}")
     if order not in ORDERS:
         raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown decode schedule '{schedule}'. Available: {', '.join(SCHEDULES)}.")
     hkv, length = k.shape[1], k.shape[2]
-    group, kb = h // hkv, triton.cdiv(length, block_n)
-    gp, bn_pad = next_pow2(group), next_pow2(block_n)
+    kb = triton.cdiv(length, block_n)
     n_split = splits or num_splits(b * hkv, kb, q.device)
     tps = triton.cdiv(kb, n_split)
     n_split = triton.cdiv(kb, tps)
-    dev, f32 = q.device, torch.float32
-    s = torch.empty((b, h, kb * block_n), dtype=f32, device=dev)
-    tmax = torch.empty((b, h, kb), dtype=f32, device=dev)
-    prec, upcast = dot_flags(q.dtype)
+    f32 = torch.float32
+    s = torch.empty((b, h, kb * block_n), dtype=f32, device=q.device)
+    tmax = torch.empty((b, h, kb), dtype=f32, device=q.device)
     warps, stages = launch or DECODE_LAUNCH
+    common = dict(HEAD_DIM=d, BN=block_n, BLOCK_N=next_pow2(block_n), GP=next_pow2(h // hkv),
+                  PREC=dot_flags(q.dtype)[0], UPCAST=dot_flags(q.dtype)[1], num_warps=warps, num_stages=stages)
     q2 = q[:, :, 0]
-    grid = (n_split, b * hkv)
-    common = dict(HEAD_DIM=d, BN=block_n, BLOCK_N=bn_pad, GP=gp, PREC=prec, UPCAST=upcast,
-                  num_warps=warps, num_stages=stages)
-    LAST_COMPILED["decode_scores"] = _decode_scores_kernel[grid](
+    LAST_COMPILED["decode_scores"] = _decode_scores_kernel[(n_split, b * hkv)](
         q2, k, s, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2), length, kb, tps,
-        h, group, scale * LOG2E, **common)
-    # the decision: in the attend kernel (BSFA, window, BLASST forward), else a torch mask
+        h, h // hkv, scale * LOG2E, **common)
+    part = (torch.empty((b, h, n_split, d), dtype=f32, device=q.device),
+            torch.empty((b, h, n_split), dtype=f32, device=q.device), torch.empty((b, h, n_split), dtype=f32, device=q.device))
+    kw = dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order)
+    run = _attend_gather if schedule == "gather" else _attend_inline
+    skipped = run(s, v, tmax, part, method, kw, length, block_m, block_n, tps, common)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(b * h,)](*part, out, out.stride(0), out.stride(1), h, n_split,
+                                   HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
+    return out, skipped
+
+
+def _attend_gather(s, v, tmax, part, method: int, kw: dict, length: int, block_m: int, block_n: int, tps: int,
+                   common: dict) -> torch.Tensor:
+    """The decision in torch (``decode_skip_mask``), the kept-tile lists, and the gather attend pass;
+    returns skipped [B, H] int64 (candidate tiles the decision skips per head)."""
+    b, h, kb = tmax.shape
+    hkv = v.shape[1]
+    n_split = part[1].shape[-1]
+    if method == 0:  # dense: every tile, in order
+        idx = torch.arange(kb, dtype=torch.int32, device=v.device).expand(b, hkv, kb).contiguous()
+        n_keep = torch.full((b, hkv), kb, dtype=torch.int32, device=v.device)
+        hskip, skipped, head_mask = idx, torch.zeros((b, h), dtype=torch.int64, device=v.device), False
+    else:
+        mask = decode_skip_mask(tmax, length, block_m, block_n, **kw)             # [B, H, Kb] True = skip
+        group_skips = mask.view(b, hkv, h // hkv, kb).all(dim=2)                  # [B, Hkv, Kb]
+        idx = torch.sort(group_skips.to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        n_keep = (~group_skips).sum(dim=-1, dtype=torch.int32)
+        hskip, skipped, head_mask = mask.to(torch.int8), mask.sum(dim=-1), h > hkv
+    LAST_COMPILED["decode_gather"] = _decode_gather_kernel[(n_split, b * hkv)](
+        s, v, idx, n_keep, hskip, *part, v.stride(0), v.stride(1), v.stride(2), length, kb, n_split, h, h // hkv,
+        HEAD_MASK=head_mask, **common)
+    return skipped
+
+
+def _attend_inline(s, v, tmax, part, method: int, kw: dict, length: int, block_m: int, block_n: int, tps: int,
+                   common: dict) -> torch.Tensor:
+    """The attend pass deciding tile by tile (BSFA, window, BLASST forward; BLASST reverse and
+    sink_local from a torch mask); returns skipped [B, H] int64 counted by the kernel."""
+    b, h, kb = tmax.shape
+    hkv, n_split = v.shape[1], part[1].shape[-1]
+    thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
     decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
     skip = skip_v = thr = tmax  # placeholders the kernel does not read
     if decide == 1:
         mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order)
-        skip, skip_v = mask.to(torch.int8), mask.view(b, hkv, group, kb).all(dim=2).to(torch.int8)
+        skip, skip_v = mask.to(torch.int8), mask.view(b, hkv, h // hkv, kb).all(dim=2).to(torch.int8)
     if decide == 2:
-        thr = thresholds.to(device=dev, dtype=f32).contiguous()
+        thr = thresholds.to(device=v.device, dtype=torch.float32).contiguous()
     ll2 = 0.0 if log_lambda is None else (log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda)
-    acc = torch.empty((b, h, n_split, d), dtype=f32, device=dev)
-    m, ls = torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev)
-    cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
-    LAST_COMPILED["decode_attend"] = _decode_attend_kernel[grid](
-        s, v, tmax, thr, skip, skip_v, acc, m, ls, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
-        n_split, h, group, thr.shape[-1], min((length - 1) // block_m, thr.shape[-1] - 1), ll2,
+    cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=v.device)
+    LAST_COMPILED["decode_attend"] = _decode_attend_kernel[(n_split, b * hkv)](
+        s, v, tmax, thr, skip, skip_v, *part, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
+        n_split, h, h // hkv, thr.shape[-1], min((length - 1) // block_m, thr.shape[-1] - 1), ll2,
         0 if window is None else int(window), DECIDE=decide, CHUNK=64, **common)
-    out = torch.empty_like(q)
-    _decode_merge_kernel[(b * h,)](acc, m, ls, out, out.stride(0), out.stride(1), h, n_split,
-                                   HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
-    return out, cnt.sum(dim=-1, dtype=torch.int64)
+    return cnt.sum(dim=-1, dtype=torch.int64)

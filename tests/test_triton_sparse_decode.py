@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparsecal.kernels.sparse_reference import sparse_decode
-from sparsecal.kernels.triton_sparse_decode import sparse_decode_triton
+from sparsecal.kernels.triton_sparse_decode import SCHEDULES, sparse_decode_triton
 
 from test_triton_sparse import TOL, _inputs
 
@@ -24,13 +24,15 @@ def _decode_inputs(seed, b, length, h, hkv, d, dtype):
 
 
 def _check(case, seed, splits, **kw):
+    """Both schedules (gather: kept-tile lists; inline: decided in the attend pass) against the reference."""
     b, length, h, hkv, d, bm, bn, dtype = case
     q, k, v = _decode_inputs(seed, b, length, h, hkv, d, dtype)
     scale = d ** -0.5
     want, counts = sparse_decode(q, k, v, scale, bm, bn, **kw)
-    got, skipped = sparse_decode_triton(q, k, v, scale, bm, bn, splits=splits, **kw)
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
-    assert torch.equal(skipped.sum(dim=0), counts.skipped)
+    for schedule in SCHEDULES:
+        got, skipped = sparse_decode_triton(q, k, v, scale, bm, bn, splits=splits, schedule=schedule, **kw)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+        assert torch.equal(skipped.sum(dim=0), counts.skipped), schedule
     return skipped
 
 
@@ -55,10 +57,11 @@ def test_blasst_orders(case, order, seed):
 def test_no_op_is_dense(case, seed):
     b, length, h, hkv, d, bm, bn, dtype = case
     q, k, v = _decode_inputs(seed, b, length, h, hkv, d, dtype)
-    want, _ = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, dense=True, splits=2)
     ref, _ = sparse_decode(q, k, v, d ** -0.5, bm, bn, log_lambda=-math.inf)
-    torch.testing.assert_close(want.float(), ref.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
-    for kw in ({"thresholds": torch.full((h, 1), -math.inf)}, {"log_lambda": -math.inf}, {"window": length}):
-        got, skipped = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=2, **kw)
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-        assert skipped.sum() == 0
+    for schedule in SCHEDULES:
+        want, _ = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, dense=True, splits=2, schedule=schedule)
+        torch.testing.assert_close(want.float(), ref.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+        for kw in ({"thresholds": torch.full((h, 1), -math.inf)}, {"log_lambda": -math.inf}, {"window": length}):
+            got, skipped = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=2, schedule=schedule, **kw)
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            assert skipped.sum() == 0
