@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .geometry import ORDERS, scan_order
 from .triton_dense import LAST_COMPILED, LOG2E, _dot, dot_flags, next_pow2
+from .triton_tilestats import _max_fn
 
 DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
 
@@ -96,6 +97,60 @@ def _decode_step(acc, m_i, l_i, s, v, PREC: tl.constexpr, UPCAST: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_decide_kernel(TMAX, THR, SKIP, IDX, NKEEP, HSKIP, CNT, length, n_kb, num_heads, group, n_thr, thr_pos,
+                          log_lambda2, window, BN: tl.constexpr, GP: tl.constexpr, CH: tl.constexpr,
+                          DECIDE: tl.constexpr):
+    """Grid (B * Hkv): the gather schedule's decision and kept-tile list of one KV group, CH tiles at
+    a time. DECIDE as in the attend kernel (0 keep all, 1 SKIP [B, H, Kb] i8 from torch, 2 BSFA
+    against THR [H, n_thr] at thr_pos, 3 BLASST forward: running max over the tiles in order, 4
+    window). Writes HSKIP [B, H, Kb] i8 (1 = the head skips the tile), IDX [B, Hkv, Kb] i32 (the
+    tiles some head keeps, ascending, first NKEEP [B, Hkv] of them) and CNT [B, H] i32 (candidate
+    tiles each head skips). TMAX [B, H, Kb] f32 tile maxima, log2 units."""
+    bk = tl.program_id(0)
+    hkv = num_heads // group
+    b = bk // hkv
+    offs_g = tl.arange(0, GP)
+    g_ok = offs_g < group
+    heads = (bk % hkv) * group + offs_g                              # [GP]
+    bh = (b * num_heads + heads).to(tl.int64)
+    offs_c = tl.arange(0, CH)
+    n_cand = (length - 1) // BN                                       # candidate tiles; the last is not one
+    thr = tl.zeros([GP], tl.float32)
+    if DECIDE == 2:
+        thr = tl.load(THR + heads * n_thr + thr_pos, mask=g_ok, other=0.0) * 1.4426950408889634
+    run = tl.full([GP], float("-inf"), tl.float32)
+    n_keep = tl.zeros([], tl.int32)
+    n_skip = tl.zeros([GP], tl.int32)
+    for c in range(0, n_kb, CH):
+        tiles = c + offs_c                                            # [CH]
+        ok = (tiles < n_kb)[:, None] & g_ok[None, :]                  # [CH, GP]
+        at = bh[None, :] * n_kb + tiles[:, None]
+        if DECIDE == 0:
+            keep = ok
+        elif DECIDE == 1:
+            keep = ok & (tl.load(SKIP + at, mask=ok, other=1) == 0)
+        elif DECIDE == 4:
+            keep = ok & (tiles >= n_cand - window)[:, None]
+        else:
+            tm = tl.load(TMAX + at, mask=ok, other=float("-inf"))
+            if DECIDE == 2:
+                keep = ok & (tm >= thr[None, :])
+            else:
+                run_c = tl.maximum(tl.associative_scan(tm, 0, _max_fn), run[None, :])
+                keep = ok & (tl.where(tm >= run_c, 0.0, tm - run_c) >= log_lambda2)
+                run = tl.max(run_c, 0)
+        keep = keep | (ok & (tiles >= n_cand)[:, None])               # the last tile is always computed
+        n_skip += tl.sum((ok & ~keep).to(tl.int32), 0)
+        tl.store(HSKIP + at, (~keep).to(tl.int8), mask=ok)
+        gkeep = tl.max(keep.to(tl.int32), 1)                          # [CH] some head keeps the tile
+        pos = n_keep + tl.cumsum(gkeep, 0) - 1
+        tl.store(IDX + bk.to(tl.int64) * n_kb + pos, tiles, mask=gkeep > 0)
+        n_keep += tl.sum(gkeep, 0)
+    tl.store(NKEEP + bk, n_keep)
+    tl.store(CNT + bh, n_skip, mask=g_ok)
 
 
 @triton.jit
@@ -254,6 +309,7 @@ def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int
 
 
 SCHEDULES = ("gather", "inline")
+DECIDE_CHUNK = 64  # key tiles per step of the decide kernel
 
 
 def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
@@ -306,25 +362,32 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
 
 def _attend_gather(s, v, tmax, part, method: int, kw: dict, length: int, block_m: int, block_n: int, tps: int,
                    common: dict) -> torch.Tensor:
-    """The decision in torch (``decode_skip_mask``), the kept-tile lists, and the gather attend pass;
-    returns skipped [B, H] int64 (candidate tiles the decision skips per head)."""
+    """The decide kernel (kept-tile lists; BLASST reverse / sink_local decided in torch by
+    ``decode_skip_mask``) and the gather attend pass; returns skipped [B, H] int64 counted by the
+    decide kernel."""
     b, h, kb = tmax.shape
     hkv = v.shape[1]
     n_split = part[1].shape[-1]
-    if method == 0:  # dense: every tile, in order
-        idx = torch.arange(kb, dtype=torch.int32, device=v.device).expand(b, hkv, kb).contiguous()
-        n_keep = torch.full((b, hkv), kb, dtype=torch.int32, device=v.device)
-        hskip, skipped, head_mask = idx, torch.zeros((b, h), dtype=torch.int64, device=v.device), False
-    else:
-        mask = decode_skip_mask(tmax, length, block_m, block_n, **kw)             # [B, H, Kb] True = skip
-        group_skips = mask.view(b, hkv, h // hkv, kb).all(dim=2)                  # [B, Hkv, Kb]
-        idx = torch.sort(group_skips.to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        n_keep = (~group_skips).sum(dim=-1, dtype=torch.int32)
-        hskip, skipped, head_mask = mask.to(torch.int8), mask.sum(dim=-1), h > hkv
+    thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
+    decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
+    skip = thr = tmax  # placeholders the kernel does not read
+    if decide == 1:
+        skip = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order).to(torch.int8)
+    if decide == 2:
+        thr = thresholds.to(device=v.device, dtype=torch.float32).contiguous()
+    ll2 = 0.0 if log_lambda is None else (log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda)
+    idx = torch.empty((b, hkv, kb), dtype=torch.int32, device=v.device)
+    n_keep = torch.empty((b, hkv), dtype=torch.int32, device=v.device)
+    hskip = torch.empty((b, h, kb), dtype=torch.int8, device=v.device)
+    cnt = torch.empty((b, h), dtype=torch.int32, device=v.device)
+    LAST_COMPILED["decode_decide"] = _decode_decide_kernel[(b * hkv,)](
+        tmax, thr, skip, idx, n_keep, hskip, cnt, length, kb, h, h // hkv, thr.shape[-1],
+        min((length - 1) // block_m, thr.shape[-1] - 1), ll2, 0 if window is None else int(window),
+        BN=block_n, GP=common["GP"], CH=DECIDE_CHUNK, DECIDE=decide, num_warps=4)
     LAST_COMPILED["decode_gather"] = _decode_gather_kernel[(n_split, b * hkv)](
         s, v, idx, n_keep, hskip, *part, v.stride(0), v.stride(1), v.stride(2), length, kb, n_split, h, h // hkv,
-        HEAD_MASK=head_mask, **common)
-    return skipped
+        HEAD_MASK=decide != 0 and h > hkv, **common)
+    return cnt.to(torch.int64)
 
 
 def _attend_inline(s, v, tmax, part, method: int, kw: dict, length: int, block_m: int, block_n: int, tps: int,

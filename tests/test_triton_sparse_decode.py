@@ -65,3 +65,16 @@ def test_no_op_is_dense(case, seed):
             got, skipped = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=2, schedule=schedule, **kw)
             torch.testing.assert_close(got, want, atol=0, rtol=0)
             assert skipped.sum() == 0
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_gather_decisions_across_chunks(case, seed, monkeypatch):
+    """The decide kernel takes DECIDE_CHUNK tiles per step: with 4, BLASST's running max, the kept-tile
+    list and the counts carry across several steps (and a ragged last one)."""
+    from sparsecal.kernels import triton_sparse_decode
+
+    monkeypatch.setattr(triton_sparse_decode, "DECIDE_CHUNK", 4)
+    h, length, bm = case[2], case[1], case[5]
+    thr = torch.randn(h, max(1, (length - 1) // bm)) + 3.0
+    for kw in ({"thresholds": thr}, {"log_lambda": -2.0}, {"log_lambda": -1.0, "order": "reverse"}, {"window": 5}):
+        _check(case, seed, 3, **kw)
