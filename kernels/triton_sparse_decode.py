@@ -10,19 +10,26 @@ a candidate is skipped when
     window   j < A - W
 
 The BLASST running max runs over all key blocks in scan order, across splits, so the kernel works
-in two phases (plus a merge):
+in phases (plus a merge):
 
-phase 1 ``_decode_scores_kernel`` (grid splits x B*Hkv): each program reads its range of K tiles
+scores  ``_decode_scores_kernel`` (grid splits x B*Hkv): each program reads its range of K tiles
         once for all query heads of its KV group, stores the scaled scores (f32, log2 units) and
         each head's tile max.
-phase 2 ``_decode_attend_kernel`` (same grid): decides from the tile maxima (BSFA: against the
-        threshold; BLASST forward: the running max, starting from the max over the earlier splits'
-        tiles; window: the index), or reads a mask made in torch (BLASST reverse / sink_local,
-        ``decode_skip_mask``). For its tiles, heads that keep the tile read their
-        scores back; the V tile is loaded only when some head of the group keeps it (with GQA a V
-        tile is shared; FSA's point: small groups skip more V loads). Skipped loads are masked,
-        not branched around, so the loop stays pipelined. Each program counts the tiles each head
-        skipped and leaves a partial (acc, max, sum).
+Then one of two schedules (``schedule=``), the same decisions and counts:
+gather  (default) ``_decode_decide_kernel`` (grid B*Hkv) decides every tile of the group from the
+        tile maxima (BSFA: against the threshold; BLASST forward: the running max; window: the
+        index; BLASST reverse / sink_local: a mask made in torch, ``decode_skip_mask``), counts
+        each head's skipped tiles and writes the list of tiles some head keeps (a prefix sum);
+        ``_decode_gather_kernel`` (grid splits x B*Hkv) then walks its even share of that list:
+        no decision in the loop, so the pipeliner runs the index, score and V loads ahead.
+inline  ``_decode_attend_kernel`` (grid splits x B*Hkv) decides tile by tile inside the attend
+        loop (BLASST forward starting from the max over the earlier splits' tiles) with masked,
+        not branched, loads. Measured on an H100 (data/bench/NOTES.md): its loop waits on the
+        decide-then-load chain each tile (~3 us), so skipped V loads saved no time at D=64; the
+        gather schedule's attend pass scales with the kept tiles.
+Either way a V tile is loaded only when some head of the group keeps it (with GQA a V tile is
+shared; FSA's point: small groups skip more V loads), heads that keep a tile read their scores back,
+and each program leaves a partial (acc, max, sum).
 merge   ``_decode_merge_kernel`` (grid B*H) combines the splits.
 
 Memory traffic: K once, the scores (4 * group bytes per key and head, vs 2 * D for K) written and
