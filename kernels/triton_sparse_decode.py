@@ -94,6 +94,27 @@ def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n
 
 
 @triton.jit
+def _attend_start(V, sv_b, sv_h, num_heads, group, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GP: tl.constexpr):
+    """An attend program's indices and empty partials: (split, bk, offs_g, g_ok [GP], bh [GP] (batch *
+    H + query head), offs_d, offs_n, its KV head's V pointer, acc [GP, D], m_i, l_i [GP])."""
+    split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
+    return (split, bk, offs_g, g_ok, b * num_heads + heads, tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N),
+            V + b * sv_b + hk * sv_h, tl.zeros([GP, HEAD_DIM], tl.float32), tl.full([GP], float("-inf"), tl.float32),
+            tl.zeros([GP], tl.float32))
+
+
+@triton.jit
+def _attend_store(ACC, M, LS, bh, split, n_split, g_ok, offs_d, acc, m_i, l_i, HEAD_DIM: tl.constexpr):
+    """Store a program's partial (acc [GP, D], m_i, l_i [GP]) at [b, h, split]; returns the slots."""
+    part = bh * n_split + split
+    tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(M + part, m_i, mask=g_ok)
+    tl.store(LS + part, l_i, mask=g_ok)
+    return part
+
+
+@triton.jit
 def _decode_step(acc, m_i, l_i, s, v, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online-softmax step of one key tile: s [GP, BLOCK_N] f32 scores (log2 units, -inf where not
     computed), v [BLOCK_N, D]; returns (acc [GP, D], m_i, l_i [GP]) updated."""
@@ -170,14 +191,8 @@ def _decode_gather_kernel(S, V, IDX, NKEEP, HSKIP, ACC, M, LS, sv_b, sv_h, sv_n,
     tile its group keeps: its scores stay -inf). The loop has no decision: the tile index is a load
     that depends only on the loop counter, so the pipeliner runs it (and the S and V loads it
     addresses) ahead. Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units)."""
-    split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    bh = b * num_heads + heads                           # [GP]
-    v_ptr = V + b * sv_b + hk * sv_h
-    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
+    split, bk, offs_g, g_ok, bh, offs_d, offs_n, v_ptr, acc, m_i, l_i = _attend_start(
+        V, sv_b, sv_h, num_heads, group, HEAD_DIM, BLOCK_N, GP)
     n_keep = tl.load(NKEEP + bk)
     share = tl.cdiv(n_keep, n_split)
     t0 = split * share
@@ -193,10 +208,7 @@ def _decode_gather_kernel(S, V, IDX, NKEEP, HSKIP, ACC, M, LS, sv_b, sv_h, sv_n,
                     other=float("-inf"))
         v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=kmask[:, None], other=0.0)
         acc, m_i, l_i = _decode_step(acc, m_i, l_i, s, v, PREC, UPCAST)
-    part = bh * n_split + split
-    tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
-    tl.store(M + part, m_i, mask=g_ok)
-    tl.store(LS + part, l_i, mask=g_ok)
+    _attend_store(ACC, M, LS, bh, split, n_split, g_ok, offs_d, acc, m_i, l_i, HEAD_DIM)
 
 
 @triton.jit
@@ -212,14 +224,8 @@ def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, s
     No branch: skipped scores and V rows are masked loads (no memory traffic), so the loop stays
     software-pipelined. Partials ACC [B, H, S, D] f32, M, LS [B, H, S] f32 (log2 units); CNT
     [B, H, S] i32 candidate tiles skipped."""
-    split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    bh = b * num_heads + heads                           # [GP]
-    v_ptr = V + b * sv_b + hk * sv_h
-    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
+    split, bk, offs_g, g_ok, bh, offs_d, offs_n, v_ptr, acc, m_i, l_i = _attend_start(
+        V, sv_b, sv_h, num_heads, group, HEAD_DIM, BLOCK_N, GP)
     n_skip = tl.zeros([GP], tl.int32)
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, n_kb)
@@ -227,7 +233,7 @@ def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, s
     thr = tl.zeros([GP], tl.float32)
     run = tl.full([GP], float("-inf"), tl.float32)
     if DECIDE == 2:
-        thr = tl.load(THR + heads * n_thr + thr_pos, mask=g_ok, other=0.0) * 1.4426950408889634
+        thr = tl.load(THR + (bh % num_heads) * n_thr + thr_pos, mask=g_ok, other=0.0) * 1.4426950408889634
     if DECIDE == 3:  # the forward running max before this split's first tile
         offs_c = tl.arange(0, CHUNK)
         for c in range(0, j0, CHUNK):
@@ -261,10 +267,7 @@ def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, s
                     other=float("-inf"))
         v = tl.load(v_ptr + keys[:, None] * sv_n + offs_d[None, :], mask=vmask[:, None], other=0.0)
         acc, m_i, l_i = _decode_step(acc, m_i, l_i, s, v, PREC, UPCAST)
-    part = bh * n_split + split
-    tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
-    tl.store(M + part, m_i, mask=g_ok)
-    tl.store(LS + part, l_i, mask=g_ok)
+    part = _attend_store(ACC, M, LS, bh, split, n_split, g_ok, offs_d, acc, m_i, l_i, HEAD_DIM)
     tl.store(CNT + part, n_skip, mask=g_ok)
 
 
