@@ -15,6 +15,7 @@ Shape legend
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -22,6 +23,11 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+def log2_lambda(log_lambda: float) -> float:
+    """ln(lambda) in the kernels' log2 units (-inf, lambda = 0, stays -inf)."""
+    return log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda
 LN2 = 0.6931471805599453
 
 

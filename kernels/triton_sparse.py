@@ -26,7 +26,6 @@ Shape legend
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -35,7 +34,7 @@ import triton.language as tl
 from .geometry import ORDERS, block_counts, cdiv
 from .sparse_reference import check_method
 from .triton_dense import (LAST_COMPILED, LOG2E, _load_v, _softmax_update, _tile_qk, check_inputs, dot_flags,
-                           interpreting, next_pow2)
+                           interpreting, log2_lambda, next_pow2)
 
 SPARSE_METHODS = ("dense", "bsfa", "blasst", "window")
 # (num_warps, num_stages) per head dim on a CUDA GPU; the interpreter ignores them.
@@ -194,7 +193,7 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
         thr = thresholds.to(device=q.device, dtype=torch.float32).contiguous()
     else:
         thr = torch.zeros((1, 1), dtype=torch.float32, device=q.device)
-    ll2 = 0.0 if log_lambda is None else (log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda)
+    ll2 = 0.0 if log_lambda is None else log2_lambda(log_lambda)
     p = cdiv(n, block_m)
     if out is None:
         out = torch.empty_like(q)

@@ -42,14 +42,13 @@ Shape legend
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from .geometry import ORDERS, scan_order
-from .triton_dense import LAST_COMPILED, LOG2E, _dot, dot_flags, next_pow2
+from .triton_dense import LAST_COMPILED, LOG2E, _dot, dot_flags, log2_lambda, next_pow2
 from .triton_tilestats import _max_fn
 
 DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
@@ -314,8 +313,7 @@ def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int
         seq = torch.tensor(scan_order(order, a, kb), device=tmax.device)
         gap = torch.empty_like(tmax)
         gap[..., seq] = tmax[..., seq] - torch.cummax(tmax[..., seq], dim=-1).values
-    ll2 = log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda
-    return cand & (gap < ll2)
+    return cand & (gap < log2_lambda(log_lambda))
 
 
 SCHEDULES = ("gather", "inline")
@@ -353,71 +351,71 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
     s = torch.empty((b, h, kb * block_n), dtype=f32, device=q.device)
     tmax = torch.empty((b, h, kb), dtype=f32, device=q.device)
     warps, stages = launch or DECODE_LAUNCH
+    prec, upcast = dot_flags(q.dtype)
     common = dict(HEAD_DIM=d, BN=block_n, BLOCK_N=next_pow2(block_n), GP=next_pow2(h // hkv),
-                  PREC=dot_flags(q.dtype)[0], UPCAST=dot_flags(q.dtype)[1], num_warps=warps, num_stages=stages)
+                  PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
     q2 = q[:, :, 0]
     LAST_COMPILED["decode_scores"] = _decode_scores_kernel[(n_split, b * hkv)](
         q2, k, s, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2), length, kb, tps,
         h, h // hkv, scale * LOG2E, **common)
     part = (torch.empty((b, h, n_split, d), dtype=f32, device=q.device),
             torch.empty((b, h, n_split), dtype=f32, device=q.device), torch.empty((b, h, n_split), dtype=f32, device=q.device))
-    kw = dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order)
+    dec = _decision(tmax, method, dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order),
+                    length, block_m, block_n)
     run = _attend_gather if schedule == "gather" else _attend_inline
-    skipped = run(s, v, tmax, part, method, kw, length, block_m, block_n, tps, common)
+    skipped = run(s, v, tmax, part, dec, length, block_n, tps, common)
     out = torch.empty_like(q)
     _decode_merge_kernel[(b * h,)](*part, out, out.stride(0), out.stride(1), h, n_split,
                                    HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
     return out, skipped
 
 
-def _attend_gather(s, v, tmax, part, method: int, kw: dict, length: int, block_m: int, block_n: int, tps: int,
-                   common: dict) -> torch.Tensor:
-    """The decide kernel (kept-tile lists; BLASST reverse / sink_local decided in torch by
-    ``decode_skip_mask``) and the gather attend pass; returns skipped [B, H] int64 counted by the
-    decide kernel."""
+def _decision(tmax, method: int, kw: dict, length: int, block_m: int, block_n: int) -> dict:
+    """What the decide / attend kernels read about the method: DECIDE (0 none, 1 torch mask, 2
+    BSFA, 3 BLASST forward, 4 window), THR [H, Pt] f32, the torch mask [B, H, Kb] (BLASST reverse /
+    sink_local, else None) and the scalar arguments (placeholders where the kernel reads nothing)."""
+    thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
+    decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
+    mask = None
+    if decide == 1:
+        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order)
+    thr = thresholds.to(device=tmax.device, dtype=torch.float32).contiguous() if decide == 2 else tmax
+    return {"decide": decide, "thr": thr, "mask": mask, "n_thr": thr.shape[-1],
+            "thr_pos": min((length - 1) // block_m, thr.shape[-1] - 1),
+            "ll2": 0.0 if log_lambda is None else log2_lambda(log_lambda), "window": int(window or 0)}
+
+
+def _attend_gather(s, v, tmax, part, dec: dict, length: int, block_n: int, tps: int, common: dict) -> torch.Tensor:
+    """The decide kernel (kept-tile lists) and the gather attend pass; returns skipped [B, H] int64
+    counted by the decide kernel."""
     b, h, kb = tmax.shape
     hkv = v.shape[1]
     n_split = part[1].shape[-1]
-    thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
-    decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
-    skip = thr = tmax  # placeholders the kernel does not read
-    if decide == 1:
-        skip = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order).to(torch.int8)
-    if decide == 2:
-        thr = thresholds.to(device=v.device, dtype=torch.float32).contiguous()
-    ll2 = 0.0 if log_lambda is None else (log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda)
+    skip = tmax if dec["mask"] is None else dec["mask"].to(torch.int8)
     idx = torch.empty((b, hkv, kb), dtype=torch.int32, device=v.device)
     n_keep = torch.empty((b, hkv), dtype=torch.int32, device=v.device)
     hskip = torch.empty((b, h, kb), dtype=torch.int8, device=v.device)
     cnt = torch.empty((b, h), dtype=torch.int32, device=v.device)
     LAST_COMPILED["decode_decide"] = _decode_decide_kernel[(b * hkv,)](
-        tmax, thr, skip, idx, n_keep, hskip, cnt, length, kb, h, h // hkv, thr.shape[-1],
-        min((length - 1) // block_m, thr.shape[-1] - 1), ll2, 0 if window is None else int(window),
-        BN=block_n, GP=common["GP"], CH=DECIDE_CHUNK, DECIDE=decide, num_warps=4)
+        tmax, dec["thr"], skip, idx, n_keep, hskip, cnt, length, kb, h, h // hkv, dec["n_thr"], dec["thr_pos"],
+        dec["ll2"], dec["window"], BN=block_n, GP=common["GP"], CH=DECIDE_CHUNK, DECIDE=dec["decide"], num_warps=4)
     LAST_COMPILED["decode_gather"] = _decode_gather_kernel[(n_split, b * hkv)](
         s, v, idx, n_keep, hskip, *part, v.stride(0), v.stride(1), v.stride(2), length, kb, n_split, h, h // hkv,
-        HEAD_MASK=decide != 0 and h > hkv, **common)
+        HEAD_MASK=dec["decide"] != 0 and h > hkv, **common)
     return cnt.to(torch.int64)
 
 
-def _attend_inline(s, v, tmax, part, method: int, kw: dict, length: int, block_m: int, block_n: int, tps: int,
-                   common: dict) -> torch.Tensor:
-    """The attend pass deciding tile by tile (BSFA, window, BLASST forward; BLASST reverse and
-    sink_local from a torch mask); returns skipped [B, H] int64 counted by the kernel."""
+def _attend_inline(s, v, tmax, part, dec: dict, length: int, block_n: int, tps: int, common: dict) -> torch.Tensor:
+    """The attend pass deciding tile by tile; returns skipped [B, H] int64 counted by the kernel."""
     b, h, kb = tmax.shape
     hkv, n_split = v.shape[1], part[1].shape[-1]
-    thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
-    decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
-    skip = skip_v = thr = tmax  # placeholders the kernel does not read
-    if decide == 1:
-        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order)
-        skip, skip_v = mask.to(torch.int8), mask.view(b, hkv, h // hkv, kb).all(dim=2).to(torch.int8)
-    if decide == 2:
-        thr = thresholds.to(device=v.device, dtype=torch.float32).contiguous()
-    ll2 = 0.0 if log_lambda is None else (log_lambda * LOG2E if math.isfinite(log_lambda) else log_lambda)
+    skip = skip_v = tmax  # placeholders the kernel does not read
+    if dec["mask"] is not None:
+        skip = dec["mask"].to(torch.int8)
+        skip_v = dec["mask"].view(b, hkv, h // hkv, kb).all(dim=2).to(torch.int8)
     cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=v.device)
     LAST_COMPILED["decode_attend"] = _decode_attend_kernel[(n_split, b * hkv)](
-        s, v, tmax, thr, skip, skip_v, *part, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
-        n_split, h, h // hkv, thr.shape[-1], min((length - 1) // block_m, thr.shape[-1] - 1), ll2,
-        0 if window is None else int(window), DECIDE=decide, CHUNK=64, **common)
+        s, v, tmax, dec["thr"], skip, skip_v, *part, cnt, v.stride(0), v.stride(1), v.stride(2), length, kb, tps,
+        n_split, h, h // hkv, dec["n_thr"], dec["thr_pos"], dec["ll2"], dec["window"], DECIDE=dec["decide"],
+        CHUNK=64, **common)
     return cnt.sum(dim=-1, dtype=torch.int64)

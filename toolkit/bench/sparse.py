@@ -40,7 +40,7 @@ from .kernel_profile import bandwidth, device_us, pick
 from .provenance import provenance
 from .sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, decode_tile_max,
                             structured_qkv, tile_stats)
-from .triton_capture import bench_ms, log, sdpa_fn
+from .triton_capture import bench_ms, log, sdpa_fns
 
 HEADS, BM, BN = 32, 128, 64
 SPARSITIES = (0.0, 0.5, 0.75)
@@ -50,6 +50,7 @@ LAUNCH_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3), (8, 4)]
 STYLES = {"gated": {"gate_v": True}}
 DECODE_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3)]  # (num_warps, num_stages) of the decode kernels
 SUFFIX = {"gather": "", "inline": "_inline"}  # decode variant names per schedule
+DECODE_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 
 def ideal(s: float) -> float:
@@ -103,12 +104,8 @@ def prefill_variants(q, k, v, d: int, n: int, launch) -> dict:
     variants = {"dense_triton": (lambda: attention_dense(q, k, v, scale, out=out), None, {}),
                 "sparse_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out,
                                                                launch=launch), 0.0, {})}
-    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
-        try:
-            fn, mode = sdpa_fn(q, k, v, getattr(torch.nn.attention.SDPBackend, backend))
-            variants[f"sdpa_{backend.split('_')[0].lower()}"] = (fn, None, {"gqa": mode})
-        except Exception as e:  # a backend that does not run here is recorded, not fatal
-            log(f"  sdpa {backend}: unavailable ({type(e).__name__})")
+    for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
+        variants[name] = (fn, None, {"gqa": mode})
     for s in SPARSITIES:
         points = {"bsfa": {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, s)},
                   "blasst": {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, s)}}
@@ -198,12 +195,8 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
 
     variants = {f"decode_off{SUFFIX[sch]}": (lambda sch=sch: dec(dense=True, schedule=sch), None,
                                              {"launch": list(best), "schedule": sch}) for sch in SCHEDULES}
-    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-        try:
-            fn, mode = sdpa_fn(q, k, v, getattr(torch.nn.attention.SDPBackend, backend), causal=False)
-            variants[f"sdpa_{backend.split('_')[0].lower()}"] = (fn, None, {"gqa": mode})
-        except Exception as e:  # a backend that does not run here is recorded by its absence
-            log(f"  decode sdpa {backend}: unavailable ({type(e).__name__}: {str(e)[:120]})")
+    for name, (fn, mode) in sdpa_fns(q, k, v, DECODE_SDPA, causal=False)[0].items():  # one row sees the cache
+        variants[name] = (fn, None, {"gqa": mode})
     reach = (length - 1) // BN + 1
     tmax = decode_tile_max(q, k, scale, BN) * LOG2E  # the kernel's units
     for s in (0.5, 0.75):

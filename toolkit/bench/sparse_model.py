@@ -24,7 +24,7 @@ import torch
 from ..kernels.triton_dense import attention_dense
 from ..kernels.triton_sparse import candidate_tiles, sparse_attention_triton
 from ..tensorio import atomic_write_text
-from .triton_capture import bench_ms, log, sdpa_fn
+from .triton_capture import bench_ms, log, sdpa_fns
 
 CAPTURE_LAYERS = (0, 7, 15, 22, 29)
 
@@ -82,12 +82,7 @@ def captured_section(model, ids, export_dir) -> dict:
         scale = d ** -0.5
         reach = candidate_tiles(n, 128, 64)[1] * q.shape[1]
         ms = {"dense_triton": bench_ms(lambda: attention_dense(q, k, v, scale))}
-        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
-            try:
-                fn, _ = sdpa_fn(q, k, v, getattr(torch.nn.attention.SDPBackend, backend))
-                ms[f"sdpa_{backend.split('_')[0].lower()}"] = bench_ms(fn)
-            except Exception as e:  # unavailable backend: recorded by its absence
-                log(f"  sdpa {backend}: unavailable ({type(e).__name__})")
+        ms.update({name: bench_ms(fn) for name, (fn, _) in sdpa_fns(q, k, v)[0].items()})
         sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
         for method, config, state in points:
             args = _method_args(state, layer, "prefill", n, q.device)

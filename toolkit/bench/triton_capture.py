@@ -160,6 +160,25 @@ def sdpa_fn(q, k, v, backend, causal: bool = True):
         return expanded, "expanded"
 
 
+PREFILL_SDPA = ("CUDNN_ATTENTION", "FLASH_ATTENTION")
+
+
+def sdpa_fns(q, k, v, backends=PREFILL_SDPA, causal: bool = True) -> tuple[dict, dict]:
+    """The SDPA backends that run on these inputs: ({"sdpa_cudnn": (fn, gqa mode), ...},
+    {name: "unavailable: why"} for those that do not)."""
+    from torch.nn.attention import SDPBackend
+
+    fns, missing = {}, {}
+    for backend in backends:
+        name = f"sdpa_{backend.split('_')[0].lower()}"
+        try:
+            fns[name] = sdpa_fn(q, k, v, getattr(SDPBackend, backend), causal=causal)
+        except Exception as e:  # a backend that does not run here is recorded, not fatal
+            missing[name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+            log(f"  {name} {missing[name]}")
+    return fns, missing
+
+
 def tune(d: int, n: int, cfg: StatsConfig) -> dict:
     """Launch-config sweeps of the instrumented passes at one (D, N) (the capture path: fused
     histograms); returns the chosen configs and the sweep tables."""
@@ -225,14 +244,9 @@ def measure(d: int, n: int, cfg: StatsConfig, tuned: dict) -> dict:
     scale = d ** -0.5
     flops = flops_causal(1, HEADS, n, d)
     res = {"d": d, "n": n, "ms": {}, "tflops": {}, "gqa_sdpa": {}}
-    from torch.nn.attention import SDPBackend
-
-    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            fn, mode = sdpa_fn(q, k, v, backend)
-            res["ms"][name], res["gqa_sdpa"][name] = bench_ms(fn), mode
-        except Exception as e:
-            res["gqa_sdpa"][name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+    fns, res["gqa_sdpa"] = sdpa_fns(q, k, v)
+    for name, (fn, mode) in fns.items():
+        res["ms"][name], res["gqa_sdpa"][name] = bench_ms(fn), mode
     launch = tuned["launch"]
     best, res["dense_sweep"] = sweep(f"dense D={d} N={n}", DENSE_SWEEP,
                                      lambda c: lambda: attention_dense(q, k, v, scale, config=c))

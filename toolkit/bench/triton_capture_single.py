@@ -30,7 +30,7 @@ from ..kernels.triton_forward_stats import instrumented_forward_triton
 from ..kernels.triton_mass import block_mass_triton
 from ..kernels.triton_single_order import single_order_reductions
 from .triton_capture import (CHECK_CASES, HEADS, KV_HEADS, bench_ms, compiled_info, log, profile_capture, random_qkv,
-                             run_section, sdpa_fn, sweep, sync)
+                             run_section, sdpa_fns, sweep, sync)
 
 MASS_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3)]
 
@@ -116,14 +116,7 @@ def single_order_measure(d: int, n: int, mass_launch, repeats: int) -> dict:
     scale = d ** -0.5
     cfg3 = StatsConfig()
     launch = {"mass": mass_launch} if mass_launch else None
-    fns = {}
-    from torch.nn.attention import SDPBackend
-
-    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            fns[name] = sdpa_fn(q, k, v, backend)[0]
-        except Exception as e:
-            log(f"  {name} unavailable: {type(e).__name__}: {str(e)[:200]}")
+    fns = {name: fn for name, (fn, _) in sdpa_fns(q, k, v)[0].items()}
     fns["dense"] = lambda: attention_dense(q, k, v, scale)
     fns["capture_3orders"] = lambda: ti.instrumented_capture_triton(q, k, v, scale, cfg3)
     for order in ORDERS:

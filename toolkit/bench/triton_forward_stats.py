@@ -25,7 +25,7 @@ from ..kernels.triton_dense import attention_dense, flops_causal
 from ..kernels.triton_forward_stats import instrumented_forward_triton
 from ..kernels import triton_instrumented as ti
 from .provenance import provenance
-from .triton_capture import HEADS, KV_HEADS, bench_ms, log, random_qkv, sdpa_fn, sweep
+from .triton_capture import HEADS, KV_HEADS, bench_ms, log, random_qkv, sdpa_fns, sweep
 
 LAUNCH_SWEEP = [(8, 3), (4, 3), (8, 2)]
 CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
@@ -71,14 +71,7 @@ def check_case(case) -> dict:
 
 def variants(q, k, v, scale, cfg: StatsConfig, best) -> dict:
     """name -> callable of every timed variant (SDPA backends that fail are left out)."""
-    from torch.nn.attention import SDPBackend
-
-    fns = {}
-    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            fns[name] = sdpa_fn(q, k, v, backend)[0]
-        except Exception as e:
-            log(f"  {name} unavailable: {type(e).__name__}: {str(e)[:200]}")
+    fns = {name: fn for name, (fn, _) in sdpa_fns(q, k, v)[0].items()}
     fns["dense"] = lambda: attention_dense(q, k, v, scale)
     fns["dense_same_tile"] = lambda: attention_dense(q, k, v, scale, config=(cfg.block_m, cfg.block_n, 8, 3))
     fns["two_pass_pass12"] = lambda: ti.instrumented_forward(q, k, v, scale, cfg, fused=True)
