@@ -1,6 +1,6 @@
 """BLASST calibration from gap histograms: sparsity(lambda), its inverse, and the lambda laws.
 
-A tile is skipped iff gap < ln(lambda). Gap histograms (kernels/reduce.py) have bins
+A tile is skipped iff gap < ln(lambda). Gap histograms (kernels/capture/reduce_reference.py) have bins
     0: gap < e_0,   k: e_{k-1} <= gap < e_k  (k = 1 .. E-1),   E: gap >= e_{E-1} = 0.
 ``skipped(x)`` counts tiles with gap < x, taking tiles as spread evenly inside a bin, so the curve
 is exact at every edge and linear between edges (bin 0 is spread over one bin width below e_0).

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .blasst import fit_inverse_length, fit_power_law, log_lambda_for_sparsity, skipped
+from sparsecal.analysis.blasst import fit_inverse_length, fit_power_law, log_lambda_for_sparsity, skipped
 
 MODES = ("prefill", "decode")
 CURVE_STRIDE = 5  # curves tables sample every 5th gap edge (0.25 in ln(lambda) by default)

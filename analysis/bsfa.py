@@ -13,7 +13,6 @@ T sorted candidate block maxima kept per position by capture.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 AGGREGATIONS = ("mean", "median")
 
@@ -85,9 +84,9 @@ def measured_kept(thr: np.ndarray, top: np.ndarray, cand: np.ndarray):
     k_n, _, _, pt = thr.shape
     p, t_len = top.shape[2], top.shape[3]
     pos = np.minimum(np.arange(p), pt - 1)
-    th = torch.from_numpy(np.ascontiguousarray(np.moveaxis(thr[..., pos], 0, -1)))  # [L, H, P, K]
-    neg_top = -torch.from_numpy(np.ascontiguousarray(top, np.float32))              # ascending
-    n_pass = torch.searchsorted(neg_top, -th.float(), right=True).numpy()           # top >= thr
+    top = np.asarray(top, np.float32)
+    th = thr[..., pos].astype(np.float32)                                            # [K, L, H, P]
+    n_pass = np.stack([(top >= th[i][..., None]).sum(-1) for i in range(k_n)], -1)  # [L, H, P, K]
     cand = np.asarray(cand, np.int64)
     kept = np.minimum(n_pass, cand[None, None, :, None])
     saturated = ((n_pass == t_len) & (cand[None, None, :, None] > t_len)).sum(axis=(0, 1, 2))

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from sparsecal import SCHEMA_VERSION
-from sparsecal.errors import UserError
-from sparsecal.kernels.config import StatsConfig
+from sparsecal.formats.version import SCHEMA_VERSION
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.stats_config import StatsConfig
 
-from . import blasst_fit as B
-from . import bsfa, stabilization
-from .samples import decode_reachable, finished_records, load_arrays, split_samples
+from sparsecal.analysis import blasst_fit as B
+from sparsecal.analysis import bsfa, stabilization
+from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 
 FIT_DIR = "fit"
 FIT_KIND = "sparsecal-fit"
@@ -155,7 +155,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
 
 def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list) -> list:
     """Every (mode, order, target) calibration; refuses targets no length reaches in the export order."""
-    edges = cfg.gap_edges().numpy()
+    edges = cfg.gap_edges()
     cals = []
     for mode in B.MODES:
         if not st.train[mode] or all(s.reach == 0 for s in st.train[mode].values()):
@@ -176,7 +176,7 @@ def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list) ->
 
 
 def _k_warnings(ks, lengths, cfg: StatsConfig) -> list[str]:
-    from sparsecal.kernels.geometry import cdiv, num_candidates
+    from sparsecal.formats.geometry import cdiv, num_candidates
 
     most = max(num_candidates(cdiv(n, cfg.block_m) - 1, cfg.block_m, cfg.block_n) for n in lengths)
     return [f"k={k} keeps every candidate block at every length of this run (at most {most} candidates): its "
@@ -184,12 +184,12 @@ def _k_warnings(ks, lengths, cfg: StatsConfig) -> list[str]:
 
 
 def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
-    from . import tables
+    from sparsecal.analysis import tables
 
     out = Path(store.root) / FIT_DIR
     out.mkdir(exist_ok=True)
     cfg = st.cfg
-    edges = cfg.gap_edges().numpy()
+    edges = cfg.gap_edges()
     tables.write_thresholds(out, thr, ks, store.manifest, split)
     tables.write_gap_cum(out, st.pooled, edges, cfg.orders, B.CURVE_STRIDE)
     label = "held-out" if split.test else "in-sample"
@@ -206,8 +206,8 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
         "blasst_curves": [r for m in B.MODES if st.pooled[m] for r in B.curve_rows(m, cfg.orders, st.pooled[m], edges)],
         "stab_where": stabilization.where_rows(st.where, cfg.orders),
         "stab_tstar": stabilization.tstar_rows(st.tstar, cfg.orders),
-        "qinit": stabilization.qinit_rows(st.qinit, cfg.qinit_edges().numpy()),
-        "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges().numpy()),
+        "qinit": stabilization.qinit_rows(st.qinit, cfg.qinit_edges()),
+        "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges()),
     }
     for name, rows in frames.items():
         tables.write_table(out / f"{name}.parquet", rows)

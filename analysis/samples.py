@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecal.errors import UserError
-from sparsecal.kernels.config import StatsConfig
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.stats_config import StatsConfig
 
 
 @dataclass(frozen=True)
@@ -72,4 +72,4 @@ def load_arrays(store, record: dict, keys) -> dict[str, np.ndarray]:
     if missing:
         raise UserError(f"sample {record['id']} of {store.root} lacks {', '.join(missing)}; "
                         "it was captured by an incompatible sparsecal: capture the run again.")
-    return {k: tensors[k].numpy() for k in keys}
+    return {k: tensors[k] for k in keys}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsecal.kernels.geometry import WHERE
+from sparsecal.formats.geometry import WHERE
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 

@@ -5,29 +5,24 @@ BSFA table builders (per-sample measurements -> rows).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from sparsecal import SCHEMA_VERSION
-from sparsecal.errors import UserError
+from sparsecal.formats.version import SCHEMA_VERSION
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.files import atomic_write, atomic_write_text
+from sparsecal.formats.tensors import save_arrays
 
 THRESHOLDS = "bsfa_thresholds.safetensors"
 GAP_CUM = "gap_cum.safetensors"
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
 def write_table(path: Path, rows: list[dict]) -> None:
     import polars as pl
 
     df = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame()
-    tmp = _tmp(path)
-    df.write_parquet(tmp)
-    os.replace(tmp, path)
+    atomic_write(path, df.write_parquet)
 
 
 def read_table(fit_dir, name: str):
@@ -44,23 +39,16 @@ def read_table(fit_dir, name: str):
 
 
 def write_json(path: Path, doc: dict) -> None:
-    from sparsecal.tensorio import atomic_write_text
-
     atomic_write_text(path, json.dumps(doc, indent=1))
 
 
 def write_thresholds(out: Path, thr: np.ndarray, ks, manifest: dict, split) -> None:
     """The aggregated BSFA thresholds [K, L, H, P] with what export needs to describe them."""
-    import torch
-
-    from sparsecal.tensorio import save_tensors
-
     meta = {"schema_version": SCHEMA_VERSION, "model": manifest["model"]["id"],
             "k_values": json.dumps(list(ks)), "samples": len(split.train),
             "lengths": json.dumps(sorted({r["length"] for r in split.train}))}
-    tensors = {"thresholds": torch.from_numpy(np.ascontiguousarray(thr, np.float32)),
-               "k_values": torch.tensor(list(ks), dtype=torch.int64)}
-    save_tensors(out / THRESHOLDS, tensors, metadata=meta)
+    arrays = {"thresholds": np.ascontiguousarray(thr, np.float32), "k_values": np.array(list(ks), dtype=np.int64)}
+    save_arrays(out / THRESHOLDS, arrays, metadata=meta)
 
 
 def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: int) -> None:
@@ -68,14 +56,10 @@ def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: in
     gap in [log_lambda[e-1], log_lambda[e]) (bin 0: below log_lambda[0]), for every ``stride``-th
     edge; a cumulative sum over the last axis gives the tiles below each log_lambda[e], i.e. the
     sparsity at any lambda on the grid. count_bins/mass_bins [Nlen, L, H, O, E'] float32 (stored as
-    (index, value) pairs where that is smaller, see tensorio), reach/npos [Nlen] per layer and head,
+    (index, value) pairs where that is smaller, see formats.tensors), reach/npos [Nlen] per layer and head,
     lengths [Nlen]. The dashboard's per-head sparsity at a chosen lambda."""
-    import torch
-
-    from sparsecal.tensorio import save_tensors
-
     pick = np.arange(len(edges) - 1, -1, -stride)[::-1]
-    tensors, sparse = {"log_lambda": torch.from_numpy(edges[pick].copy())}, set()
+    tensors, sparse = {"log_lambda": edges[pick].copy()}, set()
     for mode, sums in pooled.items():
         if not sums:
             continue
@@ -85,13 +69,13 @@ def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: in
             cum = np.stack([np.cumsum(getattr(sums[n], key), -1)[..., pick] for n in lens])
             return np.diff(cum, axis=-1, prepend=0.0).astype(np.float32)
 
-        tensors[f"{mode}.lengths"] = torch.tensor(lens, dtype=torch.int64)
-        tensors[f"{mode}.count_bins"] = torch.from_numpy(binned("count"))
-        tensors[f"{mode}.mass_bins"] = torch.from_numpy(binned("mass"))
-        tensors[f"{mode}.reach"] = torch.tensor([sums[n].reach for n in lens], dtype=torch.float64)
-        tensors[f"{mode}.npos"] = torch.tensor([sums[n].npos for n in lens], dtype=torch.float64)
+        tensors[f"{mode}.lengths"] = np.array(lens, dtype=np.int64)
+        tensors[f"{mode}.count_bins"] = binned("count")
+        tensors[f"{mode}.mass_bins"] = binned("mass")
+        tensors[f"{mode}.reach"] = np.array([sums[n].reach for n in lens], dtype=np.float64)
+        tensors[f"{mode}.npos"] = np.array([sums[n].npos for n in lens], dtype=np.float64)
         sparse |= {f"{mode}.count_bins", f"{mode}.mass_bins"}
-    save_tensors(out / GAP_CUM, tensors, sparse=sparse,
+    save_arrays(out / GAP_CUM, tensors, sparse=sparse,
                  metadata={"schema_version": SCHEMA_VERSION, "orders": json.dumps(list(orders))})
 
 

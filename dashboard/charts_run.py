@@ -11,8 +11,8 @@ import numpy as np
 import plotly.graph_objects as go
 import polars as pl
 
-from .charts_fit import color, empty_figure, finish
-from .derive import pareto_front
+from sparsecal.dashboard.charts_fit import color, empty_figure, finish
+from sparsecal.dashboard.derive import pareto_front
 
 TILE_VALUES = {
     "bmax": ("block max score (nats)", "Viridis"),

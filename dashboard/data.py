@@ -9,7 +9,8 @@ is read once. Problems come back as one-line errors the pages show instead of a 
 - ``Broken``: the file is there but unreadable, of another schema version, or lacks columns this
   dashboard needs (an older sparsecal wrote it); the message says to re-run the command.
 
-Files read (layouts in toolkit/runstore.py, analysis/fit.py, analysis/tables.py, toolkit/exports.py):
+Files read (layouts and checks in sparsecal.formats: run.py, exports.py, tensors.py; the fit's in
+analysis/fit.py and analysis/tables.py):
 
     RUN/manifest.json                           model, geometry/config, versions, planned samples
     RUN/samples/<id>/sample.json                finished samples (task, length, answer, seconds)
@@ -33,13 +34,16 @@ from pathlib import Path
 import numpy as np
 import streamlit as st
 
-from sparsecal import SCHEMA_VERSION
-from sparsecal.errors import UserError
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
+from sparsecal.formats.files import check_schema, read_json_manifest
+from sparsecal.formats.run import MANIFEST, RUN_KIND
+from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
 RESULTS_ENV = "SPARSECAL_RESULTS"    # os.pathsep-separated result directories (Accuracy-speedup)
 FIT = "fit"
-EXPORT_NAMES = ("thresholds.bsfa.pt", "thresholds.safetensors", "blasst.json")
+EXPORT_NAMES = (BSFA_PT, BSFA_ST, BLASST_JSON)
 
 # Columns each page needs from a fit table; a table without them was written by an older sparsecal.
 TABLE_COLUMNS = {
@@ -75,6 +79,16 @@ def _fit_cmd(root) -> str:
     return f"`sparsecal fit {root}`"
 
 
+def _broken(fn, *args):
+    """fn(*args), with the floor's one-line UserError shown as Broken on the page."""
+    try:
+        return fn(*args)
+    except (Missing, Broken):
+        raise
+    except UserError as e:
+        raise Broken(str(e)) from None
+
+
 # ---- run discovery -----------------------------------------------------------------------------
 def run_paths(argv=None) -> list[Path]:
     """Run directories given to the app: $SPARSECAL_RUNS if set, else the script's arguments.
@@ -106,28 +120,18 @@ def result_dirs(root: Path) -> list[Path]:
     return [Path(root) / "results"] + extra
 
 
-# ---- manifest and samples ----------------------------------------------------------------------
 @st.cache_data(show_spinner=False, max_entries=32)
-def _json(path: str, stamp) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Broken(f"{path} is not valid JSON ({type(e).__name__}).") from None
+def _manifest(path: str, stamp, kind: str, remedy: str) -> dict:
+    return _broken(read_json_manifest, Path(path), kind, remedy)
 
 
 def manifest(root: Path) -> dict:
-    """manifest.json of a run, with its kind and schema version checked."""
-    path = Path(root) / "manifest.json"
+    """manifest.json of a run, with its kind and schema version checked (formats.files)."""
+    path = Path(root) / MANIFEST
     if not path.is_file():
-        raise Missing(f"{root} is not a sparsecal run (no manifest.json); make one with "
+        raise Missing(f"{root} is not a sparsecal run (no {MANIFEST}); make one with "
                       f"`sparsecal capture --out {root}`.")
-    man = _json(str(path), _stamp(path))
-    if man.get("kind") != "sparsecal-run":
-        raise Broken(f"{path} is not a sparsecal run manifest (kind {man.get('kind')!r}).")
-    if man.get("schema_version") != SCHEMA_VERSION:
-        raise Broken(f"{path} has schema version {man.get('schema_version')}; this dashboard reads "
-                     f"{SCHEMA_VERSION}: capture the run again with this sparsecal.")
-    return man
+    return _manifest(str(path), _stamp(path), RUN_KIND, "capture the run again with this sparsecal")
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
@@ -159,11 +163,7 @@ def fit_doc(root: Path) -> dict:
     path = Path(root) / FIT / "fit.json"
     if not path.is_file():
         raise Missing(f"{root} has no fit yet; run {_fit_cmd(root)} to make RUN/fit/.")
-    doc = _json(str(path), _stamp(path))
-    if doc.get("kind") != "sparsecal-fit" or doc.get("schema_version") != SCHEMA_VERSION:
-        raise Broken(f"{path} has schema version {doc.get('schema_version')} (this dashboard reads "
-                     f"{SCHEMA_VERSION}); run {_fit_cmd(root)} again.")
-    return doc
+    return _manifest(str(path), _stamp(path), "sparsecal-fit", f"run {_fit_cmd(root)} again")
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -222,9 +222,8 @@ class GapCum:
 @st.cache_data(show_spinner=False, max_entries=16)
 def _gap_cum(path: str, stamp) -> dict:
     arrays, meta = _read_safetensors(Path(path))
-    if meta.get("schema_version") != str(SCHEMA_VERSION):
-        raise Broken(f"{path} has schema version {meta.get('schema_version')}; run `sparsecal fit` again.")
-    arrays = _dense(arrays, meta)
+    _broken(check_schema, path, meta.get("schema_version"), "run `sparsecal fit` again")
+    arrays = decode(arrays, json.loads(meta.get(SPARSE_META, "{}")))
     out = {}
     for mode in ("prefill", "decode"):
         keys = [f"{mode}.{k}" for k in ("lengths", "count_bins", "mass_bins", "reach", "npos")]
@@ -232,18 +231,6 @@ def _gap_cum(path: str, stamp) -> dict:
             lens, count, mass, reach, npos = (arrays[k] for k in keys)
             out[mode] = GapCum(arrays["log_lambda"].astype(np.float64), lens, np.cumsum(count, -1),
                                np.cumsum(mass, -1), reach, npos, tuple(json.loads(meta.get("orders", "[]"))))
-    return out
-
-
-def _dense(arrays: dict, meta: dict) -> dict:
-    """Undo toolkit/tensorio.py's (index, value) encoding of mostly-zero tensors (numpy only)."""
-    shapes = json.loads(meta.get("sparsecal.sparse", "{}"))
-    out = {k: v for k, v in arrays.items() if not (k.endswith(".idx") or k.endswith(".val"))}
-    for name, shape in shapes.items():
-        val = arrays[f"{name}.val"]
-        dense = np.zeros(int(np.prod(shape)), dtype=val.dtype)
-        dense[arrays[f"{name}.idx"].astype(np.int64)] = val
-        out[name] = dense.reshape(shape)
     return out
 
 
@@ -258,8 +245,9 @@ def gap_cum(root: Path) -> dict[str, GapCum]:
 @st.cache_data(show_spinner=False, max_entries=16)
 def _thresholds(path: str, stamp) -> tuple[np.ndarray, list]:
     arrays, meta = _read_safetensors(Path(path))
-    if meta.get("schema_version") != str(SCHEMA_VERSION) or "thresholds" not in arrays:
-        raise Broken(f"{path} is not a thresholds file of schema {SCHEMA_VERSION}; run `sparsecal fit` again.")
+    _broken(check_schema, path, meta.get("schema_version"), "run `sparsecal fit` again")
+    if "thresholds" not in arrays:
+        raise Broken(f"{path} holds no thresholds; run `sparsecal fit` again.")
     return arrays["thresholds"].astype(np.float32), [int(k) for k in arrays["k_values"].tolist()]
 
 
@@ -328,16 +316,16 @@ def _export_meta(path: str, stamp) -> dict:
             shape = f.get_slice("thresholds").get_shape()
     except Exception as e:  # noqa: BLE001
         raise Broken(f"{path} is not a readable BSFA export ({type(e).__name__}); export it again.") from None
-    if meta.get("kind") != "sparsecal-bsfa" or meta.get("schema_version") != str(SCHEMA_VERSION):
-        raise Broken(f"{path} has schema version {meta.get('schema_version')} (this dashboard reads "
-                     f"{SCHEMA_VERSION}); export it again with `sparsecal export`.")
-    meta.pop("sparsecal.sparse", None)
+    if meta.get("kind") != "sparsecal-bsfa":
+        raise Broken(f"{path} is not a sparsecal BSFA export (kind {meta.get('kind')!r}); export it again.")
+    _broken(check_schema, path, meta.get("schema_version"), "export it again with `sparsecal export`")
+    meta.pop(SPARSE_META, None)
     return {"metadata": meta, "shape": list(shape)}
 
 
 def export_bsfa_meta(export_dir: Path) -> dict:
     """thresholds.safetensors' metadata and thresholds shape [num_k, L, H, P]."""
-    path = Path(export_dir) / "thresholds.safetensors"
+    path = Path(export_dir) / BSFA_ST
     if not path.is_file():
         raise Missing(f"{path} is missing; write it with `sparsecal export RUN --out {export_dir}`.")
     return _export_meta(str(path), _stamp(path))
@@ -345,14 +333,15 @@ def export_bsfa_meta(export_dir: Path) -> dict:
 
 def export_blasst(export_dir: Path) -> dict:
     """blasst.json, checked for the skip-softmax algorithm and the schema version."""
-    path = Path(export_dir) / "blasst.json"
+    path = Path(export_dir) / BLASST_JSON
     if not path.is_file():
         raise Missing(f"{path} is missing; write it with `sparsecal export RUN --out {export_dir}`.")
-    doc = _json(str(path), _stamp(path))
-    if doc.get("algorithm") != "skip_softmax" or doc.get("schema_version") != SCHEMA_VERSION:
-        raise Broken(f"{path} is not a BLASST export of schema {SCHEMA_VERSION} (algorithm "
-                     f"{doc.get('algorithm')!r}, schema {doc.get('schema_version')}); export it again.")
-    return doc
+    return _blasst(str(path), _stamp(path))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _blasst(path: str, stamp) -> dict:
+    return _broken(load_blasst, Path(path))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

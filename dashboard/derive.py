@@ -19,7 +19,8 @@ import math
 import numpy as np
 import polars as pl
 
-TILE_KINDS = ("unreachable", "candidate", "diagonal")
+from sparsecal.formats.geometry import TILE_KINDS, tile_kinds
+
 
 
 def prompts_frame(manifest: dict, finished: list[dict]) -> pl.DataFrame:
@@ -72,15 +73,6 @@ def law_lambda(fits: pl.DataFrame, mode: str, order: str, target: float, length:
     return a * float(length) ** (-b) if a > 0 and math.isfinite(a) else None
 
 
-def tile_geometry(n: int, bm: int, bn: int) -> np.ndarray:
-    """[P, Kb] int8 tile kinds: 0 unreachable, 1 candidate, 2 diagonal (TILE_KINDS)."""
-    p, kb = -(-n // bm), -(-n // bn)
-    i, j = np.indices((p, kb))
-    reach = j * bn <= np.minimum((i + 1) * bm, n) - 1
-    cand = (j + 1) * bn <= i * bm
-    return np.where(cand, 1, np.where(reach, 2, 0)).astype(np.int8)
-
-
 def tile_frame(tiles: dict, n: int, bm: int, bn: int, order_index: int, thresholds=None,
                log_lambda: float | None = None) -> pl.DataFrame:
     """One (sample, layer, head) tile by tile. ``tiles``: bmax, mass [P, Kb], gap [O, P, Kb]
@@ -88,7 +80,7 @@ def tile_frame(tiles: dict, n: int, bm: int, bn: int, order_index: int, threshol
     min(i, P'-1)) or None; ``log_lambda``: BLASST's ln(lambda) or None.
     Columns: q_block, k_block, kind, bmax, gap, mass (null where unreachable), bsfa_skip,
     blasst_skip (candidates only: bmax < threshold, gap < ln(lambda))."""
-    kind = tile_geometry(n, bm, bn)
+    kind = tile_kinds(n, bm, bn)
     p, kb = kind.shape
     bmax = np.asarray(tiles["bmax"], np.float64)[:p, :kb]
     gap = np.asarray(tiles["gap"], np.float64)[order_index, :p, :kb]

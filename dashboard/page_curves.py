@@ -1,14 +1,15 @@
 """Accuracy-speedup: accuracy relative to dense against speedup over dense, per method and length,
 from the evaluation and benchmark result files of RUN/results/ and `--results DIR` (format in
-dashboard/results.py). Until such files exist the page says which commands make them.
+toolkit/formats/results.py). Until such files exist the page says which commands make them.
 Controls: methods and lengths shown."""
 from __future__ import annotations
 
 import polars as pl
 import streamlit as st
 
-from sparsecal.dashboard import charts_run, data, results, ui
-from sparsecal.errors import UserError
+from sparsecal.dashboard import charts_run, data, ui
+from sparsecal.formats import results
+from sparsecal.formats.errors import UserError
 
 
 def _load(dirs) -> tuple[pl.DataFrame, list[str]]:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparsecal.errors import UserError
+from sparsecal.formats.errors import UserError
 
 APP = Path(__file__).with_name("app.py")
 
@@ -40,7 +40,7 @@ def check_port(host: str, port: int) -> int:
 
 def check_runs(runs) -> list[Path]:
     """Each path must be a run directory (manifest.json) or a directory holding runs."""
-    from sparsecal.runstore import RunStore
+    from sparsecal.formats.run import RunStore
 
     out = []
     for r in runs:

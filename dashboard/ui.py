@@ -7,9 +7,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from sparsecal.errors import UserError
+from sparsecal.formats.errors import UserError
 
-from .data import Missing
+from sparsecal.dashboard.data import Missing
 
 RUN_KEY = "run"
 PLOT_CONFIG = {"displaylogo": False, "modeBarButtonsToRemove": ["lasso2d", "select2d"]}

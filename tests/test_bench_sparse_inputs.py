@@ -4,10 +4,10 @@ import math
 
 import torch
 
-from sparsecal.bench.sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for,
-                                           structured_qkv, tile_stats)
-from sparsecal.kernels.geometry import block_counts
-from sparsecal.kernels.sparse_reference import sparse_attention, sparse_decode
+from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, structured_qkv, tile_stats
+from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
+
+from helpers import block_counts_torch
 
 
 def test_operating_points_reach_the_requested_sparsity(seed):
@@ -15,7 +15,7 @@ def test_operating_points_reach_the_requested_sparsity(seed):
     q, k, v = structured_qkv(n, d, h, hkv, seed=seed % 10_000, dtype=torch.float32, device="cpu")
     scale = d ** -0.5
     bmax, gap = tile_stats(q, k, v, scale, bm, bn)
-    cand, reach = block_counts(n, bm, bn)
+    cand, reach = (torch.from_numpy(x) for x in block_counts_torch(n, bm, bn))
     kb = torch.arange(gap.shape[-1])
     below = gap[:, kb[None, :] < cand[:, None]] < 0  # BLASST skips at most the tiles below the running max
     reachable = float(below.sum()) / (float(reach.sum()) * h)

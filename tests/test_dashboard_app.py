@@ -135,7 +135,7 @@ def test_curves_out_of_the_box_from_the_committed_evaluation(monkeypatch):
 
 
 def write_results(folder: Path) -> Path:
-    """Result files in the documented format (dashboard/results.py), made up for the test."""
+    """Result files in the documented format (toolkit/formats/results.py), made up for the test."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = [{"method": m, "config": c, "length": n, "accuracy_rel_dense": acc}
             for n in (256, 512) for m, c, acc in (("bsfa", "k=1", 0.93), ("bsfa", "k=2", 0.97), ("blasst", "target=0.03", 0.99),

@@ -11,8 +11,9 @@ import polars as pl
 import pytest
 
 from sparsecal.analysis.tables import read_table
-from sparsecal.dashboard import charts_fit, charts_run, derive, results
-from sparsecal.kernels.geometry import num_candidates, num_reachable
+from sparsecal.dashboard import charts_fit, charts_run, derive
+from sparsecal.formats import geometry, results
+from sparsecal.formats.geometry import num_candidates, num_reachable
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "fixture"
 FIT = FIXTURE / "fit"
@@ -130,9 +131,9 @@ def test_samples_chart_counts_finished_and_planned():
     assert any("planned" in t.name for t in fig.data)
 
 
-def test_tile_geometry_matches_the_definitions():
+def test_tile_kinds_match_the_definitions():
     for n, bm, bn in ((512, 128, 64), (333, 128, 64), (700, 80, 48), (64, 128, 64)):
-        kind = derive.tile_geometry(n, bm, bn)
+        kind = geometry.tile_kinds(n, bm, bn)
         assert kind.shape == (-(-n // bm), -(-n // bn))
         for i in range(kind.shape[0]):
             reach = num_reachable(i, n, bm, bn)
@@ -148,7 +149,7 @@ def test_tile_frame_masks_follow_threshold_and_lambda():
     thr = np.array([-np.inf, 0.0, 0.5])  # position 3 uses the last threshold
     f = derive.tile_frame(tiles, 512, 128, 64, 1, thr, math.log(0.5))
     assert f.height == p * kb
-    kind = derive.tile_geometry(512, 128, 64)
+    kind = geometry.tile_kinds(512, 128, 64)
     for r in f.iter_rows(named=True):
         i, j = r["q_block"], r["k_block"]
         cand = kind[i, j] == 1

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsecal.errors import UserError
-from sparsecal.eval_methods import GRAMMAR, Method, parse_methods, with_dense
-from sparsecal.eval_metrics import Fidelity, Reference, fidelity, sparsity
-from sparsecal.prompts import TASKS, build_task_prompts
-from sparsecal.prompts.scoring import answer_budget, answer_items, is_correct, score
+from sparsecal.formats.errors import UserError
+from sparsecal.evaluation.methods import GRAMMAR, Method, parse_methods, with_dense
+from sparsecal.evaluation.metrics import Fidelity, fidelity, Reference, sparsity
+from sparsecal.capture.prompts import build_task_prompts, TASKS
+from sparsecal.capture.prompts.scoring import answer_budget, answer_items, is_correct, score
 
-from test_capture import assert_user_error, cli, make_checkpoint
-from test_prompts import tok  # noqa: F401 - the real tokenizer fixture
+from helpers import assert_user_error, block_counts_torch, cli, make_checkpoint
+
 
 CAL = Path(__file__).resolve().parents[1] / "data" / "calibration" / "smollm2-1k-8k"
 
@@ -145,7 +145,8 @@ def test_sparsity_counts():
 # ----------------------------------------------------------------------------- runner (tiny Llama)
 def _tiny_export(out, layers, heads, model="tiny"):
     """An export that skips nothing: BSFA thresholds -inf, BLASST factor 0 (lambda 0)."""
-    from sparsecal.exports import write_blasst, write_bsfa
+    from sparsecal.formats.exports import write_blasst
+    from sparsecal.integrations.exports import write_bsfa
 
     out.mkdir()
     write_bsfa(out, torch.full((2, layers, heads, 4), -math.inf), [1, 2], 128, 64, "mean", {"model": model})
@@ -159,7 +160,7 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
     """Answer tasks: score / dense's score only where dense scores >= MIN_DENSE_SCORE; text: ppl ratio."""
     import polars as pl
 
-    from sparsecal.eval_summary import MIN_DENSE_SCORE, curves, summarize
+    from sparsecal.evaluation.summary import curves, MIN_DENSE_SCORE, summarize
 
     base = {"length": 1024, "correct": True, "kl": 0.0, "top1": 1.0, "nll": 1.0, "sparsity": 0.0,
             "decode_sparsity": 0.0, "prefill_s": 0.1, "decode_s": 0.1, "held_out_task": False}
@@ -179,9 +180,9 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
     nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from sparsecal.evaluation import run_sample
-    from sparsecal.kernels.geometry import block_counts
-    from sparsecal.prompts import build_sample
+    from sparsecal.evaluation.command import run_sample
+
+    from sparsecal.capture.prompts import build_sample
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=64, num_hidden_layers=2,
@@ -199,7 +200,7 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
     assert noop["kl"] == pytest.approx(0.0, abs=1e-6) and noop["top1"] == 1.0
     assert noop["sparsity"] == 0.0 and noop["prefill_reachable"] > 0
     assert noop["generated"] == dense["generated"] and noop["new_tokens"] == answer_budget(tok, prompt)
-    cand, reach = block_counts(333, 128, 64)
+    cand, reach = block_counts_torch(333, 128, 64)
     assert window["sparsity"] == pytest.approx(int(cand.sum()) / int(reach.sum()))
     assert window["prefill_skipped"] == 2 * 2 * int(cand.sum()) and window["decode_sparsity"] > 0
     assert window["kl"] > 0 and model.config._attn_implementation == "sdpa"  # dense again afterwards
@@ -211,7 +212,7 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
 # ----------------------------------------------------------------------------- real model, CLI
 def _foreign_export(out, model="other/llama", heads=9, blocks=4):
     """A BSFA export of another model (or geometry) for SmolLM2's 30 layers."""
-    from sparsecal.exports import write_bsfa
+    from sparsecal.integrations.exports import write_bsfa
 
     out.mkdir()
     write_bsfa(out, torch.zeros(1, 30, heads, blocks), [4], 128, 64, "mean", {"model": model})
@@ -220,7 +221,7 @@ def _foreign_export(out, model="other/llama", heads=9, blocks=4):
 
 def _short_export(out):
     """The real export cut to its first 4 query blocks: Nmax = 512 tokens."""
-    from sparsecal.exports import load_bsfa, write_bsfa
+    from sparsecal.integrations.exports import load_bsfa, write_bsfa
 
     exp = load_bsfa(CAL / "export")
     out.mkdir()
@@ -276,7 +277,7 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     """SmolLM2 at 512 tokens, dense and BLASST; resume computes nothing; bench join; refusals."""
     import polars as pl
 
-    from sparsecal.dashboard import results
+    from sparsecal.formats import results
 
     out, exp = tmp_path / "ev", CAL / "export"
     # the calibration prompts (seed 100) are refused: evaluation prompts must be held out

@@ -10,13 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecal.analysis import bsfa
-from sparsecal.analysis.fit import FitRequest, fit_run
+from sparsecal.analysis.fit import fit_run, FitRequest
 from sparsecal.analysis.samples import split_samples
 from sparsecal.bench.synthetic import write_synthetic_run
-from sparsecal.errors import UserError
-from sparsecal.kernels.config import StatsConfig
-from sparsecal.kernels.geometry import block_counts
-from sparsecal.kernels.reduce import bsfa_reduce
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.stats_config import StatsConfig
+
+from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
+
+from helpers import block_counts_torch
 
 LENGTHS = [1024, 2048, 4096, 8192]
 
@@ -90,12 +92,12 @@ def test_split_is_per_length_and_deterministic(synthetic):
 
 def _random_sample_thresholds(rng, n, cfg, heads=3):
     """Thresholds, top maxima and candidates from the capture reduction on random block maxima."""
-    cand, _ = block_counts(n, cfg.block_m, cfg.block_n)
+    cand, _ = block_counts_torch(n, cfg.block_m, cfg.block_n)
     kb = -(-n // cfg.block_n)
     bmax = torch.from_numpy(rng.standard_normal((heads, len(cand), kb))).float()
     mass = torch.rand(heads, len(cand), kb)
     r = bsfa_reduce(bmax, mass, cand, cfg)
-    return r["bsfa_threshold"].numpy()[None], r["bsfa_top_bmax"].numpy()[None], cand.numpy()
+    return r["bsfa_threshold"].numpy()[None], r["bsfa_top_bmax"].numpy()[None], cand
 
 
 @pytest.mark.parametrize("n", [700, 2048, 3000])
@@ -136,7 +138,7 @@ def test_density_monotone_in_k(n, s):
     other, _, _ = _random_sample_thresholds(np.random.default_rng(s + 1), n, cfg, heads=2)
     acc = bsfa.ThresholdAccumulator()
     acc.add(other)  # thresholds of another sample, applied to this one
-    _, reach = block_counts(n, cfg.block_m, cfg.block_n)
+    _, reach = block_counts_torch(n, cfg.block_m, cfg.block_n)
     d = bsfa.density(bsfa.measured_kept(acc.result(), top, cand)[0], cand, reach.numpy())
     assert np.all(np.diff(d, axis=0) >= 0)
     assert np.all(np.diff(bsfa.predicted_density(cand, reach.numpy(), cfg.k_values)) >= 0)
@@ -171,13 +173,13 @@ def test_request_errors(tmp_path):
 
 def test_hist_quantiles_match_raw_values(seed):
     from sparsecal.analysis.stabilization import hist_quantiles
-    from sparsecal.kernels.reduce import histogram
+    from sparsecal.kernels.capture.reduce_reference import histogram
 
     rng = np.random.default_rng(seed)
     edges = StatsConfig().qinit_edges()
     vals = rng.normal(2.0, 3.0, (2, 20000))
     counts = histogram(torch.from_numpy(vals), edges).numpy()
-    q = hist_quantiles(counts, edges.numpy())
+    q = hist_quantiles(counts, edges)
     want = np.quantile(vals, [0.05, 0.25, 0.5, 0.75, 0.95], axis=1).T
     assert np.abs(q - want).max() < 0.25 + 0.1  # one bin width plus sampling noise
-    assert np.isnan(hist_quantiles(np.zeros((1, len(edges) + 1)), edges.numpy())).all()
+    assert np.isnan(hist_quantiles(np.zeros((1, len(edges) + 1)), edges)).all()

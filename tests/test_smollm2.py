@@ -3,15 +3,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sparsecal.capture import capture_sample
+from sparsecal.capture.runner import capture_sample
 from sparsecal.cli import app
-from sparsecal.kernels.config import StatsConfig
-from sparsecal.models import load_model, load_tokenizer, resolve_model
-from sparsecal.prompts import build_sample
-from sparsecal.runstore import RunStore
-from sparsecal.summary import sample_summary
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.capture.models import load_model, load_tokenizer, resolve_model
+from sparsecal.capture.prompts import build_sample
+from sparsecal.formats.run import RunStore
+from sparsecal.capture.summary import sample_summary
 
-from test_capture import check_sample_tensors
+from helpers import check_sample_tensors
+
 
 pytestmark = pytest.mark.model
 
@@ -41,7 +42,8 @@ def test_cli_capture_real_model(tmp_path):
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["export", str(out), "--out", str(tmp_path / "export")])
     assert res.exit_code == 0, res.output
-    from sparsecal.exports import load_blasst, load_bsfa
+    from sparsecal.formats.exports import load_blasst
+    from sparsecal.integrations.exports import load_bsfa
     exp = load_bsfa(tmp_path / "export", expect={"model": store.manifest["model"]["id"], "num_heads": 9})
     assert exp.thresholds.shape == (2, 30, 9, 3) and exp.k_values == (1, 2)
     assert load_blasst(tmp_path / "export")["threshold_scale_factor"]["prefill"] > 0

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from sparsecal.kernels.config import StatsConfig
-from sparsecal.kernels.geometry import block_counts, cdiv
-from sparsecal.kernels.reduce import bsfa_reduce
-from sparsecal.kernels.reference import instrumented_attention
-from sparsecal.kernels.sparse_reference import sparse_attention
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.geometry import cdiv
+from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
+from sparsecal.kernels.capture.reference import instrumented_attention
+from sparsecal.kernels.sparse.reference import sparse_attention
+
+from helpers import block_counts_torch
 
 CASES = [  # (N, H, Hkv, D, BM, BN, dtype)
     (200, 4, 4, 64, 64, 32, torch.float32),
@@ -44,9 +46,9 @@ def _oracle(q, k, v, scale, bm, bn, skip):
 
 
 def _candidates(n, bm, bn):
-    cand, _ = block_counts(n, bm, bn)
+    cand, _ = block_counts_torch(n, bm, bn)
     kb = cdiv(n, bn)
-    return torch.arange(kb)[None, :] < cand[:, None]  # [P, Kb]
+    return torch.arange(kb)[None, :] < torch.from_numpy(cand)[:, None]  # [P, Kb]
 
 
 def _tol(dtype):
@@ -95,7 +97,7 @@ def test_window_matches_oracle(case, window, seed):
     q, k, v = _inputs(seed, n, h, hkv, d, dtype)
     scale = d ** -0.5
     out, counts = sparse_attention(q, k, v, scale, bm, bn, window=window)
-    cand, _ = block_counts(n, bm, bn)
+    cand, _ = block_counts_torch(n, bm, bn)
     old = torch.arange(cdiv(n, bn))[None, :] < (cand - window)[:, None]  # [P, Kb]
     skip = (_candidates(n, bm, bn) & old).expand(h, -1, -1)
     torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
@@ -112,7 +114,7 @@ def test_no_op_thresholds_are_dense(case, seed):
         out, counts = sparse_attention(q, k, v, scale, bm, bn, **kw)
         torch.testing.assert_close(out.float(), dense.float(), atol=_tol(dtype), rtol=0)
         assert counts.skipped.sum() == 0
-        assert counts.reachable * h == int(block_counts(n, bm, bn)[1].sum()) * h
+        assert counts.reachable * h == int(block_counts_torch(n, bm, bn)[1].sum()) * h
 
 
 def test_sample_thresholds_keep_exactly_k(seed):
@@ -121,7 +123,7 @@ def test_sample_thresholds_keep_exactly_k(seed):
     q, k, v = _inputs(seed, n, h, 1, d, torch.float32)
     cfg = StatsConfig(block_m=bm, block_n=bn, k_values=(2, 5), decode_rows=0)
     _, tiles = instrumented_attention(q, k, v, d ** -0.5, cfg)
-    cand, reach = block_counts(n, bm, bn)
+    cand, reach = block_counts_torch(n, bm, bn)
     thr = bsfa_reduce(tiles.bmax, tiles.mass, cand, cfg)["bsfa_threshold"]  # [H, P, K]
     for ki, kval in enumerate(cfg.k_values):
         _, counts = sparse_attention(q, k, v, d ** -0.5, bm, bn, thresholds=thr[..., ki])
@@ -148,7 +150,7 @@ def test_argument_errors():
 def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed):
     """Decode of row L-1 equals the prefill reference on L tokens with BM = 1, read at the last row:
     same candidates (r // BN), same thresholds position (r // BM), same gaps."""
-    from sparsecal.kernels.sparse_reference import sparse_decode
+    from sparsecal.kernels.sparse.reference import sparse_decode
 
     h, hkv, d = 4, 2, 64
     q, k, v = _inputs(seed, length, h, hkv, d, torch.float32)

@@ -3,15 +3,16 @@ logits and generation; real exports skip exactly what the capture statistics say
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import sparsecal
-from sparsecal.errors import UserError
-from sparsecal.exports import write_blasst, write_bsfa
-from sparsecal.kernels.geometry import block_counts
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import write_blasst
+from sparsecal.integrations.exports import write_bsfa
 
-from test_capture import cli, make_checkpoint, write_prompts
+from helpers import block_counts_torch, cli, make_checkpoint, write_prompts
 
 
 @pytest.fixture
@@ -36,12 +37,12 @@ def write_bsfa_from_fit(run, exp):
     """Export only the BSFA part of a run whose BLASST fit was refused (the thresholds are the
     aggregation of the run's per-sample thresholds, as `sparsecal fit` computes them)."""
     from sparsecal.analysis.bsfa import ThresholdAccumulator
-    from sparsecal.runstore import RunStore
+    from sparsecal.formats.run import RunStore
 
     store = RunStore.open(run)
     acc = ThresholdAccumulator()
     for sid in sorted(store.done_ids()):
-        acc.add(store.load_sample(sid)[1]["bsfa_threshold"].numpy())
+        acc.add(store.load_sample(sid)[1]["bsfa_threshold"])
     exp.mkdir()
     write_bsfa(exp, torch.from_numpy(acc.result()), [1, 2], 128, 64, "mean", {"model": "tiny"})
 
@@ -63,7 +64,7 @@ def test_noop_thresholds_reproduce_dense(tiny_model, tmp_path, method, kw, seed)
     torch.testing.assert_close(sparse, dense, atol=1e-4, rtol=1e-4)
     assert torch.equal(sparse_gen, dense_gen)
     assert stats["skipped"].sum() == 0
-    _, reach = block_counts(333, 128, 64)
+    _, reach = block_counts_torch(333, 128, 64)
     assert (stats["reachable"] == 2 * int(reach.sum())).all()  # two sequences per forward
     sparsecal.densify(model)
     assert model.config._attn_implementation == "sdpa"
@@ -84,7 +85,7 @@ def test_real_export_skips_what_capture_measured(tiny_model, tmp_path, seed):
     assert res.exit_code == 2 and "out of reach" in res.output
     write_bsfa_from_fit(run, exp)
     ids = torch.tensor([json.loads(prompts.read_text())["input_ids"]])
-    cand, _ = block_counts(500, 128, 64)
+    cand, _ = block_counts_torch(500, 128, 64)
     for k in (1, 2):
         sparsecal.sparsify(model, exp, method="bsfa", k=k)
         with torch.no_grad():
@@ -131,8 +132,8 @@ def test_window_skips_all_but_the_nearest_blocks(tiny_model, tmp_path, backend, 
     sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="window", blocks=1, backend=backend)
     with torch.no_grad():
         model(ids)
-    cand, reach = block_counts(700, 128, 64)
-    assert (model.sparsecal_stats["skipped"] == int(torch.clamp(cand - 1, min=0).sum())).all()
+    cand, reach = block_counts_torch(700, 128, 64)
+    assert (model.sparsecal_stats["skipped"] == int(np.clip(cand - 1, 0, None).sum())).all()
     assert (model.sparsecal_stats["reachable"] == int(reach.sum())).all()
     with pytest.raises(UserError, match="blocks"):
         sparsecal.sparsify(model, tmp_path / "e", method="window")
@@ -155,7 +156,7 @@ def test_triton_backend_matches_reference_in_a_model(tiny_model, tmp_path, seed)
             got[backend] = (model(ids).logits, model.sparsecal_stats["skipped"].clone())
     torch.testing.assert_close(got["triton"][0], got["reference"][0], atol=2e-4, rtol=2e-4)
     assert torch.equal(got["triton"][1], got["reference"][1])
-    assert 0 < got["triton"][1].sum() < got["triton"][1].numel() * int(block_counts(700, 128, 64)[0].sum())
+    assert 0 < got["triton"][1].sum() < got["triton"][1].numel() * int(block_counts_torch(700, 128, 64)[0].sum())
     sparsecal.densify(model)
 
 
@@ -170,8 +171,8 @@ def test_from_pretrained_with_registered_export(tiny_model, tmp_path, seed):
     sparsecal.sparsify(dense_model, tmp_path / "e", method="window", blocks=1)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense_model(ids).logits)
-    cand, _ = block_counts(400, 128, 64)
-    assert (state.stats["skipped"] == int(torch.clamp(cand - 1, min=0).sum())).all()
+    cand, _ = block_counts_torch(400, 128, 64)
+    assert (state.stats["skipped"] == int(np.clip(cand - 1, 0, None).sum())).all()
     sparsecal.densify(dense_model)
 
 

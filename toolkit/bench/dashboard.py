@@ -7,7 +7,7 @@ and bins, fitted with `fit_run` defaults and exported. What the dashboard reads 
 on this shape, not on the values (table sizes, gap_cum [1, 30, 9, 3, 101], raw tile slices
 [64, 128]). Raw tiles (fp16, --raw layout: bmax/mass [30, 9, 64, 128], gap [30, 9, 3, 64, 128])
 are random values masked to the causal geometry, written for every sample. An Accuracy-speedup
-result file in the documented format (dashboard/results.py) with made-up points gives that page
+result file in the documented format (toolkit/formats/results.py) with made-up points gives that page
 a chart to draw.
 
 Timing is the browser test's (sparsecal.dashboard.drive): `sparsecal dashboard` on a free port,
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..analysis.export import export_run
-from ..analysis.fit import FitRequest, fit_run
-from ..kernels.config import StatsConfig
-from ..runstore import RunStore
-from .provenance import provenance
-from .synthetic import write_synthetic_run
+from sparsecal.integrations.export import export_run
+from sparsecal.analysis.fit import fit_run, FitRequest
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.run import RunStore
+from sparsecal.formats.provenance import provenance
+from sparsecal.bench.synthetic import write_synthetic_run
 
 LENGTH, SAMPLES, LAYERS, HEADS = 8192, 64, 30, 9
 TARGET_S = 2.0
@@ -45,9 +45,9 @@ def _raw_tiles(rng, cfg: StatsConfig, n: int) -> dict:
     """Random fp16 raw tiles of the --raw layout, -inf (bmax, gap) / 0 (mass) off the causal region."""
     import torch
 
-    from sparsecal.dashboard.derive import tile_geometry
+    from sparsecal.formats.geometry import tile_kinds
 
-    kind = tile_geometry(n, cfg.block_m, cfg.block_n)
+    kind = tile_kinds(n, cfg.block_m, cfg.block_n)
     reach = kind > 0
     shape = (LAYERS, HEADS) + kind.shape
     bmax = np.where(reach, rng.normal(8.0, 3.0, shape), -np.inf)
@@ -75,7 +75,7 @@ def ensure_run(root: Path) -> RunStore:
     t = time.perf_counter()
     store = write_synthetic_run(root, [LENGTH], SAMPLES, layers=LAYERS, heads=HEADS, a=300.0, a_decode=30.0,
                                 target=0.5, seed=0, progress=lambda i, n: print(f"  sample {i}/{n}", flush=True))
-    from sparsecal.tensorio import save_tensors
+    from sparsecal.formats.tensors import save_tensors
 
     cfg, rng = StatsConfig.from_dict(store.manifest["config"]), np.random.default_rng(1)
     for i, sid in enumerate(sorted(store.done_ids())):
@@ -145,7 +145,7 @@ def main() -> None:
            "raw_tiles": any((root / "samples" / d / "raw.safetensors").is_file() for d in done),
            "fit_bytes": sum(p.stat().st_size for p in (root / "fit").iterdir())}
     result = {"benchmark": "dashboard", "run": run, "repeats": args.repeats,
-              "accuracy_speedup_input": "made-up points in the dashboard/results.py format (no eval/bench yet)",
+              "accuracy_speedup_input": "made-up points in the toolkit/formats/results.py format (no eval/bench yet)",
               **m, "worst_change_s": worst,
               "target_s": TARGET_S, "command": "python -m sparsecal.bench.dashboard"
               + (f" --run {args.run} --out {args.out}" if args.run else ""), "provenance": provenance()}

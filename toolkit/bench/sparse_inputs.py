@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from ..kernels.config import StatsConfig
-from ..kernels.geometry import block_counts
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.geometry import block_counts
 
 SINKS = 4
 HEAVY_SHARE = 0.005
@@ -59,7 +59,7 @@ def structured_qkv(n: int, d: int, heads: int, kv_heads: int, seed: int = 0, dty
 
 def tile_stats(q, k, v, scale: float, block_m: int, block_n: int):
     """(bmax, gap) [H, P, Kb] f32 (forward order) of one sequence, from the single-pass kernel."""
-    from ..kernels.triton_forward_stats import instrumented_forward_triton
+    from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 
     cfg = StatsConfig(block_m=block_m, block_n=block_n, orders=("forward",), decode_rows=0)
     _, _, bmax, gap, *_ = instrumented_forward_triton(q[:1], k[:1], v[:1], scale, cfg, "forward")
@@ -67,7 +67,7 @@ def tile_stats(q, k, v, scale: float, block_m: int, block_n: int):
 
 
 def _candidate_mask(n: int, block_m: int, block_n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    cand, reach = block_counts(n, block_m, block_n)
+    cand, reach = (torch.from_numpy(x) for x in block_counts(n, block_m, block_n))
     kb = -(-n // block_n)
     return (torch.arange(kb, device=device)[None, :] < cand.to(device)[:, None]), reach.to(device)
 

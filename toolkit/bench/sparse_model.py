@@ -9,7 +9,7 @@ ttft       end-to-end prefill time (the forward that yields the first new token)
            counted over all layers; eager (transformers as is: Python launch cost bounds it) and
            replayed from a CUDA graph (the device time of the same forward).
 
-Each writes rows in the dashboard's Accuracy-speedup format (dashboard/results.py; kind
+Each writes rows in the dashboard's Accuracy-speedup format (toolkit/formats/results.py; kind
 ``sparsecal-bench``) to its own file next to the result (``*-captured-rows.json``,
 ``*-ttft-rows.json``): method, config, length, speedup (SDPA time / sparse time), sparsity, task
 ("kernel" or "ttft"), so that ``sparsecal eval --bench`` joins them with accuracy rows.
@@ -21,17 +21,18 @@ import statistics
 
 import torch
 
-from ..kernels.triton_dense import attention_dense
-from ..kernels.triton_sparse import candidate_tiles, sparse_attention_triton
-from ..tensorio import atomic_write_text
-from .triton_capture import bench_ms, log, sdpa_fns
+from sparsecal.kernels.dense import attention_dense
+from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
+from sparsecal.formats.files import atomic_write_text
+from sparsecal.bench.harness import bench_ms, log, sdpa_fns
 
 CAPTURE_LAYERS = (0, 7, 15, 22, 29)
 
 
 def configs(export_dir) -> list[tuple[str, str, dict]]:
     """(method, config, sparsify kwargs) for every operating point of the export, plus window:32."""
-    from ..exports import load_blasst, load_bsfa
+    from sparsecal.formats.exports import load_blasst
+    from sparsecal.integrations.exports import load_bsfa
 
     ks = load_bsfa(export_dir, {}).k_values
     targets = [t["target_sparsity"] for t in load_blasst(export_dir, {})["targets"]]
@@ -41,8 +42,8 @@ def configs(export_dir) -> list[tuple[str, str, dict]]:
 
 
 def _model_and_prompts(lengths):
-    from ..models import load_model, load_tokenizer, resolve_model
-    from ..prompts import build_task_prompts
+    from sparsecal.capture.models import load_model, load_tokenizer, resolve_model
+    from sparsecal.capture.prompts import build_task_prompts
 
     ms = resolve_model("smollm2")
     model = load_model(ms, dtype="bfloat16", device="cuda", attn="sdpa")
@@ -71,7 +72,7 @@ def capture_qkv(model, ids, layers) -> dict:
 
 
 def captured_section(model, ids, export_dir) -> dict:
-    from ..sparse_backend import _method_args, load_state
+    from sparsecal.integrations.sparsify import load_state, method_args
 
     n = ids.shape[1]
     qkv = capture_qkv(model, ids, CAPTURE_LAYERS)
@@ -85,7 +86,7 @@ def captured_section(model, ids, export_dir) -> dict:
         ms.update({name: bench_ms(fn) for name, (fn, _) in sdpa_fns(q, k, v)[0].items()})
         sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
         for method, config, state in points:
-            args = _method_args(state, layer, "prefill", n, q.device)
+            args = method_args(state, layer, "prefill", n, q.device)
             _, sk = sparse_attention_triton(q, k, v, scale, state.block_m, state.block_n, order=state.order, **args)
             t = bench_ms(lambda: sparse_attention_triton(q, k, v, scale, state.block_m, state.block_n,
                                                          order=state.order, **args))
@@ -166,9 +167,9 @@ def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
 def ttft_section(model, prompts: dict, export_dir) -> dict:
     """TTFT eager (HF forward as is) and in a CUDA graph; the joinable rows use the graph times
     when both SDPA and the configuration captured, else the eager ones (``timing`` says which)."""
-    import sparsecal
-
     from transformers import AttentionInterface
+
+    from sparsecal.integrations.sparsify import densify, sparsify
 
     AttentionInterface.register("sparsecal_causal_sdpa", _causal_sdpa)
     rows, bench_rows = [], []
@@ -179,11 +180,11 @@ def ttft_section(model, prompts: dict, export_dir) -> dict:
         rows.append({"length": n, "method": "dense", "config": "sdpa", "ms": base["eager"], "graph_ms": base["graph"],
                      **({"graph_error": base["graph_error"]} if "graph_error" in base else {})})
         for method, config, kw in configs(export_dir):
-            sparsecal.sparsify(model, export_dir, **kw)
+            sparsify(model, export_dir, **kw)
             t = _timings(model, ids)
             st = model.sparsecal_stats
             sp = float(st["skipped"].sum()) / float(st["reachable"].sum())
-            sparsecal.densify(model)
+            densify(model)
             timing = "graph" if base["graph"] and t["graph"] else "eager"
             rows.append({"length": n, "method": method, "config": config, "ms": t["eager"], "graph_ms": t["graph"],
                          "sparsity": sp, "speedup_vs_sdpa": base["eager"] / t["eager"],

@@ -21,8 +21,8 @@ import torch
 from scipy.special import ndtri
 from scipy.stats import norm
 
-from sparsecal.kernels.config import StatsConfig
-from sparsecal.kernels.geometry import block_counts
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.geometry import block_counts
 
 
 def model_info(layers: int, heads: int) -> dict:
@@ -57,7 +57,7 @@ def _top_normals(rng, cand: np.ndarray, t_len: int, lead: tuple) -> np.ndarray:
 def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: float, a_decode: float,
                     target: float) -> dict[str, torch.Tensor]:
     """One sample's statistics in the run format (see the module docstring)."""
-    cand, reach = (x.numpy() for x in block_counts(n, cfg.block_m, cfg.block_n))
+    cand, reach = block_counts(n, cfg.block_m, cfg.block_n)
     p, ks = len(cand), cfg.k_values
     t_len = max(1, min(cfg.top_count, int(cand.max())))
     top = _top_normals(rng, cand, t_len, (layers, heads))
@@ -66,7 +66,7 @@ def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: f
         ok = cand > k
         if k < t_len:
             thr[:, :, ok, i] = (top[:, :, ok, k - 1] + top[:, :, ok, k]) / 2
-    edges = cfg.gap_edges().numpy()
+    edges = cfg.gap_edges()
     out = {}
     rows = np.arange(max(n - cfg.decode_rows, 0), n)
     for prefix, law, n_t, r_t, group_tiles, group_mass in (
@@ -98,7 +98,7 @@ def write_synthetic_run(root: Path, lengths, samples: int, layers: int = 2, head
                         a_decode: float = 30.0, target: float = 0.5, seed: int = 0,
                         cfg: StatsConfig | None = None, progress=None):
     """A run directory of ``samples`` synthetic samples per length; returns the RunStore."""
-    from sparsecal.runstore import RunStore
+    from sparsecal.formats.run import RunStore
 
     cfg = cfg or StatsConfig()
     store = RunStore.create_or_resume(root, model_info(layers, heads), cfg.to_dict(), "float32", "synthetic")

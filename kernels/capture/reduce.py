@@ -1,0 +1,114 @@
+"""Device reductions of the Triton capture paths in one launch: BSFA kept/skipped, and for the
+single-order path the gap, t* and q-init histograms (kernels/capture/reduce_reference.py's semantics).
+
+``_capture_reduce_kernel`` (grid P x H) reads one query block's row of tiles once:
+
+- BSFA: with the thresholds of reduce.bsfa_thresholds (torch.topk, no host sync), the kept count
+  A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
+- ORDER >= 0 (single-order capture): the candidate tiles' gap histogram (count and mass) of that
+  order, and the block's rows: t* where-category and normalized-t* counts and q-init error
+  counts, added with atomics into the histogram row of the head (tilestats.HistLayout, at
+  the order's slot of geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
+
+Shape legend: H heads, P query blocks, Kb key blocks, N length, K = len(k_values), W histogram
+entries per head.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.geometry import ORDERS
+from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds
+from sparsecal.kernels.capture.tilestats import bucket, hist_add, HistLayout
+
+TJ = 64  # tiles per chunk
+
+
+@triton.jit
+def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR, PART, GEDGES, QEDGES,
+                           n_ctx, n_qb, n_kb, n_k, g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
+                           BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
+                           KP: tl.constexpr, ORDER: tl.constexpr, W: tl.constexpr, NBP: tl.constexpr,
+                           OFF_TW: tl.constexpr, OFF_TH: tl.constexpr, OFF_QI: tl.constexpr,
+                           NT: tl.constexpr, TBP: tl.constexpr):
+    """Grid (P, H). BMAX, MASS, GAP [H, P, Kb] f32 (GAP: the one order's); THR [H, P, K] f32;
+    KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP [H, N] i32, TWHERE [H, N] i8, QERR
+    [H, N] f32; PART [H, W] f32 (zeroed by the caller, added into). ORDER -1: BSFA only."""
+    i = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    n_cand = (i * BM) // BN
+    tiles = (h * n_qb + i) * n_kb
+    offs_k = tl.arange(0, KP)
+    k_ok = offs_k < n_k
+    kp = (h * n_qb + i) * n_k + offs_k
+    thr = tl.load(THR + kp, mask=k_ok, other=float("-inf"))
+    below_n = tl.zeros([KP], tl.int32)
+    below_m = tl.zeros([KP], tl.float32)
+    part = PART + h * W
+    for j0 in range(0, n_cand, TJ):
+        jt = j0 + tl.arange(0, TJ)
+        ok = jt < n_cand
+        b = tl.load(BMAX + tiles + jt, mask=ok, other=float("inf"))  # never below a threshold
+        m = tl.load(MASS + tiles + jt, mask=ok, other=0.0)
+        below = b[:, None] < thr[None, :]
+        below_n += tl.sum(below.to(tl.int32), 0)
+        below_m += tl.sum(tl.where(below, m[:, None], 0.0), 0)
+        if ORDER >= 0:
+            g = tl.load(GAP + tiles + jt, mask=ok, other=0.0)
+            hist_add(part + ORDER * NBP, part + (3 + ORDER) * NBP, bucket(g, GEDGES, g_lo, g_inv, n_gedges), m, ok)
+    tl.store(KEPT + kp, (n_cand - below_n).to(tl.int64), mask=k_ok)
+    tl.store(SKIP + kp, below_m, mask=k_ok)
+    if ORDER >= 0:
+        offs_m = tl.arange(0, BLOCK_M)
+        rows = i * BM + offs_m
+        row_ok = (offs_m < BM) & (rows < n_ctx)
+        n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+        r = h * n_ctx + rows
+        where = tl.load(TWHERE + r, mask=row_ok, other=0).to(tl.int32)
+        hit = (where[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
+        w = tl.sum(hit.to(tl.float32), 0)
+        tl.atomic_add(part + OFF_TW + 4 * ORDER + tl.arange(0, 4), w, mask=w > 0, sem="relaxed")
+        step = tl.load(TSTEP + r, mask=row_ok, other=0)
+        norm = step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32)  # reference.tstar_norm
+        tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
+        hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
+        t = tl.sum(hit.to(tl.float32), 0)
+        tl.atomic_add(part + OFF_TH + ORDER * TBP + tl.arange(0, TBP), t, mask=t > 0, sem="relaxed")
+        qerr = tl.load(QERR + r, mask=row_ok, other=0.0)
+        bins = bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
+        tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
+
+
+def capture_reduce(bmax, mass, cand, cfg: StatsConfig, edges: tuple, order: str | None = None,
+                   gap=None, tstep=None, twhere=None, qerr=None, part=None) -> dict:
+    """reduce.bsfa_reduce's four BSFA keys (same values, shapes, dtypes; skipped mass summed in
+    another order, so equal to float rounding) with no host sync: the thresholds by
+    reduce.bsfa_thresholds, the counts in the kernel. bmax, mass [H, P, Kb]; cand [P] on the
+    device. With ``order``: also adds that order's gap histogram (gap [H, P, Kb]) and the row
+    histograms (tstep [H, N] i32, twhere [H, N] i8, qerr [H, N]) into part [H, W]
+    (instrumented.edge_args gives ``edges``)."""
+    h, p, kb = bmax.shape
+    thr, top, _ = bsfa_thresholds(bmax, cand, cfg)
+    kept = torch.empty(thr.shape, dtype=torch.int64, device=bmax.device)
+    skipped = torch.empty_like(thr)
+    lay = HistLayout.of(cfg)
+    off = lay.offsets
+    ge, qe, g_lo, g_inv, n_ge, q_lo, q_inv, n_qe = edges
+    o = -1 if order is None else ORDERS.index(order)
+    if order is None:
+        gap = tstep = twhere = qerr = part = bmax  # unused
+        n = cfg.block_m * p
+    else:
+        n = tstep.shape[1]
+    _capture_reduce_kernel[(p, h)](
+        bmax, mass, thr, kept, skipped, gap, tstep, twhere, qerr, part, ge, qe,
+        n, p, kb, thr.shape[-1], g_lo, g_inv, n_ge, q_lo, q_inv, n_qe,
+        BM=cfg.block_m, BN=cfg.block_n, BLOCK_M=triton.next_power_of_2(cfg.block_m), TJ=TJ,
+        KP=max(2, triton.next_power_of_2(thr.shape[-1])), ORDER=o, W=off["width"], NBP=lay.nbp,
+        OFF_TW=off["tstar_where"], OFF_TH=off["tstar_hist"], OFF_QI=off["qinit_count"], NT=lay.nt, TBP=lay.tbp,
+        num_warps=4, num_stages=1)
+    return {"bsfa_threshold": thr, "bsfa_kept": kept, "bsfa_skipped_mass": skipped, "bsfa_top_bmax": top}
+

@@ -1,0 +1,59 @@
+"""Single-order Triton capture: one scan order's statistics in two passes over the key blocks.
+
+pass 1  forward_stats._fwd_stats_kernel: output, log-sum-exp, bmax, the order's gap, t*
+        (step, where) and the q-init error, all in registers during the flash forward;
+pass 2  mass._mass_kernel: the block mass from the final log-sum-exp (QK^T only);
+decode  instrumented.decode_forward: the last rows' gaps and their histograms;
+reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histogram and
+        the row histograms (t* where, normalized t*, q-init), after reduce.bsfa_thresholds'
+        torch.topk.
+
+No host sync and no per-row scratch. ``single_order_capture_triton`` returns what
+kernels/capture/reduce_reference.py's ``reduce_tiles`` makes of the reference's TileStats for a StatsConfig with one
+order (same keys, shapes, dtypes), like instrumented.instrumented_capture_triton, which
+calls it when the config has exactly one order (the two-pass path computes all three orders at
+once and stays the choice for two or three).
+"""
+from __future__ import annotations
+
+import torch
+
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
+from sparsecal.kernels.capture.common import edge_args, hist_keys, tile_offsets
+from sparsecal.kernels.capture.decode_rows import decode_forward
+from sparsecal.kernels.capture.mass import block_mass_triton
+from sparsecal.kernels.capture.reduce import capture_reduce
+from sparsecal.kernels.capture.tilestats import HistLayout
+
+
+def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch: dict | None = None):
+    """(out [1, H, N, D] in q.dtype, the per-sample reductions of one call) for cfg.orders of
+    length one. q [1, H, N, D], k/v [1, Hkv, N, D]. ``launch`` may hold (num_warps, num_stages)
+    under "forward_stats", "mass" and "decode"."""
+    if len(cfg.orders) != 1:
+        raise ValueError(f"the single-order capture takes one scan order, got {list(cfg.orders)}")
+    order = cfg.orders[0]
+    launch = launch or {}
+    out, lse, bmax, gap, tstep, twhere, qerr = instrumented_forward_triton(
+        q, k, v, scale, cfg, order, launch.get("forward_stats"))
+    mass = block_mass_triton(q, k, lse, scale, cfg, launch.get("mass"))
+    return out, single_order_reductions(q, k, (lse, bmax, gap, tstep, twhere, qerr), mass, scale, cfg, launch)
+
+
+def single_order_reductions(q, k, fwd: tuple, mass: torch.Tensor, scale: float, cfg: StatsConfig,
+                            launch: dict | None = None) -> dict:
+    """Decode rows and the device reductions after the two passes. fwd = (lse, bmax, gap, tstep,
+    twhere, qerr) of instrumented_forward_triton for cfg.orders[0]; mass [H, P, Kb]."""
+    lse, bmax, gap, tstep, twhere, qerr = fwd
+    dev, h, n = q.device, q.shape[1], q.shape[2]
+    cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
+    part = torch.zeros((h, HistLayout.of(cfg).offsets["width"]), dtype=torch.float32, device=dev)
+    red = capture_reduce(bmax, mass, cand, cfg, edge_args(cfg, dev), cfg.orders[0], gap, tstep, twhere, qerr, part)
+    decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True)
+    red.update(hist_keys(part, decode[3], cfg))
+    if cfg.raw:
+        red["raw_bmax"] = bmax.half()
+        red["raw_gap"] = gap.unsqueeze(1).half()
+        red["raw_mass"] = mass.half()
+    return red

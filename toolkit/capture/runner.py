@@ -1,0 +1,198 @@
+"""Instrumented capture through transformers' AttentionInterface.
+
+``sparsecal_capture`` is a registered attention function: every layer's call computes the real
+attention output (so the model keeps running correctly) and that layer's statistics, reduced on
+the device into the run's per-sample forms (kernels/capture/reduce_reference.py). A ``Collector`` set by
+``collecting()`` receives them; ``capture_sample`` stacks the layers into [L, ...] tensors.
+
+Backends (``resolve_backend``): ``reference`` is the plain-torch oracle (kernels/capture/reference.py),
+``triton`` the Triton kernels (kernels/capture/instrumented.py; on a CPU only under
+TRITON_INTERPRET=1), ``auto`` picks triton on a CUDA device and reference elsewhere. Both give
+the same statistics in the same run format; each sample records the backend that produced it.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsecal.formats.errors import UserError
+
+ATTN_NAME = "sparsecal_capture"
+BACKENDS = ("auto", "triton", "reference")
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sparsecal_collector", default=None)
+RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")
+
+
+@dataclass
+class Collector:
+    """Receives each layer's reduced statistics during one instrumented forward."""
+
+    cfg: object  # kernels.config.StatsConfig
+    layers: dict = field(default_factory=dict)
+    backend: str = "reference"  # resolved: "triton" or "reference"
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(requested: str, device, head_dim: int | None = None) -> str:
+    """The backend that runs: ``auto`` -> triton on a CUDA device (triton installed, head dim
+    supported), else reference; ``triton`` and ``reference`` are taken as asked, or refused with a
+    one-line UserError when triton cannot run here."""
+    from sparsecal.formats.errors import unknown
+
+    if requested not in BACKENDS:
+        raise unknown("backend", requested, BACKENDS)
+    try:
+        on_cuda = torch.device(device).type == "cuda"
+    except RuntimeError:
+        raise UserError(f"Unknown device '{device}'; use cpu, cuda or cuda:N.")
+    dim_ok = head_dim is None or head_dim in TRITON_HEAD_DIMS
+    if requested == "auto":
+        return "triton" if on_cuda and dim_ok and _triton_importable() else "reference"
+    if requested == "reference":
+        return "reference"
+    if not _triton_importable():
+        raise UserError("--backend triton needs the triton package (pip install triton); or use --backend reference.")
+    if not dim_ok:
+        raise UserError(f"--backend triton supports head dims {', '.join(map(str, TRITON_HEAD_DIMS))}, not "
+                        f"{head_dim}; use --backend reference.")
+    from sparsecal.kernels.jit import interpreting
+
+    if not on_cuda and not interpreting():
+        raise UserError("--backend triton needs --device cuda, or TRITON_INTERPRET=1 to run the kernels in "
+                        "Triton's (slow) CPU interpreter; or use --backend reference.")
+    return "triton"
+
+
+def model_head_dim(model) -> int:
+    text = model.config.get_text_config()
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function. query [B, H, N, D], key/value [B, Hkv, N, D] -> ([B, N, H, D], None)."""
+    from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+
+    col = _ACTIVE.get()
+    if col is None:
+        raise RuntimeError(f"attn_implementation='{ATTN_NAME}' runs only inside sparsecal.capture.collecting()")
+    if query.shape[2] != key.shape[2] or attention_mask is not None:
+        raise RuntimeError("capture instruments causal prefill of one unpadded sequence (no KV cache, no padding)")
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise RuntimeError("capture does not support sliding-window or soft-capped attention layers")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if col.backend == "triton":  # histograms counted in the kernels, same keys/shapes/dtypes
+        from sparsecal.kernels.capture.pipeline import capture_triton
+
+        out, col.layers[module.layer_idx] = capture_triton(query, key, value, scale, col.cfg)
+    else:
+        from sparsecal.kernels.capture.reference import instrumented_attention
+
+        out, tiles = instrumented_attention(query, key, value, scale, col.cfg)
+        col.layers[module.layer_idx] = reduce_tiles(tiles, query.shape[2], col.cfg)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``sparsecal_capture`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, capture_attention)
+
+
+@contextlib.contextmanager
+def collecting(cfg, backend: str = "reference"):
+    col = Collector(cfg, backend=backend)
+    token = _ACTIVE.set(col)
+    try:
+        yield col
+    finally:
+        _ACTIVE.reset(token)
+
+
+@torch.no_grad()
+def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto"):
+    """One instrumented forward. Returns (stats {name: [L, ...]}, raw {name: [L, ...]}, logits).
+    ``backend``: auto | triton | reference (see ``resolve_backend``)."""
+    backend = resolve_backend(backend, model.device, model_head_dim(model))
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        ids = torch.tensor([input_ids], device=model.device)
+        with collecting(cfg, backend) as col:
+            logits = model(ids, use_cache=False, logits_to_keep=logits_to_keep).logits
+    finally:
+        model.set_attn_implementation(previous)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if sorted(col.layers) != list(range(num_layers)):
+        raise RuntimeError(f"captured layers {sorted(col.layers)} of {num_layers}: a layer bypassed the attention interface")
+    names = col.layers[0].keys()
+    stacked = {k: _compact(torch.stack([col.layers[i][k] for i in range(num_layers)]).cpu()) for k in names}
+    raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
+    return stacked, raw, logits
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """Storage dtypes: counts as int32, sums as float32 (analysis adds samples in float64)."""
+    if t.dtype == torch.int64:
+        return t.to(torch.int32)
+    return t.float() if t.dtype == torch.float64 else t
+
+
+def sample_record(prompt, sid: str) -> dict:
+    """The JSON record of a prompt sample (everything but its token ids)."""
+    return {"id": sid, "task": prompt.task, "length": prompt.length, "seed": prompt.seed,
+            "index": prompt.index, "answer": list(prompt.answer), "meta": dict(prompt.meta)}
+
+
+def pending(store, prompts) -> tuple[list, list]:
+    """(all (record, prompt) pairs, those not finished in ``store`` yet)."""
+    from sparsecal.formats.run import sample_id
+
+    records = [(sample_record(p, sample_id(p.task, p.length, p.input_ids)), p) for p in prompts]
+    finished = store.done_ids()
+    return records, [(r, p) for r, p in records if r["id"] not in finished]
+
+
+def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto") -> dict:
+    """Capture every prompt not finished yet into ``store``. ``progress(done, total, record, secs)``
+    is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b}."""
+    from sparsecal.formats.geometry import block_counts
+
+    backend = resolve_backend(backend, model.device, model_head_dim(model))
+    records, todo = pending(store, prompts)
+    store.plan([r for r, _ in records])
+    total_start = time.perf_counter()
+    for n_done, (rec, prompt) in enumerate(todo, 1):
+        start = time.perf_counter()
+        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg, backend=backend)
+        cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
+        stats.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
+                     candidates=cand, reachable=reach)
+        secs = time.perf_counter() - start
+        rec = dict(rec, seconds=round(secs, 3), backend=backend)
+        store.write_sample(rec, stats, raw)
+        if progress:
+            progress(n_done, len(todo), rec, secs)
+    return {"done": len(todo), "skipped": len(records) - len(todo),
+            "seconds": time.perf_counter() - total_start, "backend": backend}
+
+
+def check_lengths(lengths, max_context) -> None:
+    """Refuse lengths the model cannot attend over."""
+    for n in lengths:
+        if n < 1:
+            raise UserError(f"length {n} is not a positive token count.")
+        if max_context and n > max_context:
+            raise UserError(f"length {n} is over the model's context of {max_context} tokens; "
+                            f"use --lengths up to {max_context}.")

@@ -1,0 +1,212 @@
+"""The ``sparsecal`` command line. Heavy layers are imported inside the subcommands so that
+``sparsecal --help`` answers instantly. Bad input prints one ``error:`` line and exits 2."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sparsecal.formats.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Calibrate block-sparse attention (BSFA, BLASST) on a real model.")
+
+DEFAULT_TASKS = "niah_single,niah_multikey,vt,cwe,text"
+DEFAULT_LENGTHS = "1024,2048,4096"
+
+
+def _user_errors(fn):
+    """Turn UserError into one line on stderr and exit code 2; Ctrl-C into a resume hint."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            typer.echo("interrupted: finished samples are kept; run the same command again to resume.", err=True)
+            raise typer.Exit(130)
+    return wrapper
+
+
+def _list(text: str, name: str, cast, kind: str, example: str) -> list:
+    try:
+        values = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--{name} '{text}' is not a comma-separated list of {kind} (e.g. {example}).")
+    if not values:
+        raise UserError(f"--{name} is empty; give a comma-separated list of {kind}.")
+    return values
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    return _list(text, name, int, "integers", "1024,2048")
+
+
+def _float_list(text: str, name: str) -> list[float]:
+    return _list(text, name, float, "numbers", "0.5,0.7")
+
+
+@app.callback()
+def main():
+    """sparsecal: capture attention statistics, fit thresholds, browse and export them."""
+
+
+@app.command()
+@_user_errors
+def capture(
+    out: Path = typer.Option(..., "--out", help="Run directory (created, or resumed if it holds the same run)."),
+    model: str = typer.Option("smollm2", help="'smollm2' (embedded default) or a local HF checkpoint directory."),
+    task: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS}."),
+    lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens of the model's tokenizer."),
+    samples: int = typer.Option(1, min=1, help="Samples per task and length."),
+    seed: int = typer.Option(0, help="Base seed; each sample's own seed is recorded."),
+    prompts_file: Optional[Path] = typer.Option(None, help='JSONL of {"text": ...} or {"input_ids": [...]} lines.'),
+    block_m: int = typer.Option(128, min=1, help="Query block size BM."),
+    block_n: int = typer.Option(64, min=1, help="Key block size BN."),
+    k: str = typer.Option("4,8,16,32,64", help="BSFA k values (top-k key blocks kept)."),
+    decode_rows: int = typer.Option(64, min=0, help="Last rows captured as decode queries."),
+    orders: str = typer.Option("forward,reverse,sink_local", help="Scan orders of the BLASST gaps and t*; one order "
+                               "captures fastest on the triton backend (single-pass kernel)."),
+    raw: bool = typer.Option(False, "--raw", help="Also store raw tiles (bmax, gap, mass) for heatmaps."),
+    dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", help="torch device for the model."),
+    backend: str = typer.Option("auto", help="Attention backend: auto (triton on CUDA, else reference), triton, reference."),
+):
+    """Run the model on prompts with instrumented attention and store the statistics in OUT."""
+    from sparsecal.capture.command import capture_command, CaptureRequest
+
+    tasks = task.split(",") if task else ([] if prompts_file else ["niah_single"])
+    req = CaptureRequest(out=out, model=model, tasks=[t.strip() for t in tasks if t.strip()],
+                         lengths=_int_list(lengths, "lengths"), samples=samples, seed=seed,
+                         prompts_file=prompts_file, block_m=block_m, block_n=block_n,
+                         k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
+                         orders=[o.strip() for o in orders.split(",") if o.strip()],
+                         dtype=dtype, device=device, backend=backend)
+    capture_command(req)
+
+
+@app.command()
+@_user_errors
+def fit(
+    run: Path = typer.Argument(..., help="Run directory made by `sparsecal capture`."),
+    k: Optional[str] = typer.Option(None, help="BSFA k values to fit [default: every k the run captured]."),
+    targets: str = typer.Option("0.5,0.7", help="BLASST target sparsities."),
+    holdout: float = typer.Option(0.25, help="Share of each length's samples held out for validation (0: none)."),
+    seed: int = typer.Option(0, help="Seed of the hold-out split."),
+    aggregation: str = typer.Option("mean", help="BSFA threshold aggregation over samples: mean or median."),
+    order: str = typer.Option("forward", help="Scan order whose BLASST calibration is exported."),
+):
+    """Fit BSFA thresholds and the BLASST lambda law, validate them on held-out samples, and
+    write the analysis tables (Parquet) to RUN/fit/."""
+    from sparsecal.analysis.fit import FitRequest
+
+    from sparsecal.cli.calibrate import fit_command
+
+    req = FitRequest(k_values=_int_list(k, "k") if k else None, targets=_float_list(targets, "targets"),
+                     holdout=holdout, seed=seed, aggregation=aggregation, order=order)
+    fit_command(run, req)
+
+
+@app.command()
+@_user_errors
+def export(
+    run: Path = typer.Argument(..., help="A fitted run directory."),
+    out: Path = typer.Option(..., "--out", help="Export directory (created)."),
+    target: Optional[float] = typer.Option(None, help="BLASST target written at the top of blasst.json [default: the first fitted]."),
+    max_length: Optional[int] = typer.Option(None, help="Cover positions up to this many tokens (past the longest calibrated length, the last threshold is reused)."),
+):
+    """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json from RUN's fit."""
+    from sparsecal.cli.calibrate import export_command
+
+    export_command(run, out, target, max_length)
+
+
+@app.command()
+@_user_errors
+def dashboard(
+    runs: list[Path] = typer.Argument(..., help="Run directories (or directories holding runs)."),
+    port: int = typer.Option(8501, help="Local port to serve on (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for other machines)."),
+    results: Optional[list[Path]] = typer.Option(None, "--results", help="Directory of evaluation/benchmark result files for the Accuracy-speedup page (repeatable)."),
+):
+    """Serve the Streamlit dashboard over the runs (prints the URL; Ctrl-C stops it)."""
+    from sparsecal.dashboard.serve import serve
+
+    raise typer.Exit(serve(runs, host, port, results or ()))
+
+
+@app.command()
+@_user_errors
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="End by serving the dashboard on the run."),
+    port: int = typer.Option(8501, help="Port of the dashboard (0: any free port)."),
+):
+    """Capture the default model on the default prompt set on CPU, fit it, export the thresholds
+    (to OUT/export) and serve the dashboard on the run."""
+    from sparsecal.analysis.fit import FitRequest
+
+    from sparsecal.cli.calibrate import export_command, fit_command
+    from sparsecal.capture.command import capture_command, CaptureRequest
+
+    req = CaptureRequest(out=out, model="smollm2", tasks=DEFAULT_TASKS.split(","),
+                         lengths=_int_list(DEFAULT_LENGTHS, "lengths"), samples=1, seed=0)
+    capture_command(req)
+    fit_command(out, FitRequest())
+    export_command(out, out / "export", None, None)
+    if serve:
+        from sparsecal.dashboard.serve import serve as serve_dashboard
+
+        raise typer.Exit(serve_dashboard([out], "127.0.0.1", port))
+
+
+@app.command(name="eval")
+@_user_errors
+def eval_(
+    export: Path = typer.Argument(..., help="Export directory (thresholds.safetensors/.bsfa.pt, blasst.json)."),
+    out: Path = typer.Option(..., "--out", help="Evaluation directory (created, or resumed if it holds the same request)."),
+    model: Optional[str] = typer.Option(None, help="'smollm2' or a local HF checkpoint directory (default: smollm2)."),
+    tasks: Optional[str] = typer.Option(None, help=f"Comma-separated tasks (default: {DEFAULT_TASKS})."),
+    lengths: Optional[str] = typer.Option(None, help=f"Prompt lengths in tokens (default: {DEFAULT_LENGTHS})."),
+    samples: Optional[int] = typer.Option(None, min=1, help="Samples per task and length (default: 1)."),
+    seed: Optional[int] = typer.Option(None, help="Base seed of the evaluation prompts, disjoint from calibration's (default: 1009)."),
+    methods: Optional[str] = typer.Option(None, help="dense | bsfa:K[,K...] | blasst:T[,T...] | window:B[,B...], joined by commas (default: dense); dense always runs."),
+    dtype: Optional[str] = typer.Option(None, help="Model dtype: float32, bfloat16 or float16 (default: float32)."),
+    device: Optional[str] = typer.Option(None, help="torch device for the model (default: cpu)."),
+    reuse_last_threshold: Optional[bool] = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) (default: no)."),
+    calibration: Optional[Path] = typer.Option(None, help="The calibration run (default: the one recorded in the export, or its parent directory)."),
+    held_out_tasks_only: bool = typer.Option(False, "--held-out-tasks-only", help="Refuse tasks the export was calibrated on."),
+    bench: Optional[list[Path]] = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
+):
+    """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
+    agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
+    (options left out on a resumed OUT take the values it was started with)."""
+    from sparsecal.evaluation.command import eval_command, EvalRequest
+
+    req = EvalRequest(export=export, out=out, model=model,
+                      tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+                      lengths=_int_list(lengths, "lengths") if lengths else None, samples=samples, seed=seed,
+                      methods=methods, dtype=dtype, device=device, reuse_last_threshold=reuse_last_threshold,
+                      calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []))
+    eval_command(req)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_user_errors
+def bench(ctx: typer.Context):
+    """Benchmark the sparse kernels on a CUDA GPU against dense Triton and SDPA; writes JSON with
+    provenance. Options (all optional): --dims 128,64 --lengths 16384,32768,65536 --groups 1,4,8
+    --rounds 3 --decode-batch 16 --decode-length 32768 --sections check,sweep,prefill,decode
+    --smollm2 (captured SmolLM2 Q/K/V and TTFT with --export DIR, --model-lengths) --out FILE."""
+    from sparsecal.bench.sparse import main as bench_main
+
+    bench_main(list(ctx.args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,313 @@
+"""The eval command: held-out task prompts run with every method through ``sparsecal.sparsify``,
+scored and compared with dense, one resumable row per (sample, method).
+
+Order of work: every check that can refuse the request runs before the model loads (methods
+parse and fit the export, the export fits the model, lengths fit the model and the export's
+Nmax, the prompts are disjoint from the calibration prompts, EVAL holds nothing else). Then, per
+sample: dense first (its final hidden states are the reference), then each method on the same
+prompt: prefill, fidelity against dense in position chunks, greedy generation of the answer
+(sparse prefill and decode), score, achieved sparsity, wall time. Each row is written before the
+next starts, so Ctrl-C loses at most the row in progress and the same command resumes; a finished
+evaluation run again only rewrites the summary (and joins new ``--bench`` files).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sparsecal.formats.errors import UserError
+
+console = Console(stderr=True)
+DEFAULT_SEED = 1009  # base seed of evaluation prompts; calibration runs default to 0
+
+
+@dataclass
+class EvalRequest:
+    """What `sparsecal eval` is asked. Options left None take the value recorded in an existing
+    EVAL directory, else the default (``DEFAULTS``)."""
+
+    export: Path
+    out: Path
+    model: str | None = None
+    tasks: list | None = None
+    lengths: list | None = None
+    samples: int | None = None
+    seed: int | None = None
+    methods: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    reuse_last_threshold: bool | None = None
+    calibration: Path | None = None
+    held_out_tasks_only: bool = False
+    bench: list = field(default_factory=list)
+
+
+DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
+            "lengths": [1024, 2048, 4096], "samples": 1, "seed": DEFAULT_SEED, "methods": "dense",
+            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False}
+RECORDED = tuple(DEFAULTS)
+
+
+def resolve(req: EvalRequest) -> EvalRequest:
+    """Fill the options left None from EVAL's manifest (a resumed evaluation), else the defaults."""
+    from sparsecal.evaluation.store import EvalStore
+
+    have = (EvalStore.read_manifest(req.out) or {}).get("request", {})
+    for name in RECORDED:
+        if getattr(req, name) is None:
+            setattr(req, name, have.get(name, DEFAULTS[name]))
+    return req
+
+
+def request_record(req: EvalRequest, methods) -> dict:
+    """The manifest's request: what a resumed evaluation must match."""
+    rec = {f.name: getattr(req, f.name) for f in fields(req) if f.name in RECORDED}
+    rec["methods"] = ",".join(m.label for m in methods)
+    return rec
+
+
+@dataclass
+class Plan:
+    """What the checks found: the methods (dense first), the model, the export, the calibration."""
+
+    methods: list
+    ms: object        # models.ModelSpec
+    info: dict        # models.model_info
+    export: object    # inputs.ExportInfo
+    cal: object       # inputs.Calibration
+
+
+def _check(req: EvalRequest) -> Plan:
+    """Every check that needs neither the tokenizer nor the model."""
+    from sparsecal.capture import prompts as P
+    from sparsecal.capture.runner import check_lengths as check_context
+    from sparsecal.evaluation.inputs import check_lengths, check_methods, find_calibration, load_export
+    from sparsecal.evaluation.methods import parse_methods, with_dense
+    from sparsecal.capture.models import DTYPES, resolve_model
+
+    methods = with_dense(parse_methods(req.methods))
+    if req.dtype not in DTYPES:
+        raise UserError(f"Unknown dtype '{req.dtype}'. Available: {', '.join(DTYPES)}.")
+    for t in req.tasks:
+        if t not in P.TASKS:
+            from sparsecal.formats.errors import unknown
+            raise unknown("task", t, P.TASKS)
+    ms = resolve_model(req.model)
+    info = dict(_model_info(ms))
+    export = load_export(req.export, info)
+    check_methods(methods, export)
+    check_context(req.lengths, info["max_context"])
+    check_lengths(req.lengths, methods, export, req.reuse_last_threshold)
+    cal = find_calibration(export, req.calibration, info["id"])
+    if req.held_out_tasks_only and cal.manifest is None:
+        raise UserError("--held-out-tasks-only needs the calibration run: pass --calibration RUN.")
+    seen = [t for t in req.tasks if t in cal.tasks]
+    if req.held_out_tasks_only and seen:
+        raise UserError(f"task {seen[0]} was a calibration task of {cal.manifest}; drop it from --tasks "
+                        "or leave out --held-out-tasks-only.")
+    return Plan(methods, ms, info, export, cal)
+
+
+@functools.lru_cache(maxsize=4)
+def _model_info(ms) -> dict:
+    """The model's identity and geometry (a GGUF's config takes seconds to parse: read once)."""
+    from sparsecal.capture.models import load_config, model_info
+
+    return model_info(ms, load_config(ms))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(ms):
+    from sparsecal.capture.models import load_tokenizer
+
+    return load_tokenizer(ms)
+
+
+def _prompts(req: EvalRequest, plan: Plan):
+    """(tokenizer, prompts): the task prompts, checked disjoint from the calibration prompts."""
+    from sparsecal.capture import prompts as P
+    from sparsecal.evaluation.inputs import check_disjoint
+
+    tok = _tokenizer(plan.ms)
+    prompts = P.build_task_prompts(tok, req.tasks, req.lengths, req.samples, req.seed)
+    check_disjoint(prompts, plan.cal, req.seed)
+    return tok, prompts
+
+
+def _manifest(req: EvalRequest, plan: Plan, prompts=None) -> dict:
+    """The manifest (with the planned prompts when given), in the types a re-read one has."""
+    import json
+
+    from sparsecal.formats.run import versions
+
+    man = {"request": request_record(req, plan.methods), "model": plan.info, "export": plan.export.identity(),
+           "export_path": str(plan.export.path), "calibration": plan.cal.record(), "versions": versions()}
+    if prompts is not None:
+        held = lambda p: None if plan.cal.manifest is None else p.task not in plan.cal.tasks  # noqa: E731
+        man["prompts"] = [{"id": _sid(p), "task": p.task, "length": p.length, "index": p.index, "seed": p.seed,
+                           "answer": p.answer, "held_out_task": held(p)} for p in prompts]
+    return json.loads(json.dumps(man))
+
+
+def eval_command(req: EvalRequest) -> dict:
+    """Run (or resume) the evaluation; write the summary, results and, with bench files, curves."""
+    from sparsecal.evaluation.store import EvalStore
+
+    req = resolve(req)
+    plan = _check(req)
+    if plan.cal.manifest is None:
+        console.print("[yellow]warning:[/] no calibration run found next to the export; prompts are not "
+                      "checked against calibration prompts (pass --calibration RUN)")
+    store, tok, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None, None
+    if store is None:
+        tok, prompts = _prompts(req, plan)
+        store = EvalStore.create(req.out, _manifest(req, plan, prompts))
+    labels = [m.label for m in plan.methods]
+    pending = store.pending(labels)
+    console.print(f"[bold]sparsecal eval[/] {plan.ms.spec} on {plan.export.path} -> {req.out}: "
+                  f"{len(store.manifest['prompts'])} prompts x {len(labels)} methods, "
+                  f"{sum(map(len, pending.values()))} rows to compute, {len(store.rows)} finished")
+    if pending:
+        if prompts is None:
+            tok, prompts = _prompts(req, plan)
+            if [_sid(p) for p in prompts] != [p["id"] for p in store.manifest["prompts"]]:
+                raise UserError(f"{req.out} was planned with other prompt tokens (another tokenizer?); "
+                                "evaluate again into a new --out directory.")
+        by_label = {m.label: m for m in plan.methods}
+        todo = [(p, [by_label[x] for x in pending[_sid(p)]]) for p in prompts if _sid(p) in pending]
+        _run(store, req, plan, tok, todo)
+    return finish(store, req.bench)
+
+
+def _run(store, req: EvalRequest, plan: Plan, tok, todo) -> None:
+    from sparsecal.evaluation.model import eos_ids
+    from sparsecal.capture.models import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(plan.ms, req.dtype, req.device)
+    console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
+    stop = eos_ids(model, tok)
+    total = len(store.manifest["prompts"])
+    with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[acc]}"), TimeElapsedColumn(), console=console) as bar:
+        jobs = {m.label: bar.add_task(m.label, total=total, acc="") for m in plan.methods}
+        for label, job in jobs.items():
+            bar.update(job, completed=sum(r["label"] == label for r in store.rows), acc=_so_far(store, label))
+        for prompt, pending in todo:
+            for row in run_sample(model, tok, prompt, plan.methods, pending, plan.export.path, store.manifest, stop):
+                store.add_row(row)
+                bar.update(jobs[row["label"]], advance=1, acc=_so_far(store, row["label"]))
+
+
+def _sid(p) -> str:
+    from sparsecal.formats.run import sample_id
+
+    return sample_id(p.task, p.length, p.input_ids)
+
+
+def _so_far(store, label: str) -> str:
+    """Per-configuration accuracy so far: mean score, top-1 agreement and KL of its rows."""
+    rows = [r for r in store.rows if r["label"] == label]
+    if not rows:
+        return ""
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    return f"acc {mean('score'):.2f}  top1 {mean('top1'):.3f}  kl {mean('kl'):.4f}"
+
+
+def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict, eos: set):
+    """Rows of one prompt for the ``pending`` methods: dense first (the reference), then each
+    method on the same prompt. Yields each row as soon as it is finished."""
+    import torch
+
+    from sparsecal.evaluation.metrics import fidelity, Reference
+    from sparsecal.evaluation.model import generate, prefill, use_method
+    from sparsecal.capture.prompts.scoring import answer_budget
+
+    ids = torch.tensor(prompt.input_ids)
+    budget = answer_budget(tok, prompt)
+    model_id, held = manifest["model"]["id"], _held_out(manifest, prompt)
+    head = model.get_output_embeddings()
+    ref = None
+    for method in methods:  # dense first (with_dense put it there): the reference of the others
+        if ref is not None and method not in pending:
+            continue
+        use_method(model, method, export_dir, model_id)
+        pre = prefill(model, prompt.input_ids)
+        ref = Reference(head, pre.hidden) if ref is None else ref
+        if method in pending:
+            gen = generate(model, pre, budget, eos)
+            fid = fidelity(head, ref, pre.hidden, ids.to(pre.hidden.device))
+            yield _row(prompt, method, tok, pre, gen, fid, held)
+        del pre
+    use_method(model, methods[0], export_dir, model_id)
+
+
+def _held_out(manifest: dict, prompt):
+    """Whether the prompt's task was left out of calibration (None: calibration unknown)."""
+    return next((p["held_out_task"] for p in manifest["prompts"] if p["id"] == _sid(prompt)), None)
+
+
+def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
+    from sparsecal.evaluation.metrics import sparsity as sparsity_of
+    from sparsecal.capture.prompts.scoring import is_correct, score
+
+    text = tok.decode(gen.tokens, skip_special_tokens=True)
+    return {"sample_id": _sid(prompt), "task": prompt.task, "length": prompt.length, "index": prompt.index,
+            "seed": prompt.seed, "held_out_task": held, "label": method.label, "method": method.name,
+            "config": method.config, "answer": " | ".join(prompt.answer), "generated": text,
+            "score": score(prompt, text), "correct": is_correct(prompt, text), "kl": fid.kl, "top1": fid.top1,
+            "nll": fid.nll, "ppl": fid.ppl,
+            "sparsity": sparsity_of(pre.skipped, pre.reachable), "prefill_skipped": pre.skipped,
+            "prefill_reachable": pre.reachable, "decode_sparsity": sparsity_of(gen.skipped, gen.reachable),
+            "decode_skipped": gen.skipped, "decode_reachable": gen.reachable, "new_tokens": len(gen.tokens),
+            "prefill_s": pre.seconds, "decode_s": gen.seconds, "seconds": pre.seconds + gen.seconds}
+
+
+def finish(store, bench_files=()) -> dict:
+    """Write data/summary.parquet and results.json from the rows, and curves.parquet when bench
+    files are given; print the summary. Returns the paths written."""
+    import json
+
+    from sparsecal.formats.provenance import provenance
+    from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
+    from sparsecal.evaluation.summary import curves, read_bench, result_rows, summarize, unmatched_bench
+    from sparsecal.formats.files import atomic_write_text
+
+    if not store.rows:
+        return {}
+    summary = summarize(store.rows)
+    prov = dict(provenance(), eval=str(store.root), export=store.manifest["export_path"],
+                model=store.manifest["model"]["id"])
+    write_parquet(store.root / SUMMARY, summary)
+    doc = {"kind": "sparsecal-eval", "rows": result_rows(summary), "provenance": prov,
+           "request": store.manifest["request"], "calibration": store.manifest["calibration"]}
+    atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
+    written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
+    if bench_files:
+        bench, bench_prov = read_bench(bench_files)
+        for point in unmatched_bench(bench, summary):
+            console.print(f"[yellow]warning:[/] bench point {point} has no evaluated configuration")
+        meta = {"kind": "sparsecal-curves", "eval_provenance": json.dumps(prov),
+                "bench_provenance": json.dumps(bench_prov)}
+        write_parquet(store.root / CURVES, curves(summary, bench), metadata=meta)
+        written["curves"] = store.root / CURVES
+    print_summary(summary, store.root)
+    return written
+
+
+def print_summary(summary, root) -> None:
+    table = Table(title=f"{root}: accuracy relative to dense (answer tasks: score; text: perplexity)")
+    for col in ("method", "tokens", "task", "n", "score", "rel. dense", "top-1", "KL", "ppl", "sparsity", "prefill s"):
+        table.add_column(col, justify="left" if col in ("method", "task") else "right")
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    for r in summary.iter_rows(named=True):
+        table.add_row(r["label"], str(r["length"]), r["task"], str(r["samples"]), fmt(r["accuracy"], ".2f"),
+                      fmt(r["accuracy_rel_dense"], ".3f"), fmt(r["top1"], ".4f"), fmt(r["kl"], ".2e"),
+                      fmt(r["ppl"], ".2f"), fmt(r["sparsity"], ".3f"), fmt(r["prefill_s"], ".2f"))
+    Console(width=max(132, Console().width)).print(table)

@@ -1,0 +1,138 @@
+"""The evaluation directory: a manifest and a per-(sample, method) row table, written atomically so
+that an interrupted evaluation resumes where it stopped.
+
+    EVAL/
+      results.json             the dashboard's Accuracy-speedup rows (kind sparsecal-eval)
+      curves.parquet           accuracy joined to `sparsecal bench` speedups, with provenance
+      data/manifest.json       kind sparsecal-eval-run, schema version, the request (tasks, lengths,
+                               samples, seed, methods, dtype, device, reuse rule), model, export
+                               identity, calibration run (tasks, sample count), the planned prompts
+                               (id, task, length, index, seed, answer, held-out task), versions
+      data/rows.parquet        one row per finished (sample, method); rewritten whole, atomically
+      data/summary.parquet     every metric per method, config, length and task
+
+Only the dashboard's result files sit at the top: `sparsecal dashboard RUN --results EVAL` reads
+every Parquet and JSON file there as accuracy-speedup rows.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparsecal.formats.version import SCHEMA_VERSION
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.files import read_json_manifest
+
+EVAL_KIND = "sparsecal-eval-run"
+DATA = "data"
+MANIFEST = Path(DATA) / "manifest.json"
+ROWS = Path(DATA) / "rows.parquet"
+SUMMARY = Path(DATA) / "summary.parquet"
+RESULTS = "results.json"
+CURVES = "curves.parquet"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_parquet(path: Path, df, metadata: dict | None = None) -> None:
+    """Write a polars frame to ``path`` through a temporary file and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    df.write_parquet(tmp, metadata=metadata)
+    os.replace(tmp, path)
+
+
+@dataclass
+class EvalStore:
+    root: Path
+    manifest: dict
+    rows: list = field(default_factory=list)
+
+    @staticmethod
+    def read_manifest(root: Path) -> dict | None:
+        """The manifest of an existing evaluation directory, None for a new (absent or empty) one."""
+        root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise UserError(f"--out {root} is a file; give a directory for the evaluation.")
+        path = root / MANIFEST
+        if not path.is_file():
+            if root.exists() and any(root.iterdir()):
+                raise UserError(f"--out {root} is a non-empty directory that is not a sparsecal evaluation; "
+                                "choose a new directory.")
+            return None
+        man = read_json_manifest(path, EVAL_KIND, "evaluate again into a new directory")
+        return man
+
+    @classmethod
+    def resume(cls, root: Path, manifest: dict) -> "EvalStore | None":
+        """The evaluation in ``root`` if it holds the same request, model and export as
+        ``manifest`` (anything else is refused in one line); None for a new directory."""
+        root = Path(root)
+        have = cls.read_manifest(root)
+        if have is None:
+            return None
+        for key in ("request", "model", "export"):
+            diff = _first_difference(have.get(key) or {}, manifest[key])
+            if diff:
+                raise UserError(f"{root} holds an evaluation with a different {key} ({diff}); "
+                                "use a new --out directory, or the options it was started with.")
+        for tmp in (root / DATA).glob(".*.tmp-*"):  # a write cut short by Ctrl-C or a crash
+            tmp.unlink(missing_ok=True)
+        store = cls(root, have)
+        store.rows = store._read_rows()
+        return store
+
+    @classmethod
+    def create(cls, root: Path, manifest: dict) -> "EvalStore":
+        """A new evaluation directory holding ``manifest``."""
+        root = Path(root)
+        (root / DATA).mkdir(parents=True, exist_ok=True)
+        store = cls(root, dict(manifest, kind=EVAL_KIND, schema_version=SCHEMA_VERSION, created=now()))
+        store.save_manifest()
+        return store
+
+    def save_manifest(self) -> None:
+        from sparsecal.formats.files import atomic_write_text
+
+        self.manifest["updated"] = now()
+        atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
+
+    def _read_rows(self) -> list[dict]:
+        import polars as pl
+
+        path = self.root / ROWS
+        if not path.is_file():
+            return []
+        try:
+            return pl.read_parquet(path).to_dicts()
+        except Exception as e:  # noqa: BLE001 - a damaged table is one line
+            raise UserError(f"{path} is not readable ({type(e).__name__}); remove it to evaluate again.")
+
+    def done(self) -> set[tuple[str, str]]:
+        """(sample id, method label) of every finished row."""
+        return {(r["sample_id"], r["label"]) for r in self.rows}
+
+    def pending(self, labels: list[str]) -> dict[str, list[str]]:
+        """Planned sample id -> the method labels it still lacks (samples lacking none left out)."""
+        done = self.done()
+        out = {p["id"]: [m for m in labels if (p["id"], m) not in done] for p in self.manifest["prompts"]}
+        return {sid: missing for sid, missing in out.items() if missing}
+
+    def add_row(self, row: dict) -> None:
+        """Record one finished (sample, method) row and rewrite the row table atomically."""
+        import polars as pl
+
+        self.rows.append(row)
+        write_parquet(self.root / ROWS, pl.DataFrame(self.rows, infer_schema_length=None))
+
+
+def _first_difference(have: dict, want: dict) -> str:
+    for key in sorted(set(have) | set(want)):
+        if have.get(key) != want.get(key):
+            return f"{key} {have.get(key)!r} vs {want.get(key)!r}"
+    return ""

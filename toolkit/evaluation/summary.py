@@ -1,0 +1,111 @@
+"""From per-sample rows to the summary, the dashboard's result rows, and the curves table that joins
+accuracy to `sparsecal bench` speedups.
+
+Summary: one row per (method, config, length, task) with every metric averaged over samples,
+dense's values beside them, and the headline ``accuracy_rel_dense`` with its ``metric``:
+
+    answer tasks (niah_*, vt, cwe)   metric "accuracy": mean score / dense's mean score
+                                     (null when dense's mean score is below MIN_DENSE_SCORE: a
+                                     task the dense model cannot do says nothing about sparsity,
+                                     and a ratio of tiny scores is noise: SmolLM2 scores 0.02 on
+                                     cwe at 8K, so one lucky sample reads as 0.75 or 1.5)
+    text                             metric "ppl": dense perplexity / the method's (1 = no loss)
+
+Curves: per (method, config, length) the headline averaged over tasks, achieved sparsity, top-1
+agreement and KL, left-joined to the bench rows of the same point: ``speedup_kernel`` (bench rows
+with task "kernel" or none), ``speedup_ttft`` (task "ttft") and ``speedup`` (kernel, else TTFT).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+
+from sparsecal.formats.errors import UserError
+
+KEYS = ["method", "config", "length"]
+MIN_DENSE_SCORE = 0.2  # dense's mean score below which an answer task has no relative accuracy
+BENCH_KIND = "sparsecal-bench"
+
+
+def summarize(rows: list[dict]) -> pl.DataFrame:
+    """Per (method, config, label, length, task) means of the row metrics, with dense's beside."""
+    df = pl.DataFrame(rows, infer_schema_length=None)
+    agg = df.group_by(KEYS + ["label", "task"]).agg(
+        pl.len().alias("samples"), pl.col("score").mean().alias("accuracy"),
+        pl.col("correct").cast(pl.Float64).mean().alias("correct"), pl.col("kl").mean(),
+        pl.col("top1").mean(), pl.col("nll").mean().exp().alias("ppl"),
+        pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(),
+        pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first())
+    dense = agg.filter(pl.col("method") == "dense").select(
+        "length", "task", pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
+    out = agg.join(dense, on=["length", "task"], how="left")
+    text = pl.col("task") == "text"
+    rel = (pl.when(text).then(pl.col("ppl_dense") / pl.col("ppl"))
+           .when(pl.col("accuracy_dense") >= MIN_DENSE_SCORE).then(pl.col("accuracy") / pl.col("accuracy_dense"))
+           .otherwise(None))
+    return out.with_columns(rel.alias("accuracy_rel_dense"),
+                            pl.when(text).then(pl.lit("ppl")).otherwise(pl.lit("accuracy")).alias("metric")
+                            ).sort(["length", "task", "method", "config"])
+
+
+def result_rows(summary: pl.DataFrame) -> list[dict]:
+    """The dashboard's Accuracy-speedup rows (toolkit/formats/results.py) of the summary."""
+    cols = KEYS + ["task", "metric", "accuracy_rel_dense", "sparsity", "label", "samples", "accuracy",
+                   "accuracy_dense", "kl", "top1", "ppl", "held_out_task"]
+    return summary.select(cols).to_dicts()
+
+
+def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
+    """Bench rows (method, config, length, speedup[, sparsity, task]) and each file's provenance."""
+    frames, prov = [], []
+    for path in map(Path, paths):
+        try:
+            if path.suffix == ".parquet":
+                df, doc = pl.read_parquet(path), {}
+            else:
+                doc = json.loads(path.read_text())
+                if not isinstance(doc, dict) or doc.get("kind") != BENCH_KIND or not isinstance(doc.get("rows"), list):
+                    raise UserError(f"--bench {path} is not a `sparsecal bench` result "
+                                    f"(expected {{\"kind\": \"{BENCH_KIND}\", \"rows\": [...]}}).")
+                df = pl.DataFrame(doc["rows"], infer_schema_length=None)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+            raise UserError(f"--bench {path} is not readable ({type(e).__name__}: {e}).") from None
+        lacking = [c for c in KEYS + ["speedup"] if c not in df.columns]
+        if lacking:
+            raise UserError(f"--bench {path} lacks columns {', '.join(lacking)}; it should be written by `sparsecal bench`.")
+        kind = pl.col("task").fill_null("kernel") if "task" in df.columns else pl.lit("kernel")
+        sp = pl.col("sparsity").cast(pl.Float64) if "sparsity" in df.columns else pl.lit(None, pl.Float64)
+        frames.append(df.select(pl.col("method").cast(pl.Utf8), pl.col("config").cast(pl.Utf8),
+                                pl.col("length").cast(pl.Int64), pl.col("speedup").cast(pl.Float64),
+                                sp.alias("bench_sparsity"), kind.cast(pl.Utf8).alias("kind"),
+                                pl.lit(path.name).alias("source")))
+        prov.append({"file": str(path), "provenance": doc.get("provenance")})
+    return pl.concat(frames) if frames else pl.DataFrame(), prov
+
+
+def curves(summary: pl.DataFrame, bench: pl.DataFrame) -> pl.DataFrame:
+    """Accuracy per (method, config, length) left-joined to the bench speedups of that point."""
+    acc = summary.group_by(KEYS + ["label"]).agg(
+        pl.col("accuracy_rel_dense").mean(), pl.col("sparsity").mean(), pl.col("top1").mean(),
+        pl.col("kl").mean(),
+        pl.col("task").filter(pl.col("accuracy_rel_dense").is_not_null()).sort().str.join(",").alias("tasks"))
+    if not bench.height:
+        return acc.sort(KEYS)
+    speed = bench.group_by(KEYS).agg(
+        pl.col("speedup").filter(pl.col("kind") == "kernel").mean().alias("speedup_kernel"),
+        pl.col("speedup").filter(pl.col("kind") == "ttft").mean().alias("speedup_ttft"),
+        pl.col("bench_sparsity").mean(), pl.col("source").unique().sort().str.join(",").alias("bench_sources"))
+    out = acc.join(speed, on=KEYS, how="left")
+    return out.with_columns(pl.coalesce("speedup_kernel", "speedup_ttft").alias("speedup")).sort(KEYS)
+
+
+def unmatched_bench(bench: pl.DataFrame, summary: pl.DataFrame) -> list[str]:
+    """Bench points (method config @ length) that no evaluated configuration matches."""
+    if not bench.height:
+        return []
+    miss = bench.select(KEYS).unique().join(summary.select(KEYS).unique(), on=KEYS, how="anti").sort(KEYS)
+    return [f"{r['method']} {r['config']} @ {r['length']}" for r in miss.to_dicts()]

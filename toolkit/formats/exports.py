@@ -1,0 +1,199 @@
+"""Threshold exports (DESIGN.md "Exports"): writing them atomically and loading them with checks.
+
+    EXPORT/
+      thresholds.bsfa.pt          torch.save dict, exactly the BSFA reference's keys (BSFA_KEYS)
+      thresholds.safetensors      the same thresholds [num_k, L, H, P] + k_values, with metadata
+                                  (model, geometry, k values, samples, lengths, schema version)
+      blasst.json                 skip-softmax calibration: lambda = threshold_scale_factor / L
+
+This module is torch-free: thresholds are numpy arrays here; ``sparsecal.integrations.exports``
+writes and reads the torch side (``thresholds.bsfa.pt``) and hands tensors to the kernels.
+Loading validates the file against what it is applied to (model id, layers, heads, block sizes)
+and raises ``UserError`` with one line that names the mismatch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.files import atomic_write, check_schema
+from sparsecal.formats.version import SCHEMA_VERSION, __version__
+
+BSFA_PT = "thresholds.bsfa.pt"
+BSFA_ST = "thresholds.safetensors"
+BLASST_JSON = "blasst.json"
+BSFA_KEYS = ("thresholds", "k_values", "max_num_blocks", "num_layers", "num_heads", "q_block_size",
+             "k_block_size", "aggregation_method", "shape_description")
+SHAPE_DESCRIPTION = "[num_k, num_layers, num_heads, max_num_blocks]"
+BLASST_ALGORITHM = "skip_softmax"
+
+
+@dataclass(frozen=True)
+class BsfaExport:
+    """BSFA thresholds [num_k, L, H, P] (a numpy array here; a torch tensor when loaded through
+    ``sparsecal.integrations.exports``) and their geometry."""
+
+    thresholds: object
+    k_values: tuple[int, ...]
+    q_block_size: int
+    k_block_size: int
+    aggregation_method: str
+    model: str | None = None
+    meta: dict | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.thresholds.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.thresholds.shape[2]
+
+    def for_k(self, k: int):
+        """[L, H, P] thresholds for one k; the kernel reads [layer][head, min(q_block, P - 1)]."""
+        if k not in self.k_values:
+            raise UserError(f"k={k} is not in the export (k values {', '.join(map(str, self.k_values))}); "
+                            f"fit and export it with `sparsecal fit RUN --k ...`.")
+        return self.thresholds[self.k_values.index(k)]
+
+
+def bsfa_pt_payload(thr: np.ndarray, k_values, block_m: int, block_n: int, aggregation: str) -> dict:
+    """The dict ``thresholds.bsfa.pt`` holds (exactly BSFA_KEYS), thresholds still a numpy array."""
+    return {"thresholds": thr, "k_values": [int(k) for k in k_values], "max_num_blocks": thr.shape[3],
+            "num_layers": thr.shape[1], "num_heads": thr.shape[2], "q_block_size": int(block_m),
+            "k_block_size": int(block_n), "aggregation_method": aggregation, "shape_description": SHAPE_DESCRIPTION}
+
+
+def write_bsfa_safetensors(out: Path, thr: np.ndarray, k_values, block_m: int, block_n: int, aggregation: str,
+                           meta: dict) -> None:
+    """thresholds.safetensors from thresholds [num_k, L, H, P] (float32) with its metadata."""
+    from safetensors.numpy import save_file
+
+    thr = np.ascontiguousarray(thr, np.float32)
+    k_list = [int(k) for k in k_values]
+    st_meta = {"kind": "sparsecal-bsfa", "schema_version": str(SCHEMA_VERSION), "sparsecal": __version__,
+               "k_values": json.dumps(k_list), "q_block_size": str(block_m), "k_block_size": str(block_n),
+               "aggregation_method": aggregation, "shape_description": SHAPE_DESCRIPTION}
+    st_meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
+    arrays = {"thresholds": thr, "k_values": np.array(k_list, dtype=np.int64)}
+    atomic_write(Path(out) / BSFA_ST, lambda p: save_file(arrays, str(p), metadata=st_meta))
+
+
+def write_blasst(out: Path, doc: dict) -> None:
+    atomic_write(Path(out) / BLASST_JSON, lambda p: p.write_text(json.dumps(doc, indent=1, allow_nan=False)))
+
+
+def bsfa_from_payload(path: Path, d) -> BsfaExport:
+    """Check a loaded ``thresholds.bsfa.pt`` dict (thresholds as any array with a shape)."""
+    if not isinstance(d, dict) or set(d) != set(BSFA_KEYS):
+        have = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise UserError(f"{path} does not hold the BSFA export keys {list(BSFA_KEYS)} (has {have}).")
+    thr = d["thresholds"]
+    want = (len(d["k_values"]), d["num_layers"], d["num_heads"], d["max_num_blocks"])
+    if tuple(getattr(thr, "shape", ())) != want:
+        raise UserError(f"{path}: thresholds shape {tuple(getattr(thr, 'shape', ()))} does not match "
+                        f"{SHAPE_DESCRIPTION} = {want}; the file is damaged: export it again.")
+    return BsfaExport(thr, tuple(int(k) for k in d["k_values"]), int(d["q_block_size"]),
+                      int(d["k_block_size"]), str(d["aggregation_method"]))
+
+
+def read_bsfa_safetensors(path: Path) -> BsfaExport:
+    """thresholds.safetensors as a BsfaExport with numpy thresholds, schema checked."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            meta = dict(f.metadata() or {})
+            thr, ks = f.get_tensor("thresholds"), f.get_tensor("k_values")
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"{path} is not a readable BSFA safetensors export ({type(e).__name__}); export it again.")
+    check_schema(path, meta.get("schema_version"), "export it again")
+    return BsfaExport(thr.astype(np.float32), tuple(int(k) for k in ks.tolist()), int(meta["q_block_size"]),
+                      int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta)
+
+
+def bsfa_file(path) -> Path:
+    """The BSFA file to read: ``path`` itself, or in an export directory the safetensors (else .pt)."""
+    path = Path(path)
+    if path.is_dir():
+        st, pt = path / BSFA_ST, path / BSFA_PT
+        path = st if st.is_file() else pt
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; write an export with `sparsecal export RUN --out DIR`.")
+    return path
+
+
+def check_bsfa(path: Path, exp: BsfaExport, expect: dict | None) -> BsfaExport:
+    """Fill the model id from a sibling safetensors file when missing, and check ``expect``."""
+    if exp.model is None and (path.parent / BSFA_ST).is_file():
+        from dataclasses import replace
+
+        from safetensors import safe_open
+
+        with safe_open(str(path.parent / BSFA_ST), framework="np") as f:
+            exp = replace(exp, model=(f.metadata() or {}).get("model"))
+    check_geometry(path, {"model": exp.model, "num_layers": exp.num_layers, "num_heads": exp.num_heads,
+                          "block_m": exp.q_block_size, "block_n": exp.k_block_size}, expect)
+    return exp
+
+
+def load_bsfa(path, expect: dict | None = None) -> BsfaExport:
+    """BSFA thresholds (numpy) from an export directory or a .safetensors file, checked against
+    ``expect`` (any of: model, num_layers, num_heads, block_m, block_n). A .pt file needs torch:
+    read it with ``sparsecal.integrations.exports.load_bsfa``."""
+    path = bsfa_file(path)
+    if path.suffix == ".pt":
+        raise UserError(f"{path} is a torch pickle; read the thresholds.safetensors beside it, or load it with "
+                        "sparsecal.integrations.exports.load_bsfa.")
+    return check_bsfa(path, read_bsfa_safetensors(path), expect)
+
+
+def load_blasst(path, expect: dict | None = None) -> dict:
+    """Load and check blasst.json (a directory or the file); returns the document."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / BLASST_JSON
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; write an export with `sparsecal export RUN --out DIR`.")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg}); export it again.")
+    if doc.get("algorithm") != BLASST_ALGORITHM or "threshold_scale_factor" not in doc:
+        raise UserError(f"{path} is not a BLASST skip-softmax export (algorithm {doc.get('algorithm')!r}).")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path} has schema version {doc.get('schema_version')}; this sparsecal reads "
+                        f"{SCHEMA_VERSION}: export it again.")
+    check_geometry(path, {"model": doc.get("model"), "num_layers": doc.get("num_layers"),
+                          "num_heads": doc.get("num_heads"), "block_m": doc.get("q_block_size"),
+                          "block_n": doc.get("k_block_size")}, expect)
+    return doc
+
+
+def blasst_lambda(doc: dict, length: int, target: float | None = None, mode: str = "prefill") -> float:
+    """lambda = threshold_scale_factor[mode] / length for ``target`` (default: the file's own)."""
+    entry = doc
+    if target is not None and abs(target - doc["target_sparsity"]) > 1e-9:
+        found = [t for t in doc.get("targets", []) if abs(t["target_sparsity"] - target) < 1e-9]
+        if not found:
+            have = ", ".join(f"{t['target_sparsity']:g}" for t in doc.get("targets", [doc]))
+            raise UserError(f"target sparsity {target:g} is not in the BLASST export (has {have}); fit it with "
+                            "`sparsecal fit RUN --targets ...` and export again.")
+        entry = found[0]
+    factor = entry["threshold_scale_factor"].get(mode)
+    if factor is None:
+        raise UserError(f"the BLASST export has no {mode} calibration for target {entry['target_sparsity']:g}.")
+    return float(factor) / float(length)
+
+
+def check_geometry(path, have: dict, expect: dict | None) -> None:
+    """Refuse an export whose model or geometry differs from what it is applied to."""
+    for key, want in (expect or {}).items():
+        got = have.get(key)
+        if want is not None and got is not None and got != want:
+            raise UserError(f"{path} was calibrated for {key} {got!r}, but it is applied to {key} {want!r}; "
+                            "use an export made from a run of this model and geometry.")

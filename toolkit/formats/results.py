@@ -1,0 +1,95 @@
+"""Accuracy-speedup result files: the format the dashboard reads, and reading it.
+
+This module fixes what the dashboard expects from `sparsecal eval` (EVAL/results.json, and
+EVAL/curves.parquet once bench files are joined) and `sparsecal bench`.
+
+Where: every ``*.parquet`` and ``*.json`` file directly in RUN/results/ and in each directory given
+with ``sparsecal dashboard --results DIR`` (environment variable SPARSECAL_RESULTS).
+
+A file holds rows, one per measured point. Parquet: the rows are the table. JSON: an object
+``{"kind": "sparsecal-eval" | "sparsecal-bench", "rows": [...], "provenance": {...}}`` (the
+provenance of toolkit/bench/provenance.py: GPU, versions, commit, date).
+
+Row columns (the ones marked * are required, plus at least one of the two measures):
+
+    method *             str    "dense", "bsfa", "blasst", ...
+    config *             str    the operating point, e.g. "k=16" or "target=0.5"
+    length *             int    prompt length in tokens
+    accuracy_rel_dense   float  task accuracy (or fidelity) divided by the dense model's, 1 = no loss
+    speedup              float  dense time / sparse time, same inputs, same run (kernel or TTFT)
+    sparsity             float  achieved sparsity counted in-kernel (optional)
+    task                 str    evaluation task (optional; accuracies are averaged over tasks)
+    metric               str    what accuracy measures, e.g. "accuracy", "top1", "kl" (optional)
+
+Evaluation files usually carry accuracy_rel_dense and benchmark files speedup; ``curves`` averages
+each measure over the rows sharing (method, config, length) across all files, so an eval row and
+a bench row of the same point meet. A point appears on the chart when it has both measures.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+
+from sparsecal.formats.errors import UserError
+
+KEYS = ("method", "config", "length")
+MEASURES = ("accuracy_rel_dense", "speedup")
+OPTIONAL = ("sparsity",)
+KINDS = ("sparsecal-eval", "sparsecal-bench")
+PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
+             "into DIR/curves.parquet) and `sparsecal bench --results DIR` (speedup)")
+
+
+def result_files(dirs) -> list[Path]:
+    """Result files directly inside ``dirs`` (missing directories are skipped), sorted."""
+    out = []
+    for d in dirs:
+        d = Path(d)
+        if d.is_dir():
+            out.extend(sorted(p for p in d.iterdir() if p.suffix in (".parquet", ".json") and p.is_file()))
+    return out
+
+
+def read_result_file(path: Path) -> pl.DataFrame:
+    """One result file as rows with KEYS, the measures it has, and ``source`` (its file name)."""
+    path = Path(path)
+    try:
+        if path.suffix == ".parquet":
+            df = pl.read_parquet(path)
+        else:
+            doc = json.loads(path.read_text())
+            if not isinstance(doc, dict) or doc.get("kind") not in KINDS or not isinstance(doc.get("rows"), list):
+                raise UserError(f"{path} is not a result file: expected {{\"kind\": one of {', '.join(KINDS)}, "
+                                "\"rows\": [...]}.")
+            df = pl.DataFrame(doc["rows"], infer_schema_length=None)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an unreadable file is one line on the page
+        raise UserError(f"{path} is not a readable result file ({type(e).__name__}).") from None
+    lacking = [c for c in KEYS if c not in df.columns]
+    if lacking or not any(m in df.columns for m in MEASURES):
+        raise UserError(f"{path} lacks columns {', '.join(lacking) or ' or '.join(MEASURES)}; see the "
+                        "Accuracy-speedup format in toolkit/formats/results.py.")
+    keep = [c for c in KEYS + MEASURES + OPTIONAL if c in df.columns]
+    return df.select(keep).with_columns(pl.col("method").cast(pl.Utf8), pl.col("config").cast(pl.Utf8),
+                                        pl.col("length").cast(pl.Int64), pl.lit(path.name).alias("source"))
+
+
+def curves(frames: list[pl.DataFrame]) -> pl.DataFrame:
+    """Points of the accuracy-speedup chart: per (method, config, length) the mean of each measure
+    over all rows and files. Columns: KEYS, accuracy_rel_dense, speedup, sparsity (null when no
+    file has it), sources (files that contributed, comma-separated). Empty frames give no rows."""
+    cols = {"method": pl.Utf8, "config": pl.Utf8, "length": pl.Int64}
+    num = {c: pl.Float64 for c in MEASURES + OPTIONAL}
+    frames = [f.with_columns([pl.col(c).cast(pl.Float64) for c in MEASURES + OPTIONAL if c in f.columns])
+              for f in frames if f.height]
+    if not frames:
+        return pl.DataFrame(schema={**cols, **num, "sources": pl.Utf8})
+    full = pl.concat([f.with_columns([pl.lit(None, pl.Float64).alias(c) for c in num if c not in f.columns])
+                      .select(list(cols) + list(num) + ["source"]) for f in frames], how="vertical_relaxed")
+    agg = full.group_by(list(KEYS)).agg(
+        *[pl.col(c).mean() for c in num],
+        pl.col("source").unique().sort().str.join(", ").alias("sources"))
+    return agg.sort(list(KEYS))

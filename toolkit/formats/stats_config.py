@@ -1,0 +1,71 @@
+"""What an instrumented attention pass computes and how it bins it (recorded in every run)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from sparsecal.formats.geometry import ORDERS
+
+
+@dataclass(frozen=True)
+class StatsConfig:
+    """Geometry and reduction settings of a capture.
+
+    Gap bins: edges e_0 < ... < e_{E-1} = 0 spaced ``gap_step`` apart from ``gap_lo``; bin 0 holds
+    gap < e_0, bin k holds e_{k-1} <= gap < e_k, bin E holds gap >= 0. The skip count for
+    ln(lambda) = e_k is then exactly the sum of bins 0..k. Q-init error bins work the same way
+    on [qinit_lo, qinit_hi]. Normalized t* uses ``tstar_bins`` equal bins on [0, 1].
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    orders: tuple[str, ...] = ORDERS
+    k_values: tuple[int, ...] = (4, 8, 16, 32, 64)
+    top_bmax: int = 0  # sorted candidate block maxima kept per position; 0 = 2 * max(k_values)
+    gap_lo: float = -25.0
+    gap_step: float = 0.05
+    qinit_lo: float = -20.0
+    qinit_hi: float = 20.0
+    qinit_step: float = 0.25
+    tstar_bins: int = 20
+    decode_rows: int = 64
+    raw: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.block_m < 1 or self.block_n < 1:
+            raise ValueError("block sizes must be positive")
+        if list(self.k_values) != sorted(set(self.k_values)) or min(self.k_values) < 1:
+            raise ValueError("k values must be distinct positive integers in ascending order")
+        for o in self.orders:
+            if o not in ORDERS:
+                raise ValueError(f"Unknown scan order '{o}'. Available: {', '.join(ORDERS)}.")
+
+    @property
+    def top_count(self) -> int:
+        return self.top_bmax or 2 * max(self.k_values)
+
+    def gap_edges(self) -> np.ndarray:
+        """Gap bin edges, float64 [NG - 1]."""
+        n = round(-self.gap_lo / self.gap_step)
+        return np.linspace(self.gap_lo, 0.0, n + 1, dtype=np.float64)
+
+    def qinit_edges(self) -> np.ndarray:
+        """Q-init error bin edges, float64 [NQ - 1]."""
+        n = round((self.qinit_hi - self.qinit_lo) / self.qinit_step)
+        return np.linspace(self.qinit_lo, self.qinit_hi, n + 1, dtype=np.float64)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        d["orders"] = list(self.orders)
+        d["k_values"] = list(self.k_values)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StatsConfig":
+        d = dict(d)
+        d["orders"] = tuple(d["orders"])
+        d["k_values"] = tuple(d["k_values"])
+        return cls(**d)

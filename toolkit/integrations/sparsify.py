@@ -1,0 +1,266 @@
+"""Run a loaded model on exported thresholds: ``sparsify(model, EXPORT_DIR, method=..., ...)``
+switches its attention to ``sparsecal_bsfa``, ``sparsecal_blasst`` or ``sparsecal_window``
+(registered with transformers' AttentionInterface), ``densify(model)`` switches back.
+``register(EXPORT_DIR, method=..., ...)`` does the same for models loaded afterwards with
+``from_pretrained(..., attn_implementation="sparsecal_bsfa")`` (the geometry is checked at the
+first forward; the counts are in the returned state's ``stats``).
+
+Prefill (unpadded sequences of one length per batch, causal) and decode (one new token against the
+KV cache) run the Triton kernels (kernels/sparse/prefill.py, kernels/sparse/decode.py) on a
+CUDA device and the plain-torch reference (kernels/sparse/reference.py) elsewhere (``backend``:
+auto | triton | reference; triton on a CPU needs TRITON_INTERPRET=1). After each forward,
+``model.sparsecal_stats`` holds per layer and head the candidate tiles skipped and the reachable
+tiles of that forward, on the device the attention ran on:
+``{"skipped": [L, H] int64, "reachable": [L, H] int64}``.
+
+BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
+cache length (decode); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
+(the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
+candidate key blocks nearest to it, with the export's block sizes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsecal.formats.errors import UserError
+
+METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window"}
+BACKENDS = ("auto", "triton", "reference")
+_STATE_ATTR = "_sparsecal_state"
+_REGISTERED: dict = {}  # attn_implementation name -> _State for from_pretrained-loaded models
+
+
+@dataclass
+class _State:
+    method: str
+    block_m: int
+    block_n: int
+    previous: str = "sdpa"
+    thresholds: torch.Tensor | None = None        # [L, H, P] (BSFA)
+    factors: dict = field(default_factory=dict)   # mode -> a (BLASST)
+    order: str = "forward"
+    window: int | None = None                      # candidate blocks kept (window)
+    backend: str = "auto"
+    source: dict = field(default_factory=dict)     # register(): load_state arguments, re-checked at first use
+    model_id: str | None = None                    # register(): the expected model id
+    checked: bool = True                           # register(): False until checked against a model
+    stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
+    _on_device: dict = field(default_factory=dict)  # device -> thresholds there
+
+    def thresholds_on(self, device) -> torch.Tensor:
+        if device not in self._on_device:
+            self._on_device[device] = self.thresholds.to(device=device, dtype=torch.float32)
+        return self._on_device[device]
+
+    def stats_on(self, device, layers: int, heads: int) -> dict:
+        """The stats tensors, (re)allocated on ``device``; the dict object stays the same."""
+        sk = self.stats.get("skipped")
+        if sk is None or sk.device != torch.device(device) or sk.shape != (layers, heads):
+            zeros = torch.zeros(layers, heads, dtype=torch.int64, device=device)
+            self.stats.update(skipped=zeros, reachable=zeros.clone())
+        return self.stats
+
+
+def _geometry(config) -> dict:
+    text = config.get_text_config()
+    return {"num_layers": text.num_hidden_layers, "num_heads": text.num_attention_heads}
+
+
+def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
+               blocks: int | None = None, expect: dict | None = None, backend: str = "auto") -> _State:
+    """Read and check an export for one method's operating point (see ``sparsify``)."""
+    from sparsecal.formats.exports import load_blasst
+    from sparsecal.integrations.exports import load_bsfa
+
+    if method not in METHODS:
+        raise UserError(f"method {method!r} is not one of {', '.join(METHODS)}.")
+    if backend not in BACKENDS:
+        raise UserError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}.")
+    expect = expect or {}
+    if method == "bsfa":
+        if k is None:
+            raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
+        exp = load_bsfa(export_dir, expect)
+        return _State("bsfa", exp.q_block_size, exp.k_block_size, thresholds=exp.for_k(k), backend=backend)
+    if method == "window":
+        if blocks is None or blocks < 0:
+            raise UserError("window needs blocks >= 0: sparsify(model, EXPORT_DIR, method='window', blocks=32).")
+        exp = load_bsfa(export_dir, expect)
+        return _State("window", exp.q_block_size, exp.k_block_size, window=int(blocks), backend=backend)
+    doc = load_blasst(export_dir, expect)
+    t = doc["target_sparsity"] if target is None else target
+    factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
+    return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
+                  order=doc.get("scan_order", "forward"), backend=backend)
+
+
+def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
+             model_id: str | None = None, blocks: int | None = None, backend: str = "auto"):
+    """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
+
+    BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
+    own target sparsity); window needs ``blocks`` (candidate key blocks kept per query block; the
+    export gives the block sizes). ``model_id`` (optional) is checked against the export's model.
+    ``backend``: auto (Triton on CUDA, else the reference), triton, reference."""
+    geo = _geometry(model.config)
+    state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend)
+    state.previous = model.config._attn_implementation
+    if hasattr(model, _STATE_ATTR):
+        state.previous = getattr(model, _STATE_ATTR).previous
+    state.stats_on(model.device, geo["num_layers"], geo["num_heads"])
+    register()
+    for m in _attention_modules(model):
+        m._sparsecal_state = state
+    setattr(model, _STATE_ATTR, state)
+    model.sparsecal_stats = state.stats
+    model.set_attn_implementation(METHODS[method])
+    return model
+
+
+def _attention_modules(model):
+    """The modules transformers calls attention functions with (they carry ``layer_idx``)."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if len(mods) != _geometry(model.config)["num_layers"]:
+        raise UserError(f"found {len(mods)} attention modules for {_geometry(model.config)['num_layers']} layers; "
+                        "sparsify supports decoder-only models with one attention per layer.")
+    return mods
+
+
+def _factor(doc: dict, target: float, mode: str) -> float | None:
+    from sparsecal.formats.exports import blasst_lambda
+
+    try:
+        return blasst_lambda(doc, 1, target, mode)
+    except UserError:
+        if mode == "decode":
+            return None  # no decode calibration: decode runs dense
+        raise
+
+
+def densify(model):
+    """Back to the attention implementation the model had before ``sparsify``."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        model.set_attn_implementation(state.previous)
+        for m in _attention_modules(model):
+            del m._sparsecal_state
+        delattr(model, _STATE_ATTR)
+    return model
+
+
+def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
+             blocks: int | None = None, model_id: str | None = None, backend: str = "auto"):
+    """Register the sparse attention functions with transformers' AttentionInterface.
+
+    With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
+    attn_implementation=METHODS[method])`` run on that export (checked against the model's
+    layers and heads at the first forward); returns the state, whose ``stats`` are those of the
+    last forward."""
+    from transformers import AttentionInterface
+
+    for name in METHODS.values():
+        AttentionInterface.register(name, sparse_attention_fn)
+    if export_dir is None:
+        return None
+    source = dict(export_dir=export_dir, method=method, k=k, target=target, blocks=blocks, backend=backend)
+    state = load_state(**source, expect={"model": model_id})
+    state.source, state.model_id, state.checked = source, model_id, False
+    _REGISTERED[METHODS[method]] = state
+    return state
+
+
+def _module_state(module) -> _State:
+    state = getattr(module, "_sparsecal_state", None)
+    if state is not None:
+        return state
+    state = _REGISTERED.get(getattr(module.config, "_attn_implementation", None))
+    if state is None:
+        raise RuntimeError("sparsecal sparse attention needs sparsecal.sparsify(model, ...) or "
+                           "sparsecal.register(EXPORT_DIR, ...) before from_pretrained")
+    if not state.checked:  # the export against the model it now runs in: the same checks as sparsify
+        load_state(**state.source, expect=dict(_geometry(module.config), model=state.model_id))
+        state.checked = True
+    return state
+
+
+def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function. query [B, H, Nq, D], key/value [B, Hkv, Nk, D] -> ([B, Nq, H, D], None)."""
+    state = _module_state(module)
+    b, h, nq, d = query.shape
+    nk = key.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    layer = module.layer_idx
+    mode = "prefill" if nq == nk else "decode"
+    if mode == "decode" and nq != 1:
+        raise RuntimeError("sparse attention runs prefill of whole sequences and decode one token at a time")
+    if attention_mask is not None and not _is_causal_only(attention_mask, nq, nk):
+        raise RuntimeError("sparse attention takes unpadded sequences (no padding mask)")
+    kw = method_args(state, layer, mode, nk, query.device)
+    if _use_triton(state, query):
+        out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
+    else:
+        out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
+    geo = _geometry(module.config)
+    stats = state.stats_on(query.device, geo["num_layers"], h)
+    if layer == 0:  # a new forward starts: the counts describe the last forward only
+        stats["skipped"].zero_()
+        stats["reachable"].zero_()
+    stats["skipped"][layer] = skipped
+    stats["reachable"][layer] = reach
+    return out, None
+
+
+def _use_triton(state: _State, query) -> bool:
+    if state.backend == "reference":
+        return False
+    return state.backend == "triton" or query.is_cuda
+
+
+def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict):
+    """Triton kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+    from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
+    from sparsecal.kernels.sparse.decode import sparse_decode_triton
+
+    b, h, nq, d = query.shape
+    if mode == "prefill":
+        out = torch.empty((b, nq, h, d), dtype=query.dtype, device=query.device)
+        _, skipped = sparse_attention_triton(query, key, value, scale, state.block_m, state.block_n,
+                                             order=state.order, out=out.transpose(1, 2), **kw)
+        return out, skipped.sum(dim=0), candidate_tiles(nq, state.block_m, state.block_n)[1] * b
+    o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
+    return o.transpose(1, 2), skipped.sum(dim=0), ((key.shape[2] - 1) // state.block_n + 1) * b
+
+
+def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw: dict):
+    """Plain-torch reference per sequence: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+    from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
+
+    if mode == "prefill":
+        outs, skipped = [], 0
+        for i in range(query.shape[0]):
+            o, c = sparse_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale, state.block_m,
+                                    state.block_n, order=state.order, **kw)
+            outs.append(o)
+            skipped = skipped + c.skipped
+        return torch.cat(outs).transpose(1, 2).contiguous(), skipped, c.reachable * query.shape[0]
+    out, c = sparse_decode(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
+    return out.transpose(1, 2).contiguous(), c.skipped, c.reachable
+
+
+def method_args(state: _State, layer: int, mode: str, length: int, device) -> dict:
+    if state.method == "window":
+        return {"window": state.window}
+    if state.method == "bsfa":
+        return {"thresholds": state.thresholds_on(device)[layer]}
+    a = state.factors.get(mode)
+    return {"log_lambda": -math.inf if not a else math.log(a / length)}
+
+
+def _is_causal_only(mask, nq: int, nk: int) -> bool:
+    """True when a boolean/additive mask [B, 1, Nq, Nk] is exactly the causal mask (no padding)."""
+    causal = torch.ones(nq, nk, dtype=torch.bool, device=mask.device).tril(nk - nq)
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return bool((allowed == causal).all())
