@@ -110,7 +110,7 @@ def test_thresholds_applied_back_keep_exactly_k(seed):
     _, t = instrumented_attention(q, k, v, 0.125, cfg)
     red = reduce_tiles(t, n, cfg)
     cand, _ = block_counts_torch(n, 64, 32)
-    want = torch.minimum(torch.tensor(cfg.k_values)[None, :], torch.from_numpy(cand)[:, None])
+    want = torch.minimum(torch.tensor(cfg.k_values)[None, :], cand[:, None])
     assert torch.equal(red["bsfa_kept"], want.expand_as(red["bsfa_kept"]))
     # -inf exactly where A_i <= k
     assert torch.equal(torch.isneginf(red["bsfa_threshold"][0]), cand[:, None] <= torch.tensor(cfg.k_values)[None, :])

@@ -48,7 +48,7 @@ def _oracle(q, k, v, scale, bm, bn, skip):
 def _candidates(n, bm, bn):
     cand, _ = block_counts_torch(n, bm, bn)
     kb = cdiv(n, bn)
-    return torch.arange(kb)[None, :] < torch.from_numpy(cand)[:, None]  # [P, Kb]
+    return torch.arange(kb)[None, :] < cand[:, None]  # [P, Kb]
 
 
 def _tol(dtype):
