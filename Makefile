@@ -9,8 +9,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.sparsecal-installed
 TORCH_PIN := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
+JOBS ?= 2
+# pytest on JOBS worker processes (pytest-xdist); the 15 slowest tests are printed at the end.
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --durations=15
 
-.PHONY: install demo test chromium clean-venv
+.PHONY: install demo test test-fast fuzz lint-imports chromium clean-venv
 
 $(BIN)/python:
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
@@ -42,8 +45,20 @@ chromium:
 	  fi; \
 	fi
 
-test: $(STAMP) chromium
-	$(BIN)/python -m pytest -q
+# The import-linter contracts of pyproject.toml (layers, torch-free floor, no cycles).
+lint-imports: $(STAMP)
+	LINT_IMPORTS=$(BIN)/lint-imports scripts/lint-imports
+
+test: $(STAMP) chromium lint-imports
+	$(PYTEST)
+
+# The inner loop: no real model, no browser (under 90 s on 2 cores).
+test-fast: $(STAMP) lint-imports
+	$(PYTEST) -m "not model and not browser"
+
+# Every test on fresh random seeds (a failure prints SPARSECAL_TEST_SEED=<n> to replay it).
+fuzz: $(STAMP) chromium
+	SPARSECAL_TEST_SEED=random $(PYTEST)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -38,13 +38,19 @@ def check_port(host: str, port: int) -> int:
     return port
 
 
-def check_runs(runs) -> list[Path]:
-    """Each path must be a run directory (manifest.json) or a directory holding runs."""
+def check_runs(runs, pending=()) -> list[Path]:
+    """Each path must be a run directory (manifest.json) or a directory holding runs; a path in
+    ``pending`` (a run still being captured, as in ``sparsecal demo``) may not exist yet: the app
+    shows it once its manifest is written."""
     from sparsecal.formats.run import RunStore
 
     out = []
+    waiting = {Path(r).expanduser().resolve() for r in pending}
     for r in runs:
         p = Path(r).expanduser().resolve()
+        if p in waiting and not (p / "manifest.json").is_file():
+            out.append(p)
+            continue
         if not p.is_dir():
             raise UserError(f"{r} is not a directory; give run directories made by `sparsecal capture`.")
         if (p / "manifest.json").is_file():
@@ -63,9 +69,10 @@ def command(runs, host: str, port: int) -> list[str]:
             "--server.fileWatcherType=none", "--client.toolbarMode=minimal", "--", *map(str, runs)]
 
 
-def serve(runs, host: str = "127.0.0.1", port: int = 8501, results=(), echo=print) -> int:
-    """Serve the dashboard on ``runs`` in the foreground; returns the server's exit code."""
-    paths = check_runs(runs)
+def start(runs, host: str = "127.0.0.1", port: int = 8501, results=(), pending=(), echo=print) -> subprocess.Popen:
+    """Start the dashboard server on ``runs`` in the background and print its URL; returns the
+    server process (``wait`` or ``stop`` it)."""
+    paths = check_runs(runs, pending)
     port = check_port(host, port)
     env = dict(os.environ)
     if results:
@@ -73,15 +80,25 @@ def serve(runs, host: str = "127.0.0.1", port: int = 8501, results=(), echo=prin
     env.pop("SPARSECAL_RUNS", None)  # the arguments below are what this command serves
     shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "localhost") else host
     n = sum(1 if (p / "manifest.json").is_file() else sum((c / "manifest.json").is_file() for c in p.iterdir())
-            for p in paths)
+            for p in paths if p.is_dir())
     echo(f"sparsecal dashboard: serving {n} run{'s' * (n != 1)} at http://{shown}:{port}  (Ctrl-C stops it)")
-    proc = subprocess.Popen(command(paths, host, port), env=env)
+    return subprocess.Popen(command(paths, host, port), env=env)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """Terminate a server started by ``start`` (killed after 10 s); returns its exit code."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def serve(runs, host: str = "127.0.0.1", port: int = 8501, results=(), echo=print) -> int:
+    """Serve the dashboard on ``runs`` in the foreground; returns the server's exit code."""
+    proc = start(runs, host, port, results, echo=echo)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+        return stop(proc)

@@ -16,6 +16,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 DEFAULT_TASKS = "niah_single,niah_multikey,vt,cwe,text"
 DEFAULT_LENGTHS = "1024,2048,4096"
+DEMO_LENGTHS = "1024,2048"  # the demo's own capture: 10 prompts, a few minutes on a 2-core CPU
+# The committed SmolLM2 calibration (1K-8K on an H100), served by the demo while its capture runs.
+COMMITTED_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration" / "smollm2-1k-8k"
 
 
 def _user_errors(fn):
@@ -144,25 +147,36 @@ def dashboard(
 @_user_errors
 def demo(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo run goes."),
-    serve: bool = typer.Option(True, "--serve/--no-serve", help="End by serving the dashboard on the run."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the dashboard (from the start) and keep it up."),
     port: int = typer.Option(8501, help="Port of the dashboard (0: any free port)."),
 ):
-    """Capture the default model on the default prompt set on CPU, fit it, export the thresholds
-    (to OUT/export) and serve the dashboard on the run."""
+    """Serve the dashboard at once on the committed SmolLM2 calibration, then capture the default
+    model on a small prompt set on the CPU (5 tasks x 1K/2K tokens), fit it, export the thresholds
+    (to OUT/export); the new run appears in the dashboard's run list as soon as it is written."""
     from sparsecal.analysis.fit import FitRequest
-
+    from sparsecal.capture.command import CaptureRequest, capture_command
     from sparsecal.cli.calibrate import export_command, fit_command
-    from sparsecal.capture.command import capture_command, CaptureRequest
 
-    req = CaptureRequest(out=out, model="smollm2", tasks=DEFAULT_TASKS.split(","),
-                         lengths=_int_list(DEFAULT_LENGTHS, "lengths"), samples=1, seed=0)
-    capture_command(req)
-    fit_command(out, FitRequest())
-    export_command(out, out / "export", None, None)
+    server = None
     if serve:
-        from sparsecal.dashboard.serve import serve as serve_dashboard
+        from sparsecal.dashboard import serve as dashboard
 
-        raise typer.Exit(serve_dashboard([out], "127.0.0.1", port))
+        runs = ([COMMITTED_CALIBRATION] if (COMMITTED_CALIBRATION / "manifest.json").is_file() else []) + [out]
+        server = dashboard.start(runs, "127.0.0.1", port, pending=[out])
+    try:
+        req = CaptureRequest(out=out, model="smollm2", tasks=DEFAULT_TASKS.split(","),
+                             lengths=_int_list(DEMO_LENGTHS, "lengths"), samples=1, seed=0)
+        capture_command(req)
+        fit_command(out, FitRequest())
+        export_command(out, out / "export", None, None)
+        if server is None:
+            return
+        typer.echo(f"demo run ready: pick '{out.name}' in the dashboard's Run list (Ctrl-C stops the server)")
+        raise typer.Exit(server.wait())
+    except BaseException:
+        if server is not None:
+            dashboard.stop(server)
+        raise
 
 
 @app.command(name="eval")
