@@ -23,23 +23,21 @@ held-out ones are measured against what was fitted.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from sparsecal.formats.version import SCHEMA_VERSION
-from sparsecal.formats.errors import UserError
-from sparsecal.formats.stats_config import StatsConfig
-
 from sparsecal.analysis import blasst_fit as B
 from sparsecal.analysis import bsfa, stabilization
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.files import read_json_manifest
+from sparsecal.formats.run import FIT_DIR, FIT_KIND
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.version import SCHEMA_VERSION
 
-FIT_DIR = "fit"
-FIT_KIND = "sparsecal-fit"
 CAL_KEYS = ("bsfa_threshold", "gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
             "tstar_where", "tstar_hist", "qinit_count", "candidates", "reachable")
 EVAL_KEYS = CAL_KEYS + ("bsfa_top_bmax", "bsfa_skipped_mass")
@@ -247,11 +245,4 @@ def load_fit(root) -> dict:
     path = Path(root) / FIT_DIR / "fit.json"
     if not path.is_file():
         raise UserError(f"{root} has no fit; run `sparsecal fit {root}` first.")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e.msg}); run `sparsecal fit {root}` again.")
-    if doc.get("kind") != FIT_KIND or doc.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path} has schema version {doc.get('schema_version')}; this sparsecal reads "
-                        f"{SCHEMA_VERSION}: run `sparsecal fit {root}` again.")
-    return doc
+    return read_json_manifest(path, FIT_KIND, f"run `sparsecal fit {root}` again")

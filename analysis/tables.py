@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sparsecal.formats.version import SCHEMA_VERSION
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write, atomic_write_text
 from sparsecal.formats.tensors import save_arrays
+from sparsecal.formats.version import SCHEMA_VERSION
 
 THRESHOLDS = "bsfa_thresholds.safetensors"
 GAP_CUM = "gap_cum.safetensors"

@@ -37,12 +37,12 @@ import streamlit as st
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
 from sparsecal.formats.files import check_schema, read_json_manifest
-from sparsecal.formats.run import MANIFEST, RUN_KIND
+from sparsecal.formats.run import FIT_DIR, FIT_KIND, MANIFEST, RUN_KIND
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
 RESULTS_ENV = "SPARSECAL_RESULTS"    # os.pathsep-separated result directories (Accuracy-speedup)
-FIT = "fit"
+FIT = FIT_DIR
 EXPORT_NAMES = (BSFA_PT, BSFA_ST, BLASST_JSON)
 
 # Columns each page needs from a fit table; a table without them was written by an older sparsecal.
@@ -163,7 +163,7 @@ def fit_doc(root: Path) -> dict:
     path = Path(root) / FIT / "fit.json"
     if not path.is_file():
         raise Missing(f"{root} has no fit yet; run {_fit_cmd(root)} to make RUN/fit/.")
-    return _manifest(str(path), _stamp(path), "sparsecal-fit", f"run {_fit_cmd(root)} again")
+    return _manifest(str(path), _stamp(path), FIT_KIND, f"run {_fit_cmd(root)} again")
 
 
 @st.cache_data(show_spinner=False, max_entries=64)

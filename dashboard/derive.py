@@ -22,7 +22,6 @@ import polars as pl
 from sparsecal.formats.geometry import TILE_KINDS, tile_kinds
 
 
-
 def prompts_frame(manifest: dict, finished: list[dict]) -> pl.DataFrame:
     """Planned samples: id, task, length, answer (joined), seed, finished, raw (tiles stored),
     seconds (capture time, null when unfinished). Finished samples absent from the plan are kept."""

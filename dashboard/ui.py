@@ -7,9 +7,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from sparsecal.formats.errors import UserError
-
 from sparsecal.dashboard.data import Missing
+from sparsecal.formats.errors import UserError
 
 RUN_KEY = "run"
 PLOT_CONFIG = {"displaylogo": False, "modeBarButtonsToRemove": ["lasso2d", "select2d"]}

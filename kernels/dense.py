@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsecal.kernels.jit import attend_range, check_inputs, dot_flags, interpreting, LAST_COMPILED, LOG2E
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, attend_range, check_inputs, dot_flags, interpreting
 
 
 @triton.jit

@@ -22,7 +22,6 @@ from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.tilestats import HistLayout
 from sparsecal.kernels.jit import dot
 
-
 NEG_INF = float("-inf")
 
 

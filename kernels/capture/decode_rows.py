@@ -19,7 +19,6 @@ from sparsecal.kernels.capture.common import NEG_INF, edge_args
 from sparsecal.kernels.capture.tilestats import HistLayout, decode_stats_kernel
 from sparsecal.kernels.jit import LOG2E, dot, dot_flags, next_pow2
 
-
 DECODE_LAUNCH = (4, 1)
 
 

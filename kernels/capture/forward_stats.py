@@ -34,11 +34,21 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsecal.formats.geometry import ORDERS, cdiv
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.formats.geometry import cdiv, ORDERS
-from sparsecal.kernels.capture.reference import pad_blocks, signed_absmax_keys
-from sparsecal.kernels.jit import check_inputs, dot_flags, LAST_COMPILED, load_v, LOG2E, next_pow2, query_block, softmax_update, tile_qk
 from sparsecal.kernels.capture.common import QINIT_CHUNK, qinit_max
+from sparsecal.kernels.capture.reference import pad_blocks, signed_absmax_keys
+from sparsecal.kernels.jit import (
+    LAST_COMPILED,
+    LOG2E,
+    check_inputs,
+    dot_flags,
+    load_v,
+    next_pow2,
+    query_block,
+    softmax_update,
+    tile_qk,
+)
 
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
 # sparsecal.bench.capture_forward_stats (data/bench/NOTES.md); the interpreter ignores them.

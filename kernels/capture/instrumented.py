@@ -35,12 +35,12 @@ import triton.language as tl
 
 from sparsecal.formats.geometry import cdiv
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.kernels.capture.common import edge_args, hist_keys, NEG_INF, pick, QINIT_CHUNK, qinit_max, tile_offsets
+from sparsecal.kernels.capture.common import NEG_INF, QINIT_CHUNK, edge_args, hist_keys, pick, qinit_max, tile_offsets
 from sparsecal.kernels.capture.decode_rows import decode_forward
 from sparsecal.kernels.capture.reduce import capture_reduce
-from sparsecal.kernels.capture.reference import pad_blocks, signed_absmax_keys, TileStats
+from sparsecal.kernels.capture.reference import TileStats, pad_blocks, signed_absmax_keys
 from sparsecal.kernels.capture.tilestats import HistLayout, tile_stats_kernel
-from sparsecal.kernels.jit import attend_range, check_inputs, dot_flags, LAST_COMPILED, LOG2E, next_pow2
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, attend_range, check_inputs, dot_flags, next_pow2
 
 TILE_CHUNK = 16  # tiles per chunk in the statistics pass
 # (num_warps, num_stages) of pass 1 per head dim, and of the statistics / decode kernels.

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import cdiv
-from sparsecal.kernels.jit import check_inputs, dot_flags, LAST_COMPILED, LOG2E, next_pow2, query_block, tile_qk
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, check_inputs, dot_flags, next_pow2, query_block, tile_qk
 
 # (num_warps, num_stages) per head dim on a CUDA GPU (a guess before the H100 sweep of
 # sparsecal.bench.capture_single_order; the interpreter ignores them).

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import ORDERS
+from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds
-from sparsecal.kernels.capture.tilestats import bucket, hist_add, HistLayout
+from sparsecal.kernels.capture.tilestats import HistLayout, bucket, hist_add
 
 TJ = 64  # tiles per chunk
 

@@ -29,8 +29,8 @@ import functools
 
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import block_counts
+from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.reference import TileStats
 
 NEG_INF = float("-inf")

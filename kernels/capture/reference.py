@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order, where_code
+from sparsecal.formats.stats_config import StatsConfig
 
 NEG_INF = float("-inf")
 

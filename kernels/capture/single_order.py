@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.common import edge_args, hist_keys, tile_offsets
 from sparsecal.kernels.capture.decode_rows import decode_forward
+from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.mass import block_mass_triton
 from sparsecal.kernels.capture.reduce import capture_reduce
 from sparsecal.kernels.capture.tilestats import HistLayout

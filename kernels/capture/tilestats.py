@@ -29,7 +29,6 @@ from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.jit import max_fn
 
 
-
 @dataclass(frozen=True)
 class HistLayout:
     """Sections of one head's histogram row (f32, counts exact up to 2^24):

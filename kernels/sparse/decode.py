@@ -42,14 +42,12 @@ Shape legend
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from sparsecal.formats.geometry import ORDERS, scan_order
-from sparsecal.kernels.jit import dot, dot_flags, LAST_COMPILED, log2_lambda, LOG2E, next_pow2
-from sparsecal.kernels.jit import max_fn
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, max_fn, next_pow2
 
 DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
 

@@ -31,9 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsecal.formats.geometry import block_counts, cdiv, ORDERS
+from sparsecal.formats.geometry import ORDERS, block_counts, cdiv
+from sparsecal.kernels.jit import (
+    LAST_COMPILED,
+    LOG2E,
+    check_inputs,
+    dot_flags,
+    interpreting,
+    load_v,
+    log2_lambda,
+    next_pow2,
+    softmax_update,
+    tile_qk,
+)
 from sparsecal.kernels.sparse.reference import check_method
-from sparsecal.kernels.jit import check_inputs, dot_flags, interpreting, LAST_COMPILED, load_v, log2_lambda, LOG2E, next_pow2, softmax_update, tile_qk
 
 SPARSE_METHODS = ("dense", "bsfa", "blasst", "window")
 # (num_warps, num_stages) per head dim on a CUDA GPU; the interpreter ignores them.

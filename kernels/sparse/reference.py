@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order
-from sparsecal.kernels.capture.reference import block_scores, check_sequence, NEG_INF, pad_blocks, scan_rows
+from sparsecal.kernels.capture.reference import NEG_INF, block_scores, check_sequence, pad_blocks, scan_rows
 
 
 @dataclass

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.bench.harness import HEADS, KV_HEADS, bench_ms, log, random_qkv, sdpa_fns, sweep
 from sparsecal.formats.geometry import ORDERS
+from sparsecal.formats.provenance import provenance
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture import instrumented as ti
+from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.dense import attention_dense, flops_causal
-from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
-from sparsecal.kernels.capture import instrumented as ti
-from sparsecal.formats.provenance import provenance
-from sparsecal.bench.harness import bench_ms, HEADS, KV_HEADS, log, random_qkv, sdpa_fns, sweep
 
 LAUNCH_SWEEP = [(8, 3), (4, 3), (8, 2)]
 CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)

@@ -29,14 +29,26 @@ from pathlib import Path
 
 import torch
 
+from sparsecal.bench.harness import (
+    CHECK_CASES,
+    DEVICE,
+    HEADS,
+    KV_HEADS,
+    bench_ms,
+    compiled_info,
+    log,
+    random_qkv,
+    run_section,
+    sdpa_fns,
+    sweep,
+    sync,
+)
+from sparsecal.formats.provenance import provenance
 from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture import instrumented as ti
 from sparsecal.kernels.capture.reduce_reference import reduce_tiles
 from sparsecal.kernels.capture.reference import instrumented_attention
-from sparsecal.bench.harness import (CHECK_CASES, DEVICE, HEADS, KV_HEADS, bench_ms, compiled_info, log, random_qkv,
-                                     run_section, sdpa_fns, sweep, sync)
 from sparsecal.kernels.dense import attention_dense, flops_causal
-from sparsecal.kernels.capture import instrumented as ti
-from sparsecal.formats.provenance import provenance
 
 DENSE_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4),
                (64, 64, 4, 3), (64, 128, 4, 3)]
@@ -252,8 +264,8 @@ def compare_runs(a, b) -> dict:
 
 def smollm2_compare(root: Path, lengths: list[int]) -> dict:
     """The default prompt set captured on the GPU (triton) and on the CPU (reference), float32."""
+    from sparsecal.capture.command import CaptureRequest, capture_command
     from sparsecal.formats.run import RunStore
-    from sparsecal.capture.command import capture_command, CaptureRequest
 
     tasks = ["niah_single", "niah_multikey", "vt", "cwe", "text"]
     res = {"tasks": tasks, "lengths": lengths, "seconds": {}}

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.capture.runner import capture_sample
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.capture.models import load_model, load_tokenizer, resolve_model
 from sparsecal.capture.prompts import build_sample
+from sparsecal.capture.runner import capture_sample
 from sparsecal.formats.provenance import provenance
+from sparsecal.formats.stats_config import StatsConfig
 
 
 @torch.no_grad()

@@ -24,18 +24,30 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.kernels.capture.pipeline import capture_triton
-from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.bench.capture_instrumented import profile_capture
+from sparsecal.bench.harness import (
+    CHECK_CASES,
+    HEADS,
+    KV_HEADS,
+    bench_ms,
+    compiled_info,
+    log,
+    random_qkv,
+    run_section,
+    sdpa_fns,
+    sweep,
+    sync,
+)
 from sparsecal.formats.geometry import ORDERS
-from sparsecal.kernels.capture.reduce_reference import reduce_tiles
-from sparsecal.kernels.capture.reference import instrumented_attention, TileStats
-from sparsecal.kernels.dense import attention_dense, flops_causal
+from sparsecal.formats.provenance import provenance
+from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.mass import block_mass_triton
+from sparsecal.kernels.capture.pipeline import capture_triton
+from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+from sparsecal.kernels.capture.reference import TileStats, instrumented_attention
 from sparsecal.kernels.capture.single_order import single_order_reductions
-from sparsecal.bench.harness import bench_ms, CHECK_CASES, compiled_info, HEADS, KV_HEADS, log, random_qkv, run_section, sdpa_fns, sweep, sync
-from sparsecal.bench.capture_instrumented import profile_capture
-from sparsecal.formats.provenance import provenance
+from sparsecal.kernels.dense import attention_dense, flops_causal
 
 MASS_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3)]
 

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from sparsecal.integrations.export import export_run
-from sparsecal.analysis.fit import fit_run, FitRequest
-from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.formats.run import RunStore
-from sparsecal.formats.provenance import provenance
+from sparsecal.analysis.fit import FitRequest, fit_run
 from sparsecal.bench.synthetic import write_synthetic_run
+from sparsecal.formats.provenance import provenance
+from sparsecal.formats.run import RunStore
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.integrations.export import export_run
 
 LENGTH, SAMPLES, LAYERS, HEADS = 8192, 64, 30, 9
 TARGET_S = 2.0

@@ -19,10 +19,10 @@ import statistics
 import time
 from pathlib import Path
 
-from sparsecal.analysis.fit import fit_run, FitRequest
-from sparsecal.formats.run import RunStore
-from sparsecal.formats.provenance import provenance
+from sparsecal.analysis.fit import FitRequest, fit_run
 from sparsecal.bench.synthetic import write_synthetic_run
+from sparsecal.formats.provenance import provenance
+from sparsecal.formats.run import RunStore
 
 LENGTHS = [128000, 129000, 130000, 131072]
 LAYERS, HEADS, PER_LENGTH = 32, 32, 4

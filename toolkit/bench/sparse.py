@@ -31,16 +31,23 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
-from sparsecal.kernels.jit import LOG2E
-from sparsecal.kernels.dense import attention_dense, flops_causal
-from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
-from sparsecal.kernels.sparse.decode import decode_skip_mask, SCHEDULES, sparse_decode_triton
-from sparsecal.formats.files import atomic_write_text
-from sparsecal.bench.kernel_profile import bandwidth, device_us, pick
-from sparsecal.formats.provenance import provenance
-from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for, decode_tile_max, structured_qkv, tile_stats
 from sparsecal.bench.harness import bench_ms, log, sdpa_fns
+from sparsecal.bench.kernel_profile import bandwidth, device_us, pick
+from sparsecal.bench.sparse_inputs import (
+    blasst_log_lambda_for,
+    bsfa_thresholds_for,
+    decode_log_lambda_for,
+    decode_tile_max,
+    structured_qkv,
+    tile_stats,
+)
+from sparsecal.formats.files import atomic_write_text
+from sparsecal.formats.provenance import provenance
+from sparsecal.kernels.dense import attention_dense, flops_causal
+from sparsecal.kernels.jit import LOG2E
+from sparsecal.kernels.sparse.decode import SCHEDULES, decode_skip_mask, sparse_decode_triton
+from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
+from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
 
 HEADS, BM, BN = 32, 128, 64
 SPARSITIES = (0.0, 0.5, 0.75)

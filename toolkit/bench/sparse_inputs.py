@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import block_counts
+from sparsecal.formats.stats_config import StatsConfig
 
 SINKS = 4
 HEAVY_SHARE = 0.005

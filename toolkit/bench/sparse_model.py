@@ -21,10 +21,10 @@ import statistics
 
 import torch
 
+from sparsecal.bench.harness import bench_ms, log, sdpa_fns
+from sparsecal.formats.files import atomic_write_text
 from sparsecal.kernels.dense import attention_dense
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
-from sparsecal.formats.files import atomic_write_text
-from sparsecal.bench.harness import bench_ms, log, sdpa_fns
 
 CAPTURE_LAYERS = (0, 7, 15, 22, 29)
 

@@ -21,8 +21,8 @@ import torch
 from scipy.special import ndtri
 from scipy.stats import norm
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import block_counts
+from sparsecal.formats.stats_config import StatsConfig
 
 
 def model_info(layers: int, heads: int) -> dict:

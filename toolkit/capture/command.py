@@ -56,8 +56,8 @@ def stats_config(req: CaptureRequest):
 def build_prompts(req: CaptureRequest, ms, max_context, vocab_size=None):
     """Task prompts and/or the user's prompts file, validated against the model's context."""
     from sparsecal.capture import prompts as P
-    from sparsecal.capture.runner import check_lengths
     from sparsecal.capture.models import load_tokenizer
+    from sparsecal.capture.runner import check_lengths
 
     for t in req.tasks:
         if t not in P.TASKS:
@@ -96,8 +96,8 @@ class _LazyTokenizer:
 
 
 def capture_command(req: CaptureRequest) -> None:
-    from sparsecal.capture.runner import pending, resolve_backend, run_capture
     from sparsecal.capture.models import load_config, load_model, model_info, resolve_model
+    from sparsecal.capture.runner import pending, resolve_backend, run_capture
     from sparsecal.formats.run import RunStore
 
     cfg = stats_config(req)
@@ -134,7 +134,7 @@ def capture_command(req: CaptureRequest) -> None:
 
 
 def print_summary(store) -> None:
-    from sparsecal.capture.summary import run_summary, SUMMARY_LAMBDA
+    from sparsecal.capture.summary import SUMMARY_LAMBDA, run_summary
 
     table = Table(title=f"{store.root}: {store.manifest['model']['id']}")
     for col in ("task", "tokens", "samples", "s/sample", f"sparsity λ={SUMMARY_LAMBDA:g}",

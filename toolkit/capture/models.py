@@ -52,7 +52,9 @@ def load_config(ms: ModelSpec):
     """The checkpoint's config, refusing anything that is not a decoder-only causal LM."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     try:
         cfg = AutoConfig.from_pretrained(str(ms.path), **ms.hf_kwargs())

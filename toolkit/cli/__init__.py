@@ -81,7 +81,7 @@ def capture(
     backend: str = typer.Option("auto", help="Attention backend: auto (triton on CUDA, else reference), triton, reference."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
-    from sparsecal.capture.command import capture_command, CaptureRequest
+    from sparsecal.capture.command import CaptureRequest, capture_command
 
     tasks = task.split(",") if task else ([] if prompts_file else ["niah_single"])
     req = CaptureRequest(out=out, model=model, tasks=[t.strip() for t in tasks if t.strip()],
@@ -107,7 +107,6 @@ def fit(
     """Fit BSFA thresholds and the BLASST lambda law, validate them on held-out samples, and
     write the analysis tables (Parquet) to RUN/fit/."""
     from sparsecal.analysis.fit import FitRequest
-
     from sparsecal.cli.calibrate import fit_command
 
     req = FitRequest(k_values=_int_list(k, "k") if k else None, targets=_float_list(targets, "targets"),
@@ -200,7 +199,7 @@ def eval_(
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
     agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
     (options left out on a resumed OUT take the values it was started with)."""
-    from sparsecal.evaluation.command import eval_command, EvalRequest
+    from sparsecal.evaluation.command import EvalRequest, eval_command
 
     req = EvalRequest(export=export, out=out, model=model,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,

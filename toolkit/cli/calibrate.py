@@ -77,8 +77,8 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
 
 
 def export_command(run: Path, out: Path, target, max_length) -> dict:
-    from sparsecal.integrations.export import export_run
     from sparsecal.formats.run import RunStore
+    from sparsecal.integrations.export import export_run
 
     res = export_run(RunStore.open(run), out, target, max_length)
     console.print(f"exported to {out}: thresholds.bsfa.pt and thresholds.safetensors {res['bsfa_shape']} "

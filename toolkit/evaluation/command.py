@@ -86,10 +86,10 @@ class Plan:
 def _check(req: EvalRequest) -> Plan:
     """Every check that needs neither the tokenizer nor the model."""
     from sparsecal.capture import prompts as P
+    from sparsecal.capture.models import DTYPES, resolve_model
     from sparsecal.capture.runner import check_lengths as check_context
     from sparsecal.evaluation.inputs import check_lengths, check_methods, find_calibration, load_export
     from sparsecal.evaluation.methods import parse_methods, with_dense
-    from sparsecal.capture.models import DTYPES, resolve_model
 
     methods = with_dense(parse_methods(req.methods))
     if req.dtype not in DTYPES:
@@ -186,8 +186,8 @@ def eval_command(req: EvalRequest) -> dict:
 
 
 def _run(store, req: EvalRequest, plan: Plan, tok, todo) -> None:
-    from sparsecal.evaluation.model import eos_ids
     from sparsecal.capture.models import load_model
+    from sparsecal.evaluation.model import eos_ids
 
     t0 = time.perf_counter()
     model = load_model(plan.ms, req.dtype, req.device)
@@ -225,9 +225,9 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
     method on the same prompt. Yields each row as soon as it is finished."""
     import torch
 
-    from sparsecal.evaluation.metrics import fidelity, Reference
-    from sparsecal.evaluation.model import generate, prefill, use_method
     from sparsecal.capture.prompts.scoring import answer_budget
+    from sparsecal.evaluation.metrics import Reference, fidelity
+    from sparsecal.evaluation.model import generate, prefill, use_method
 
     ids = torch.tensor(prompt.input_ids)
     budget = answer_budget(tok, prompt)
@@ -254,8 +254,8 @@ def _held_out(manifest: dict, prompt):
 
 
 def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
-    from sparsecal.evaluation.metrics import sparsity as sparsity_of
     from sparsecal.capture.prompts.scoring import is_correct, score
+    from sparsecal.evaluation.metrics import sparsity as sparsity_of
 
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     return {"sample_id": _sid(prompt), "task": prompt.task, "length": prompt.length, "index": prompt.index,
@@ -274,10 +274,10 @@ def finish(store, bench_files=()) -> dict:
     files are given; print the summary. Returns the paths written."""
     import json
 
-    from sparsecal.formats.provenance import provenance
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
     from sparsecal.evaluation.summary import curves, read_bench, result_rows, summarize, unmatched_bench
     from sparsecal.formats.files import atomic_write_text
+    from sparsecal.formats.provenance import provenance
 
     if not store.rows:
         return {}

@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparsecal.formats.errors import UserError
 from sparsecal.evaluation.methods import Method
+from sparsecal.formats.errors import UserError
 
 
 @dataclass

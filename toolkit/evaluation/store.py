@@ -22,9 +22,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparsecal.formats.version import SCHEMA_VERSION
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
+from sparsecal.formats.version import SCHEMA_VERSION
 
 EVAL_KIND = "sparsecal-eval-run"
 DATA = "data"

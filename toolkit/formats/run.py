@@ -31,6 +31,8 @@ from sparsecal.formats.version import SCHEMA_VERSION, __version__
 RUN_KIND = "sparsecal-run"
 MANIFEST = "manifest.json"
 SAMPLES = "samples"
+FIT_DIR = "fit"                 # RUN/fit/: fit.json (kind FIT_KIND) and the analysis tables
+FIT_KIND = "sparsecal-fit"
 # Mostly-zero histograms: stored as (index, value) pairs on disk, dense in memory.
 SPARSE_KEYS = frozenset({"gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
                          "tstar_where", "tstar_hist", "qinit_count"})

@@ -9,16 +9,15 @@ from pathlib import Path
 
 import numpy as np
 
-from sparsecal.formats.version import __version__, SCHEMA_VERSION
-from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import BLASST_ALGORITHM, write_blasst
-from sparsecal.integrations.exports import write_bsfa
-from sparsecal.formats.geometry import cdiv
-from sparsecal.formats.tensors import load_arrays
-
 from sparsecal.analysis.bsfa import extend_positions
 from sparsecal.analysis.fit import FIT_DIR, load_fit
 from sparsecal.analysis.tables import THRESHOLDS
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import BLASST_ALGORITHM, write_blasst
+from sparsecal.formats.geometry import cdiv
+from sparsecal.formats.tensors import load_arrays
+from sparsecal.formats.version import SCHEMA_VERSION, __version__
+from sparsecal.integrations.exports import write_bsfa
 
 
 def _thresholds(root: Path, fit: dict):

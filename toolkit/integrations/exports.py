@@ -13,8 +13,16 @@ import numpy as np
 import torch
 
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import (BSFA_PT, BsfaExport, bsfa_file, bsfa_from_payload, bsfa_pt_payload, check_bsfa,
-                                       read_bsfa_safetensors, write_bsfa_safetensors)
+from sparsecal.formats.exports import (
+    BSFA_PT,
+    BsfaExport,
+    bsfa_file,
+    bsfa_from_payload,
+    bsfa_pt_payload,
+    check_bsfa,
+    read_bsfa_safetensors,
+    write_bsfa_safetensors,
+)
 from sparsecal.formats.files import atomic_write
 
 

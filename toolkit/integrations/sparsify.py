@@ -221,8 +221,8 @@ def _use_triton(state: _State, query) -> bool:
 
 def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict):
     """Triton kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
-    from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
     from sparsecal.kernels.sparse.decode import sparse_decode_triton
+    from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
 
     b, h, nq, d = query.shape
     if mode == "prefill":

@@ -6,7 +6,14 @@ common-word extraction, plain text) at exact token lengths, deterministically fr
 """
 
 from sparsecal.capture.prompts.jsonl import load_prompts_file
-from sparsecal.capture.prompts.tasks import build_sample, build_task_prompts, MIN_LENGTH, PromptSample, sample_seed, TASKS
+from sparsecal.capture.prompts.tasks import (
+    MIN_LENGTH,
+    TASKS,
+    PromptSample,
+    build_sample,
+    build_task_prompts,
+    sample_seed,
+)
 
 __all__ = [
     "MIN_LENGTH",

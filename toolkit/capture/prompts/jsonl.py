@@ -17,8 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from sparsecal.formats.errors import UserError
 from sparsecal.capture.prompts.tasks import PromptSample
+from sparsecal.formats.errors import UserError
 
 _FORMAT = 'Each line must be one JSON object with "text" or "input_ids".'
 

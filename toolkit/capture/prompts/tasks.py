@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sparsecal.formats.errors import unknown, UserError
+from sparsecal.formats.errors import UserError, unknown
 
 TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "vt", "cwe", "text")
 MIN_LENGTH = {"niah_single": 128, "niah_multikey": 256, "vt": 256, "cwe": 384, "text": 16}
