@@ -14,11 +14,8 @@
 
 Times are medians of triton.testing.do_bench (L2 flushed before each run, warm-up first).
 ``--smollm2 DIR`` instead captures SmolLM2 on the default prompt set twice (GPU triton, CPU
-reference) into DIR and compares the runs. ``--single-order`` instead compares the capture paths
-(writes triton-capture-single-order-h100.json): the single-order path (single-pass forward + mass
-pass + decode + reductions) per order against the reference on the GPU, whether both capture paths
-run without a host sync, a launch sweep of the mass pass, then per (D, N) round-robin timings of
-SDPA, dense Triton, the three-order capture and each one-order capture with its parts.
+reference) into DIR and compares the runs. The one-order capture path has its own benchmark,
+``python -m sparsecal.bench.capture_single_order``.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ with ``sparsecal dashboard --results DIR`` (environment variable SPARSECAL_RESUL
 
 A file holds rows, one per measured point. Parquet: the rows are the table. JSON: an object
 ``{"kind": "sparsecal-eval" | "sparsecal-bench", "rows": [...], "provenance": {...}}`` (the
-provenance of toolkit/bench/provenance.py: GPU, versions, commit, date).
+provenance of toolkit/formats/provenance.py: GPU, versions, commit, date).
 
 Row columns (the ones marked * are required, plus at least one of the two measures):
 
@@ -39,7 +39,8 @@ MEASURES = ("accuracy_rel_dense", "speedup")
 OPTIONAL = ("sparsity",)
 KINDS = ("sparsecal-eval", "sparsecal-bench")
 PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
-             "into DIR/curves.parquet) and `sparsecal bench --results DIR` (speedup)")
+             "into DIR/curves.parquet) and `sparsecal bench --smollm2` on a GPU (speedup rows, "
+             "data/bench/sparse-smollm2-*-rows.json)")
 
 
 def result_files(dirs) -> list[Path]:
