@@ -122,7 +122,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     cfg = StatsConfig.from_dict(store.manifest["config"])
     kidx = check_request(req, cfg)
     ks = [cfg.k_values[i] for i in kidx]
-    split = split_samples(finished_records(store), req.holdout, req.seed, str(store.root))
+    split = split_samples(finished_records(store, warn), req.holdout, req.seed, str(store.root))
     warnings = _k_warnings(ks, split.lengths, cfg)
     st = _State(cfg, kidx, bsfa.ThresholdAccumulator(req.aggregation))
     evals = list(split.test) or list(split.train)

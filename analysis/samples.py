@@ -27,10 +27,19 @@ class Split:
         return sorted({r["length"] for r in self.train + self.test})
 
 
-def finished_records(store) -> list[dict]:
-    """Records of the finished samples of ``store``, in manifest order."""
-    done = store.done_ids()
-    recs = [r for r in store.manifest["samples"] if r["id"] in done]
+def finished_records(store, warn=None) -> list[dict]:
+    """Records of the finished, readable samples of ``store``: the manifest's in its order, then
+    finished samples the manifest lacks (a warning names them and `sparsecal doctor`); damaged
+    samples are left out with a warning."""
+    recs, extra = store.finished_records()
+    if warn and extra:
+        warn(f"{len(extra)} finished sample(s) of {store.root} are missing from its manifest ({', '.join(extra[:3])}"
+             f"{', ...' if len(extra) > 3 else ''}); they are fitted too. `sparsecal doctor {store.root}` repairs "
+             "the manifest.")
+    damaged = store.damaged()
+    if warn and damaged:
+        sid, why = next(iter(damaged.items()))
+        warn(f"{len(damaged)} damaged sample(s) left out ({sid}: {why}); the same capture command recaptures them.")
     if not recs:
         raise UserError(f"{store.root} has no finished samples; run `sparsecal capture --out {store.root}` first.")
     return recs

@@ -37,7 +37,7 @@ import streamlit as st
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
 from sparsecal.formats.files import check_schema, read_json_manifest
-from sparsecal.formats.run import FIT_DIR, FIT_KIND, MANIFEST, RUN_KIND
+from sparsecal.formats.run import FIT_DIR, FIT_KIND, MANIFEST, RUN_KIND, check_manifest
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
@@ -131,7 +131,9 @@ def manifest(root: Path) -> dict:
     if not path.is_file():
         raise Missing(f"{root} is not a sparsecal run (no {MANIFEST}); make one with "
                       f"`sparsecal capture --out {root}`.")
-    return _manifest(str(path), _stamp(path), RUN_KIND, "capture the run again with this sparsecal")
+    man = _manifest(str(path), _stamp(path), RUN_KIND, "capture the run again with this sparsecal")
+    _broken(check_manifest, path, man)
+    return man
 
 
 @st.cache_data(show_spinner=False, max_entries=32)

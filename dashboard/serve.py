@@ -8,7 +8,9 @@ Ctrl-C (or until the process is terminated).
 """
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,15 +29,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_port(host: str, port: int) -> int:
-    """The port to use: ``port``, or a free one when it is 0; refuses a port already taken."""
-    if port == 0:
-        return free_port(host)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
+    """The port to use: ``port``, or a free one when it is 0; refuses a port out of range, a host
+    that is not an address of this machine, and a port already taken."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port; give one in 1-65535 (0 picks a free one).")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, port))
-        except OSError:
+            return s.getsockname()[1]
+    except socket.gaierror:
+        raise UserError(f"--host {host} is not a name or address this machine can resolve; use 127.0.0.1 "
+                        "or 0.0.0.0.") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
             raise UserError(f"port {port} on {host} is in use; pass another --port (0 picks a free one).") from None
-    return port
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); --host must be an address of this "
+                        "machine (127.0.0.1, 0.0.0.0).") from None
 
 
 def check_runs(runs, pending=()) -> list[Path]:
@@ -95,9 +104,19 @@ def stop(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
+def stop_on_signals():
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt (as Ctrl-C), so the server child is stopped
+    on every way out instead of being orphaned; returns the previous handlers."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
 def serve(runs, host: str = "127.0.0.1", port: int = 8501, results=(), echo=print) -> int:
     """Serve the dashboard on ``runs`` in the foreground; returns the server's exit code."""
     proc = start(runs, host, port, results, echo=echo)
+    stop_on_signals()
     try:
         return proc.wait()
     except KeyboardInterrupt:

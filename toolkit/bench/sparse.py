@@ -195,7 +195,7 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
             sweep.pop(launch, None)
             log(f"  decode launch {launch}: {type(e).__name__}: {str(e)[:120]}")
     best = min(sweep, key=sweep.get)
-    log(f"  decode launch sweep (skipping off): " + ", ".join(f"{x}: {t:.3f} ms" for x, t in sweep.items()))
+    log("  decode launch sweep (skipping off): " + ", ".join(f"{x}: {t:.3f} ms" for x, t in sweep.items()))
 
     def dec(**kw):
         return sparse_decode_triton(q, k, v, scale, BM, BN, launch=best, **kw)

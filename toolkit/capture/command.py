@@ -33,6 +33,7 @@ class CaptureRequest:
     dtype: str = "float32"
     device: str = "cpu"
     backend: str = "auto"  # auto | triton | reference
+    add: bool = False       # allow prompts the run did not plan yet (another task, more lengths)
 
 
 def stats_config(req: CaptureRequest):
@@ -77,6 +78,23 @@ def build_prompts(req: CaptureRequest, ms, max_context, vocab_size=None):
     return out
 
 
+def check_additions(store, prompts, add: bool) -> None:
+    """An existing run takes prompts it did not plan only with --add; then its fit and export
+    (made before them) are reported stale."""
+    from sparsecal.capture.runner import pending
+
+    planned = {r["id"] for r in store.manifest["samples"]}
+    new = [r for r, _ in pending(store, prompts)[0] if r["id"] not in planned]
+    if new and not add:
+        tasks = sorted({r["task"] for r in new})
+        raise UserError(f"{store.root} holds another set of prompts; {len(new)} of these are new to it (tasks "
+                        f"{', '.join(tasks)}): add them with --add, or use a new --out directory.")
+    stale = [d for d in ("fit", "export") if (store.root / d).is_dir()]
+    if new and stale:
+        console.print(f"[yellow]warning:[/] {store.root}/{' and '.join(stale)} predate the {len(new)} added samples: "
+                      f"run `sparsecal fit {store.root}` (and export) again once the capture is done.")
+
+
 class _LazyTokenizer:
     """Loads the tokenizer on first use, so token-id prompt files need none."""
 
@@ -96,18 +114,21 @@ class _LazyTokenizer:
 
 
 def capture_command(req: CaptureRequest) -> None:
-    from sparsecal.capture.models import load_config, load_model, model_info, resolve_model
+    from sparsecal.capture.models import check_dtype_device, load_config, load_model, model_info, resolve_model
     from sparsecal.capture.runner import pending, resolve_backend, run_capture
     from sparsecal.formats.run import RunStore
 
     cfg = stats_config(req)
+    check_dtype_device(req.dtype, req.device)
     ms = resolve_model(req.model)
     info = model_info(ms, load_config(ms))
     backend = resolve_backend(req.backend, req.device, info["head_dim"])
-    RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
+    exists = RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
     prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
     if not prompts:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
+    if exists:
+        check_additions(RunStore.open(req.out), prompts, req.add)
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
                   f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}, {backend} backend)")
     store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend)

@@ -93,6 +93,25 @@ def load_tokenizer(ms: ModelSpec):
                         '--prompts-file lines of the form {"input_ids": [...]}.')
 
 
+def check_dtype_device(dtype: str, device: str) -> None:
+    """Refuse an unknown dtype or a device this torch cannot use, before anything is written."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise UserError(f"Unknown dtype '{dtype}'. Available: {', '.join(DTYPES)}.")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1).") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: this torch has no usable CUDA device; use --device cpu.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here.")
+    elif dev.type != "cpu":
+        raise UserError(f"--device {device}: only cpu and cuda devices are supported.")
+
+
 def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
     """The causal LM in eval mode on ``device`` with attention implementation ``attn``."""
     import torch

@@ -22,13 +22,19 @@ COMMITTED_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibrat
 
 
 def _user_errors(fn):
-    """Turn UserError into one line on stderr and exit code 2; Ctrl-C into a resume hint."""
+    """Turn UserError (and an OS error on a path) into one line on stderr and exit code 2;
+    Ctrl-C into a resume hint."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except OSError as e:  # permission, read-only or full file system on a path the user gave
+            if e.filename is None:
+                raise
+            typer.echo(f"error: {e.filename}: {e.strerror}; choose a writable path with free space.", err=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted: finished samples are kept; run the same command again to resume.", err=True)
@@ -79,6 +85,8 @@ def capture(
     dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="torch device for the model."),
     backend: str = typer.Option("auto", help="Attention backend: auto (triton on CUDA, else reference), triton, reference."),
+    add: bool = typer.Option(False, "--add", help="Add prompts an existing run did not plan (another task, "
+                             "more lengths); its fit and export are then stale."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from sparsecal.capture.command import CaptureRequest, capture_command
@@ -89,7 +97,7 @@ def capture(
                          prompts_file=prompts_file, block_m=block_m, block_n=block_n,
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
                          orders=[o.strip() for o in orders.split(",") if o.strip()],
-                         dtype=dtype, device=device, backend=backend)
+                         dtype=dtype, device=device, backend=backend, add=add)
     capture_command(req)
 
 
@@ -121,11 +129,12 @@ def export(
     out: Path = typer.Option(..., "--out", help="Export directory (created)."),
     target: Optional[float] = typer.Option(None, help="BLASST target written at the top of blasst.json [default: the first fitted]."),
     max_length: Optional[int] = typer.Option(None, help="Cover positions up to this many tokens (past the longest calibrated length, the last threshold is reused)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an export of another run in OUT."),
 ):
     """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json from RUN's fit."""
     from sparsecal.cli.calibrate import export_command
 
-    export_command(run, out, target, max_length)
+    export_command(run, out, target, max_length, force)
 
 
 @app.command()
@@ -162,6 +171,7 @@ def demo(
 
         runs = ([COMMITTED_CALIBRATION] if (COMMITTED_CALIBRATION / "manifest.json").is_file() else []) + [out]
         server = dashboard.start(runs, "127.0.0.1", port, pending=[out])
+        dashboard.stop_on_signals()
     try:
         req = CaptureRequest(out=out, model="smollm2", tasks=DEFAULT_TASKS.split(","),
                              lengths=_int_list(DEMO_LENGTHS, "lengths"), samples=1, seed=0)
@@ -176,6 +186,24 @@ def demo(
         if server is not None:
             dashboard.stop(server)
         raise
+
+
+@app.command()
+@_user_errors
+def doctor(run: Path = typer.Argument(..., help="Run directory made by `sparsecal capture`.")):
+    """Check a run: add finished samples its manifest lacks (after concurrent writers or a lost
+    manifest write) and list damaged samples, which the same capture command recaptures."""
+    from sparsecal.formats.run import RunStore
+
+    store = RunStore.open(run)
+    added, damaged = store.rebuild()
+    done = len(store.done_ids())
+    typer.echo(f"{run}: {done} finished samples, {len(store.manifest['samples'])} planned"
+               + (f"; added {len(added)} missing from the manifest" if added else ""))
+    for sid, why in damaged.items():
+        typer.echo(f"damaged: {sid}: {why}")
+    if damaged:
+        typer.echo("run the capture command again to recapture the damaged samples.")
 
 
 @app.command(name="eval")
@@ -223,3 +251,27 @@ def bench(ctx: typer.Context):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())
+
+
+def run() -> None:
+    """The console entry point (``sparsecal``): typer's own usage errors (a bad option value, an
+    unknown option) become one ``error:`` line with exit code 2 too."""
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    try:
+        rc = app(standalone_mode=False)  # typer.Exit(code) comes back as its code here
+    except click_error as e:
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()
+            sys.exit(e.exit_code)
+        where = e.ctx.command_path if getattr(e, "ctx", None) else "sparsecal"
+        message = " ".join(e.format_message().split())
+        typer.echo(f"error: {message} (see `{where} --help`)", err=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo("interrupted: finished samples are kept; run the same command again to resume.", err=True)
+        sys.exit(130)
+    except Exception as e:
+        if type(e).__name__ == "Exit":  # typer.Exit / click's Exit in non-standalone mode
+            sys.exit(getattr(e, "exit_code", 0))
+        raise
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -76,11 +76,11 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
         out.print(t)
 
 
-def export_command(run: Path, out: Path, target, max_length) -> dict:
+def export_command(run: Path, out: Path, target, max_length, force: bool = False) -> dict:
     from sparsecal.formats.run import RunStore
     from sparsecal.integrations.export import export_run
 
-    res = export_run(RunStore.open(run), out, target, max_length)
+    res = export_run(RunStore.open(run), out, target, max_length, force)
     console.print(f"exported to {out}: thresholds.bsfa.pt and thresholds.safetensors {res['bsfa_shape']} "
                   f"(k {','.join(map(str, res['k_values']))}), blasst.json "
                   + "; ".join(f"target {t:g}: a = {f['prefill']:.4g} prefill, "

@@ -14,6 +14,7 @@ and raises ``UserError`` with one line that names the mismatch.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,17 +162,62 @@ def load_blasst(path, expect: dict | None = None) -> dict:
         raise UserError(f"{path} does not exist; write an export with `sparsecal export RUN --out DIR`.")
     try:
         doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e.msg}); export it again.")
-    if doc.get("algorithm") != BLASST_ALGORITHM or "threshold_scale_factor" not in doc:
-        raise UserError(f"{path} is not a BLASST skip-softmax export (algorithm {doc.get('algorithm')!r}).")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path} has schema version {doc.get('schema_version')}; this sparsecal reads "
-                        f"{SCHEMA_VERSION}: export it again.")
-    check_geometry(path, {"model": doc.get("model"), "num_layers": doc.get("num_layers"),
-                          "num_heads": doc.get("num_heads"), "block_m": doc.get("q_block_size"),
-                          "block_n": doc.get("k_block_size")}, expect)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({getattr(e, 'msg', type(e).__name__)}); export it again.") from None
+    validate_blasst(path, doc)
+    check_geometry(path, {"model": doc["model"], "num_layers": doc["num_layers"], "num_heads": doc["num_heads"],
+                          "block_m": doc["q_block_size"], "block_n": doc["k_block_size"]}, expect)
     return doc
+
+
+GEOMETRY_KEYS = {"model": str, "num_layers": int, "num_heads": int, "q_block_size": int, "k_block_size": int}
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_entry(path, entry, where: str) -> None:
+    """One calibration: target_sparsity in (0, 1) and threshold_scale_factor {prefill, decode},
+    each a finite positive number (lambda = factor / L) or null (that phase not calibrated)."""
+    bad = f"{path}: {where}"
+    if not isinstance(entry, dict):
+        raise UserError(f"{bad} is not an object; export it again with `sparsecal export`.")
+    t = entry.get("target_sparsity")
+    if not _number(t) or not 0.0 < t < 1.0:
+        raise UserError(f"{bad}.target_sparsity is {t!r}, not a number in (0, 1); export it again.")
+    tsf = entry.get("threshold_scale_factor")
+    if not isinstance(tsf, dict) or not set(tsf) <= {"prefill", "decode"} or not tsf:
+        raise UserError(f"{bad}.threshold_scale_factor must be an object with prefill and/or decode factors; "
+                        "export it again.")
+    for mode, f in tsf.items():
+        if f is not None and (not _number(f) or f <= 0):
+            raise UserError(f"{bad}.threshold_scale_factor.{mode} is {f!r}; it must be a finite positive number "
+                            "(lambda = factor / length): export it again.")
+
+
+def validate_blasst(path, doc) -> None:
+    """blasst.json as every reader needs it: kind, schema, geometry keys with their types, the
+    main calibration and every entry of ``targets`` checked, and the main one equal to its entry."""
+    if not isinstance(doc, dict):
+        raise UserError(f"{path} holds a JSON {type(doc).__name__}, not a BLASST export object; export it again.")
+    if doc.get("algorithm") != BLASST_ALGORITHM:
+        raise UserError(f"{path} is not a BLASST skip-softmax export (algorithm {doc.get('algorithm')!r}).")
+    check_schema(path, doc.get("schema_version"), "export it again")
+    for key, kind in GEOMETRY_KEYS.items():
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise UserError(f"{path}: {key} is {doc.get(key)!r}, not a {kind.__name__}; the export is damaged or "
+                            "edited: export it again.")
+    _check_entry(path, doc, "the main calibration")
+    targets = doc.get("targets", [])
+    if not isinstance(targets, list):
+        raise UserError(f"{path}: targets is {type(targets).__name__}, not a list; export it again.")
+    for i, entry in enumerate(targets):
+        _check_entry(path, entry, f"targets[{i}]")
+    same = [e for e in targets if abs(e["target_sparsity"] - doc["target_sparsity"]) < 1e-9]
+    if same and same[0]["threshold_scale_factor"] != doc["threshold_scale_factor"]:
+        raise UserError(f"{path}: the main threshold_scale_factor differs from targets' entry for target "
+                        f"{doc['target_sparsity']:g}; export it again.")
 
 
 def blasst_lambda(doc: dict, length: int, target: float | None = None, mode: str = "prefill") -> float:
@@ -190,8 +236,15 @@ def blasst_lambda(doc: dict, length: int, target: float | None = None, mode: str
     return float(factor) / float(length)
 
 
+EXPECT_KEYS = ("model", "num_layers", "num_heads", "block_m", "block_n")
+
+
 def check_geometry(path, have: dict, expect: dict | None) -> None:
-    """Refuse an export whose model or geometry differs from what it is applied to."""
+    """Refuse an export whose model or geometry differs from what it is applied to. ``expect``
+    may hold any of EXPECT_KEYS (another key is a programming error)."""
+    unknown_keys = set(expect or {}) - set(EXPECT_KEYS)
+    if unknown_keys:
+        raise ValueError(f"expect= keys {sorted(unknown_keys)} are not among {EXPECT_KEYS}")
     for key, want in (expect or {}).items():
         got = have.get(key)
         if want is not None and got is not None and got != want:

@@ -10,10 +10,19 @@
 A sample folder is built under samples/.tmp-<id>-<pid>/ and renamed into place, so a crash or
 Ctrl-C never leaves half a sample; leftovers of interrupted writes are removed on the next open.
 Sample ids hash the token ids, so re-running the same command skips exactly the finished samples.
+
+Several writers (two captures into one --out, the ranks of a distributed capture) are safe: the
+manifest is only changed under an exclusive lock on RUN/.lock, re-read from disk first, so no
+writer's planned samples are lost. The sample folders on disk are the truth about what is
+finished: a folder whose sample.json or stats.safetensors does not read is "damaged", counts as
+not finished (the same capture command recaptures it), and ``rebuild`` (``sparsecal doctor``) adds
+finished samples the manifest lacks.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -24,10 +33,11 @@ from importlib import metadata
 from pathlib import Path
 
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.files import atomic_write_text, check_schema, read_json_manifest
+from sparsecal.formats.files import atomic_write_text, read_json_manifest
 from sparsecal.formats.tensors import load_arrays, save_arrays
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
+LOCK = ".lock"
 RUN_KIND = "sparsecal-run"
 MANIFEST = "manifest.json"
 SAMPLES = "samples"
@@ -76,23 +86,30 @@ class RunStore:
         if not path.is_file():
             raise UserError(f"{root} is not a sparsecal run (no {MANIFEST}). Create one with `sparsecal capture --out {root}`.")
         man = read_json_manifest(path, RUN_KIND, "capture the run again into a new directory with this sparsecal")
+        check_manifest(path, man)
         return cls(root, man)
 
     @classmethod
     def create_or_resume(cls, root, model: dict, config: dict, dtype: str, backend: str) -> "RunStore":
         """Open RUN for writing: a new directory, or an existing run with the same model and config."""
         root = Path(root)
-        if cls.check_target(root, model, config, dtype):
-            store = cls.open(root)
-            store._clean_tmp()
+        cls.check_target(root, model, config, dtype)  # one line before anything is written
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create --out {root} ({e.strerror}); choose a writable directory.") from None
+        with _locked(root):
+            if cls.check_target(root, model, config, dtype):  # another writer may have created it meanwhile
+                store = cls.open(root)
+                store._clean_tmp()
+                return store
+            man = {"schema_version": SCHEMA_VERSION, "kind": RUN_KIND, "created": _now(), "updated": _now(),
+                   "model": model, "dtype": dtype, "backend": backend, "config": config,
+                   "versions": versions(), "samples": []}
+            (root / SAMPLES).mkdir(parents=True, exist_ok=True)
+            store = cls(root, man)
+            store._write_manifest()
             return store
-        man = {"schema_version": SCHEMA_VERSION, "kind": RUN_KIND, "created": _now(), "updated": _now(),
-               "model": model, "dtype": dtype, "backend": backend, "config": config,
-               "versions": versions(), "samples": []}
-        (root / SAMPLES).mkdir(parents=True, exist_ok=True)
-        store = cls(root, man)
-        store._write_manifest()
-        return store
 
     @classmethod
     def check_target(cls, root, model: dict, config: dict, dtype: str) -> bool:
@@ -103,7 +120,7 @@ class RunStore:
         if (root / MANIFEST).exists():
             cls.open(root)._check_same(model, config, dtype)
             return True
-        if root.exists() and any(root.iterdir()):
+        if root.exists() and any(p.name != LOCK for p in root.iterdir()):
             raise UserError(f"--out {root} is a non-empty directory that is not a sparsecal run; choose a new directory.")
         return False
 
@@ -125,35 +142,114 @@ class RunStore:
         atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
 
     def _clean_tmp(self) -> None:
+        """Remove leftovers of interrupted sample writes (of this or a dead process; a live
+        writer's own temp folder is recreated by its next write)."""
         for tmp in (self.root / SAMPLES).glob(".tmp-*"):
+            pid = tmp.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+                continue
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def plan(self, records: list[dict]) -> None:
-        """Add sample records (dicts with at least 'id') not planned yet, and save the manifest."""
-        known = {s["id"] for s in self.manifest["samples"]}
-        new = [r for r in records if r["id"] not in known]
-        if new:
-            self.manifest["samples"].extend(new)
-            self._write_manifest()
+    def _reload(self) -> None:
+        """Re-read the manifest from disk (under the lock: other writers may have planned samples)."""
+        self.manifest = read_json_manifest(self.root / MANIFEST, RUN_KIND, "run `sparsecal doctor` on it")
+        check_manifest(self.root / MANIFEST, self.manifest)
+
+    def plan(self, records: list[dict]) -> list[dict]:
+        """Add sample records (dicts with at least 'id') not planned yet, and save the manifest.
+        Returns the records that were new."""
+        with _locked(self.root):
+            self._reload()
+            known = {s["id"] for s in self.manifest["samples"]}
+            new = [r for r in records if r["id"] not in known]
+            if new:
+                self.manifest["samples"].extend(new)
+                self._write_manifest()
+        return new
+
+    def sample_dirs(self) -> list[Path]:
+        base = self.root / SAMPLES
+        return sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
+
+    def check_sample(self, sid: str) -> str | None:
+        """None when sample ``sid`` is finished and readable, else what is wrong with it."""
+        folder = self.root / SAMPLES / sid
+        for name in ("sample.json", "stats.safetensors"):
+            if not (folder / name).is_file():
+                return f"{name} is missing"
+        try:
+            record = json.loads((folder / "sample.json").read_text())
+            if not isinstance(record, dict) or record.get("id") != sid:
+                return "sample.json does not describe this sample"
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "stats.safetensors"), framework="np") as f:
+                meta = f.metadata() or {}
+            if str(meta.get("schema_version")) != str(SCHEMA_VERSION):
+                return f"stats.safetensors has schema version {meta.get('schema_version')}"
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # truncated or garbled files
+            return f"unreadable ({type(e).__name__})"
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type on a bad header
+            return f"unreadable ({type(e).__name__})"
+        return None
 
     def done_ids(self) -> set[str]:
-        base = self.root / SAMPLES
-        return {p.parent.name for p in base.glob("*/sample.json") if not p.parent.name.startswith(".")}
+        """Samples finished on disk and readable (damaged ones count as not finished)."""
+        return {p.name for p in self.sample_dirs() if self.check_sample(p.name) is None}
+
+    def damaged(self) -> dict[str, str]:
+        """{sample id: what is wrong} of the sample folders that do not read."""
+        out = {}
+        for p in self.sample_dirs():
+            why = self.check_sample(p.name)
+            if why is not None:
+                out[p.name] = why
+        return out
+
+    def finished_records(self) -> tuple[list[dict], list[str]]:
+        """(records of the finished samples: the manifest's, in its order, then those only on disk,
+        from their sample.json; ids of finished samples the manifest lacks)."""
+        done = self.done_ids()
+        planned = {r["id"] for r in self.manifest["samples"]}
+        recs = [r for r in self.manifest["samples"] if r["id"] in done]
+        extra = sorted(done - planned)
+        for sid in extra:
+            rec = json.loads((self.root / SAMPLES / sid / "sample.json").read_text())
+            recs.append({k: v for k, v in rec.items() if k not in ("seconds", "backend")})
+        return recs, extra
+
+    def rebuild(self) -> tuple[list[str], dict[str, str]]:
+        """Add the finished samples the manifest lacks (from their sample.json); returns (ids
+        added, damaged samples {id: why}). What ``sparsecal doctor`` does."""
+        with _locked(self.root):
+            self._reload()
+            recs, extra = self.finished_records()
+            if extra:
+                self.manifest["samples"].extend(r for r in recs if r["id"] in set(extra))
+                self._write_manifest()
+        return extra, self.damaged()
 
     def write_sample(self, record: dict, stats: dict, raw: dict | None = None) -> Path:
         """Write one finished sample atomically: build it in a temp folder, then rename."""
         final = self.root / SAMPLES / record["id"]
         tmp = self.root / SAMPLES / f".tmp-{record['id']}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        meta = {"schema_version": SCHEMA_VERSION, "sample": record["id"], "model": self.manifest["model"]["id"]}
-        save_arrays(tmp / "stats.safetensors", as_arrays(stats), sparse=SPARSE_KEYS, metadata=meta)
-        if raw:
-            save_arrays(tmp / "raw.safetensors", as_arrays(raw), metadata=meta)
-        atomic_write_text(tmp / "sample.json", json.dumps(record, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        try:
+            tmp.mkdir(parents=True)
+            meta = {"schema_version": SCHEMA_VERSION, "sample": record["id"], "model": self.manifest["model"]["id"]}
+            save_arrays(tmp / "stats.safetensors", as_arrays(stats), sparse=SPARSE_KEYS, metadata=meta)
+            if raw:
+                save_arrays(tmp / "raw.safetensors", as_arrays(raw), metadata=meta)
+            atomic_write_text(tmp / "sample.json", json.dumps(record, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException as e:  # Ctrl-C or a full disk: leave no half-written folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise UserError(f"cannot write sample {record['id']} into {self.root} ({e.strerror}); free space "
+                                "or fix permissions, then run the same command to resume.") from None
+            raise
         return final
 
     # ---- reading -------------------------------------------------------------------------
@@ -163,9 +259,51 @@ class RunStore:
         folder = self.root / SAMPLES / sid
         if not (folder / "sample.json").is_file():
             raise UserError(f"sample {sid} of {self.root} is not finished; re-run the capture to resume it.")
+        why = self.check_sample(sid)
+        if why is not None:
+            raise UserError(f"sample {sid} of {self.root} is damaged ({why}); run the same capture command to "
+                            "recapture it.")
         record = json.loads((folder / "sample.json").read_text())
-        tensors, meta = load_arrays(folder / "stats.safetensors", keys)
-        check_schema(folder / "stats.safetensors", meta.get("schema_version"), "capture the run again")
-        if raw and (folder / "raw.safetensors").is_file():
-            tensors.update(load_arrays(folder / "raw.safetensors")[0])
+        try:
+            tensors, meta = load_arrays(folder / "stats.safetensors", keys)
+            if raw and (folder / "raw.safetensors").is_file():
+                tensors.update(load_arrays(folder / "raw.safetensors")[0])
+        except Exception as e:  # noqa: BLE001 - a file damaged past its header
+            raise UserError(f"sample {sid} of {self.root} is damaged ({type(e).__name__}); run the same capture "
+                            "command to recapture it.") from None
         return record, tensors
+
+
+MANIFEST_KEYS = {"model": dict, "config": dict, "dtype": str, "samples": list}
+
+
+def check_manifest(path: Path, man: dict) -> None:
+    """The keys every reader of a run manifest uses, with their types, and each planned sample's id."""
+    for key, kind in MANIFEST_KEYS.items():
+        if not isinstance(man.get(key), kind):
+            raise UserError(f"{path} lacks {key!r} (or it is not a {kind.__name__}); the manifest is damaged: "
+                            f"`sparsecal doctor {Path(path).parent}` cannot rebuild it, capture into a new directory.")
+    if not isinstance(man["model"].get("id"), str) or not all(isinstance(r, dict) and "id" in r for r in man["samples"]):
+        raise UserError(f"{path}: the model id or a planned sample's id is missing; the manifest is damaged: "
+                        "capture into a new directory.")
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """An exclusive lock on RUN/.lock for the duration of a manifest change (blocks until free)."""
+    with open(Path(root) / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -5,6 +5,7 @@ Shape legend: K k values, L layers, H query heads, P query blocks (extended to -
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from sparsecal.analysis.bsfa import extend_positions
 from sparsecal.analysis.fit import FIT_DIR, load_fit
 from sparsecal.analysis.tables import THRESHOLDS
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import BLASST_ALGORITHM, write_blasst
+from sparsecal.formats.exports import BLASST_ALGORITHM, BLASST_JSON, write_blasst
 from sparsecal.formats.geometry import cdiv
 from sparsecal.formats.tensors import load_arrays
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
@@ -61,8 +62,28 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
             "schema_version": SCHEMA_VERSION, "sparsecal": __version__}
 
 
-def export_run(store, out: Path, target: float | None = None, max_length: int | None = None) -> dict:
-    """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json into ``out``."""
+def check_overwrite(out: Path, model: str, run: dict, force: bool) -> None:
+    """Refuse to overwrite an export of another model, or of another run (when the export names
+    its run), in ``out`` unless ``force``. ``run``: {"name", "created"} of the run exported now."""
+    path = Path(out) / BLASST_JSON
+    if force or not path.is_file():
+        return
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise UserError(f"--out {out} holds an unreadable {BLASST_JSON}; pass --force to overwrite it.")
+    if doc.get("model") != model or doc.get("run", run) != run:
+        name = (doc.get("run") or {}).get("name", "unknown") if isinstance(doc.get("run"), dict) else "unknown"
+        raise UserError(f"--out {out} holds an export of another run ({name}, model {doc.get('model')}); pass "
+                        "--force to overwrite it, or choose another directory.")
+
+
+def export_run(store, out: Path, target: float | None = None, max_length: int | None = None,
+               force: bool = False) -> dict:
+    """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json into ``out``; an export
+    of another run already there is refused unless ``force``."""
     root = Path(store.root)
     fit = load_fit(root)
     if fit["model"]["id"] != store.manifest["model"]["id"] or fit["config"] != store.manifest["config"]:
@@ -78,8 +99,14 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     if max_length is not None and max_length < longest:
         raise UserError(f"--max-length {max_length} is below the longest calibrated length {longest}; "
                         "leave it out or give a larger value.")
+    context = fit["model"].get("max_context")
+    if max_length is not None and context and max_length > context:
+        raise UserError(f"--max-length {max_length} is past the model's context of {context} tokens; "
+                        f"give at most {context}.")
     blocks = cdiv(max_length or longest, cfg["block_m"])
     thr = extend_positions(thr, blocks)
+    doc["run"] = {"name": root.name, "created": store.manifest.get("created")}
+    check_overwrite(out, fit["model"]["id"], doc["run"], force)
     out.mkdir(parents=True, exist_ok=True)
     st_meta = {"model": fit["model"]["id"], "samples": meta["samples"], "lengths": meta["lengths"],
                "max_length": str(max_length or longest), "run": root.name}

@@ -1,0 +1,257 @@
+"""Fault injection: what a careful user can do wrong, or what can break, and what sparsecal promises
+then: one `error:` line and exit code 2 with nothing written, nothing lost, and the next command
+recovers. Concurrent captures into one run, damaged samples and manifests, exports edited by hand,
+bad options, OS errors and signals."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import FIXTURE, assert_user_error, cli, make_checkpoint, write_prompts
+
+from sparsecal.analysis.samples import finished_records
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import load_blasst
+from sparsecal.formats.run import RunStore
+
+pytestmark = pytest.mark.faults
+
+
+def sparsecal(*args, **kw) -> subprocess.Popen:
+    """`sparsecal ARGS` in its own process (the console entry point, not CliRunner)."""
+    return subprocess.Popen([sys.executable, "-m", "sparsecal.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.fixture
+def tiny(tmp_path, seed):
+    return make_checkpoint(tmp_path / "tiny", seed, layers=2)
+
+
+def capture(model, prompts, out, *extra):
+    return cli("capture", "--model", model, "--prompts-file", prompts, "--out", out, "--k", "1,2", *extra)
+
+
+# ---- the run store -----------------------------------------------------------------------------
+def test_two_concurrent_captures_keep_every_sample(tiny, tmp_path, seed):
+    a = write_prompts(tmp_path / "a.jsonl", [70, 90, 110], seed)
+    b = write_prompts(tmp_path / "b.jsonl", [80, 100, 120], seed + 1)
+    out = tmp_path / "run"
+    procs = [sparsecal("capture", "--model", tiny, "--prompts-file", p, "--out", out, "--k", "1,2", "--add")
+             for p in (a, b)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    store = RunStore.open(out)
+    assert len(store.done_ids()) == 6
+    assert {r["id"] for r in store.manifest["samples"]} == store.done_ids()
+    assert store.rebuild() == ([], {})
+
+
+def test_doctor_adds_finished_samples_the_manifest_lost(tiny, tmp_path, seed):
+    out = tmp_path / "run"
+    assert capture(tiny, write_prompts(tmp_path / "p.jsonl", [70, 90, 110, 130], seed), out).exit_code == 0
+    man = json.loads((out / "manifest.json").read_text())
+    lost = man["samples"].pop(0)["id"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    warnings = []
+    assert len(finished_records(RunStore.open(out), warnings.append)) == 4  # fit reads all four
+    assert "missing from its manifest" in warnings[0] and "sparsecal doctor" in warnings[0]
+    res = cli("doctor", out)
+    assert res.exit_code == 0 and "added 1" in res.output
+    assert lost in {r["id"] for r in RunStore.open(out).manifest["samples"]}
+
+
+@pytest.mark.parametrize("damage", ["truncated stats", "garbled record", "missing stats"])
+def test_damaged_sample_is_named_skipped_and_recaptured(tiny, tmp_path, seed, damage):
+    prompts = write_prompts(tmp_path / "p.jsonl", [70, 90, 110, 130], seed)
+    out = tmp_path / "run"
+    assert capture(tiny, prompts, out).exit_code == 0
+    sid = sorted(RunStore.open(out).done_ids())[0]
+    folder = out / "samples" / sid
+    if damage == "truncated stats":
+        data = (folder / "stats.safetensors").read_bytes()
+        (folder / "stats.safetensors").write_bytes(data[: len(data) // 3])
+    elif damage == "garbled record":
+        (folder / "sample.json").write_text("{not json")
+    else:
+        (folder / "stats.safetensors").unlink()
+    store = RunStore.open(out)
+    assert sid not in store.done_ids() and sid in store.damaged()
+    with pytest.raises(UserError, match="damaged"):
+        store.load_sample(sid)
+    warnings = []
+    assert sid not in {r["id"] for r in finished_records(store, warnings.append)}  # fit leaves it out
+    assert "damaged sample" in warnings[0] and sid in warnings[0]
+    res = capture(tiny, prompts, out)  # the same command recaptures exactly the damaged sample
+    assert res.exit_code == 0 and "captured 1 samples" in res.output
+    assert RunStore.open(out).damaged() == {}
+
+
+def test_damaged_manifest_is_one_line(tiny, tmp_path, seed):
+    prompts = write_prompts(tmp_path / "p.jsonl", [70], seed)
+    out = tmp_path / "run"
+    assert capture(tiny, prompts, out).exit_code == 0
+    man = json.loads((out / "manifest.json").read_text())
+    del man["config"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    assert_user_error(cli("fit", out), "lacks 'config'")
+    assert_user_error(capture(tiny, prompts, out), "lacks 'config'")
+
+
+def test_interrupted_sample_write_leaves_no_temp_folder(tmp_path, monkeypatch):
+    import numpy as np
+
+    from sparsecal.formats import run as run_module
+
+    store = RunStore.open(shutil.copytree(FIXTURE, tmp_path / "run", ignore=shutil.ignore_patterns("samples")))
+    (store.root / "samples").mkdir()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "save_arrays", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_sample({"id": "s-1-abc"}, {"x": np.zeros(3)})
+    assert list((store.root / "samples").iterdir()) == []
+
+
+# ---- refusing what is refused ------------------------------------------------------------------
+def test_other_prompts_into_a_run_need_add_and_mark_fit_stale(tiny, tmp_path, seed):
+    out = tmp_path / "run"
+    assert capture(tiny, write_prompts(tmp_path / "a.jsonl", [70, 90], seed), out).exit_code == 0
+    (out / "fit").mkdir()  # as `sparsecal fit` leaves it
+    other = write_prompts(tmp_path / "b.jsonl", [80], seed + 1)
+    assert_user_error(capture(tiny, other, out), "--add")
+    assert len(RunStore.open(out).manifest["samples"]) == 2
+    res = capture(tiny, other, out, "--add")
+    assert res.exit_code == 0 and "predate the 1 added samples" in res.output
+
+
+def test_export_does_not_overwrite_another_runs_export(tmp_path):
+    out = tmp_path / "export"
+    assert cli("export", FIXTURE, "--out", out).exit_code == 0
+    doc = json.loads((out / "blasst.json").read_text())
+    doc["run"]["created"] = "another run"
+    (out / "blasst.json").write_text(json.dumps(doc))
+    before = (out / "thresholds.safetensors").read_bytes()
+    assert_user_error(cli("export", FIXTURE, "--out", out), "--force")
+    assert (out / "thresholds.safetensors").read_bytes() == before
+    assert cli("export", FIXTURE, "--out", out, "--force").exit_code == 0
+
+
+# ---- exports edited by hand --------------------------------------------------------------------
+def _blasst(tmp_path, edit):
+    out = tmp_path / "export"
+    if not out.is_dir():
+        assert cli("export", FIXTURE, "--out", out).exit_code == 0
+    doc = json.loads((out / "blasst.json").read_text())
+    doc = edit(doc)
+    (tmp_path / "blasst.json").write_text(json.dumps(doc))
+    return tmp_path / "blasst.json"
+
+
+def _set(path, value):
+    def edit(doc):
+        node = doc
+        for key in path[:-1]:
+            node = node[key]
+        if value is KeyError:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+        return doc
+    return edit
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_set(["threshold_scale_factor", "prefill"], math.nan), "threshold_scale_factor.prefill"),
+    (_set(["threshold_scale_factor", "prefill"], 0.0), "finite positive"),
+    (_set(["threshold_scale_factor", "prefill"], -5.0), "finite positive"),
+    (_set(["threshold_scale_factor", "prefill"], "abc"), "finite positive"),
+    (_set(["target_sparsity"], KeyError), "target_sparsity"),
+    (_set(["num_layers"], KeyError), "num_layers"),
+    (_set(["targets"], "0.5"), "targets"),
+    (_set(["targets", 0, "threshold_scale_factor", "decode"], -1.0), "targets[0]"),
+    (lambda doc: [doc], "not a BLASST export object"),
+    (_set(["threshold_scale_factor", "prefill"], 123.0), "differs from targets"),
+], ids=["nan", "zero", "negative", "string", "no-target", "no-layers", "targets-string", "bad-entry",
+        "array", "inconsistent"])
+def test_blasst_export_is_validated_on_load(tmp_path, edit, needle):
+    path = _blasst(tmp_path, edit)
+    with pytest.raises(UserError) as e:
+        load_blasst(path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_misspelt_expect_key_is_a_programming_error(tmp_path):
+    path = _blasst(tmp_path, lambda doc: doc)
+    with pytest.raises(ValueError, match="num_head"):
+        load_blasst(path, expect={"num_head": 9})
+
+
+# ---- bad options: nothing written --------------------------------------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["--dtype", "float8"], "Unknown dtype"),
+    (["--device", "cuda:7"], "--device"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_capture_option_writes_nothing(tiny, tmp_path, seed, args, needle):
+    out = tmp_path / "run"
+    assert_user_error(capture(tiny, write_prompts(tmp_path / "p.jsonl", [70], seed), out, *args), needle)
+    assert not out.exists()
+
+
+def test_export_max_length_is_bounded_by_the_context(tmp_path):
+    assert_user_error(cli("export", FIXTURE, "--out", tmp_path / "e", "--max-length", 100_000_000), "context")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["capture", "--samples", "0", "--out", "x"], "--samples"),
+    (["capture", "--block-m", "0", "--out", "x"], "--block-m"),
+    (["fit"], "Missing argument"),
+    (["nosuch"], "No such command"),
+    (["dashboard", str(FIXTURE), "--port", "99999"], "--port 99999"),
+    (["dashboard", str(FIXTURE), "--host", "nosuch.invalid"], "--host"),
+    (["export", str(FIXTURE), "--out", "/proc/sparsecal-x"], "/proc/sparsecal-x"),
+])
+def test_usage_and_os_errors_are_one_line(tmp_path, args, needle):
+    p = sparsecal(*args, cwd=tmp_path)
+    out, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not (tmp_path / "x").exists()
+
+
+# ---- signals -----------------------------------------------------------------------------------
+def test_sigterm_on_dashboard_stops_its_server(tmp_path):
+    from sparsecal.dashboard.serve import free_port
+
+    port = free_port()
+    p = sparsecal("dashboard", FIXTURE, "--port", port, start_new_session=True)
+    deadline = time.monotonic() + 90
+    child = None
+    while time.monotonic() < deadline and child is None:
+        found = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        child = int(found[0]) if found else None
+        time.sleep(0.2)
+    assert child is not None, "the dashboard started no server process"
+    os.kill(p.pid, signal.SIGTERM)
+    p.communicate(timeout=30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the streamlit server outlived a SIGTERM to `sparsecal dashboard`")
