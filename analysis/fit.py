@@ -51,6 +51,7 @@ class FitRequest:
     seed: int = 0
     aggregation: str = "mean"
     order: str = "forward"              # the scan order exported for BLASST
+    strict: bool = False                # refuse a run with damaged samples instead of leaving them out
 
 
 @dataclass
@@ -122,7 +123,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     cfg = StatsConfig.from_dict(store.manifest["config"])
     kidx = check_request(req, cfg)
     ks = [cfg.k_values[i] for i in kidx]
-    split = split_samples(finished_records(store, warn), req.holdout, req.seed, str(store.root))
+    split = split_samples(finished_records(store, warn, req.strict), req.holdout, req.seed, str(store.root))
     warnings = _k_warnings(ks, split.lengths, cfg)
     st = _State(cfg, kidx, bsfa.ThresholdAccumulator(req.aggregation))
     evals = list(split.test) or list(split.train)

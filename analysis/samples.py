@@ -27,7 +27,7 @@ class Split:
         return sorted({r["length"] for r in self.train + self.test})
 
 
-def finished_records(store, warn=None) -> list[dict]:
+def finished_records(store, warn=None, strict: bool = False) -> list[dict]:
     """Records of the finished, readable samples of ``store``: the manifest's in its order, then
     finished samples the manifest lacks (a warning names them and `sparsecal doctor`); damaged
     samples are left out with a warning."""
@@ -37,6 +37,10 @@ def finished_records(store, warn=None) -> list[dict]:
              f"{', ...' if len(extra) > 3 else ''}); they are fitted too. `sparsecal doctor {store.root}` repairs "
              "the manifest.")
     damaged = store.damaged()
+    if strict and damaged:
+        sid, why = next(iter(damaged.items()))
+        raise UserError(f"{store.root} has {len(damaged)} damaged sample(s) ({sid}: {why}); run the same capture "
+                        "command to recapture them, or fit without --strict to leave them out.")
     if warn and damaged:
         sid, why = next(iter(damaged.items()))
         warn(f"{len(damaged)} damaged sample(s) left out ({sid}: {why}); the same capture command recaptures them.")

@@ -255,3 +255,63 @@ def test_sigterm_on_dashboard_stops_its_server(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the streamlit server outlived a SIGTERM to `sparsecal dashboard`")
+
+
+# ---- BSFA exports and fit outputs ----------------------------------------------------------------
+@pytest.mark.parametrize("edit, needle", [
+    ("nan", "must be finite or -inf"),
+    ("posinf", "must be finite or -inf"),
+    ("k_order", "ascending"),
+    ("block", "metadata"),
+])
+def test_bsfa_safetensors_is_validated_on_load(tmp_path, edit, needle):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from sparsecal.formats.exports import load_bsfa
+
+    out = tmp_path / "export"
+    assert cli("export", FIXTURE, "--out", out).exit_code == 0
+    path = out / "thresholds.safetensors"
+    arrays = load_file(str(path))
+    with safe_open(str(path), framework="np") as f:
+        meta = dict(f.metadata())
+    if edit in ("nan", "posinf"):
+        arrays["thresholds"][0, 1, 2, 0] = math.nan if edit == "nan" else math.inf
+    elif edit == "k_order":
+        arrays["k_values"] = arrays["k_values"][::-1].copy()
+    else:
+        del meta["q_block_size"]
+    save_file(arrays, str(path), metadata=meta)
+    with pytest.raises(UserError) as e:
+        load_bsfa(path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bsfa_pickle_of_another_shape_is_one_line(tmp_path):
+    import torch
+
+    from sparsecal.integrations.exports import load_bsfa
+
+    torch.save({"thresholds": torch.zeros(2, 3), "k_values": 5}, tmp_path / "bad.bsfa.pt")
+    with pytest.raises(UserError, match="BSFA export keys"):
+        load_bsfa(tmp_path / "bad.bsfa.pt")
+
+
+def test_damaged_fit_thresholds_are_one_line(tmp_path):
+    run = shutil.copytree(FIXTURE, tmp_path / "run")
+    path = run / "fit" / "bsfa_thresholds.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    assert_user_error(cli("export", run, "--out", tmp_path / "e"), "damaged", "sparsecal fit")
+
+
+def test_fit_strict_refuses_damaged_samples(tmp_path):
+    run = shutil.copytree(FIXTURE, tmp_path / "run")
+    sid = sorted(p.name for p in (run / "samples").iterdir())[0]
+    (run / "samples" / sid / "sample.json").write_text("[")
+    assert_user_error(cli("fit", run, "--strict", "--targets", "0.03"), "damaged", sid)
+
+
+def test_capture_into_an_unwritable_place_is_one_line(tiny, tmp_path, seed):
+    prompts = write_prompts(tmp_path / "p.jsonl", [70], seed)
+    assert_user_error(capture(tiny, prompts, "/proc/sparsecal-run"), "/proc/sparsecal-run")

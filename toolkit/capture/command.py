@@ -129,10 +129,12 @@ def capture_command(req: CaptureRequest) -> None:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
     if exists:
         check_additions(RunStore.open(req.out), prompts, req.add)
+    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend)
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
                   f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}, {backend} backend)")
-    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend)
-    if not pending(store, prompts)[1]:
+    records, todo = pending(store, prompts)
+    store.plan([r for r, _ in records])  # also repairs a plan another writer's lost write dropped
+    if not todo:
         console.print(f"all {len(prompts)} samples are already captured in {req.out}")
         print_summary(store)
         return

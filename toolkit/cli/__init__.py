@@ -111,6 +111,8 @@ def fit(
     seed: int = typer.Option(0, help="Seed of the hold-out split."),
     aggregation: str = typer.Option("mean", help="BSFA threshold aggregation over samples: mean or median."),
     order: str = typer.Option("forward", help="Scan order whose BLASST calibration is exported."),
+    strict: bool = typer.Option(False, "--strict", help="Refuse a run with damaged samples (default: leave them "
+                                "out with a warning)."),
 ):
     """Fit BSFA thresholds and the BLASST lambda law, validate them on held-out samples, and
     write the analysis tables (Parquet) to RUN/fit/."""
@@ -118,7 +120,7 @@ def fit(
     from sparsecal.cli.calibrate import fit_command
 
     req = FitRequest(k_values=_int_list(k, "k") if k else None, targets=_float_list(targets, "targets"),
-                     holdout=holdout, seed=seed, aggregation=aggregation, order=order)
+                     holdout=holdout, seed=seed, aggregation=aggregation, order=order, strict=strict)
     fit_command(run, req)
 
 

@@ -94,12 +94,18 @@ def bsfa_from_payload(path: Path, d) -> BsfaExport:
         have = sorted(d) if isinstance(d, dict) else type(d).__name__
         raise UserError(f"{path} does not hold the BSFA export keys {list(BSFA_KEYS)} (has {have}).")
     thr = d["thresholds"]
-    want = (len(d["k_values"]), d["num_layers"], d["num_heads"], d["max_num_blocks"])
+    try:
+        want = (len(d["k_values"]), int(d["num_layers"]), int(d["num_heads"]), int(d["max_num_blocks"]))
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path}: k_values or the sizes are not what BSFA_KEYS describe ({e}); export it again.") from None
     if tuple(getattr(thr, "shape", ())) != want:
         raise UserError(f"{path}: thresholds shape {tuple(getattr(thr, 'shape', ()))} does not match "
                         f"{SHAPE_DESCRIPTION} = {want}; the file is damaged: export it again.")
-    return BsfaExport(thr, tuple(int(k) for k in d["k_values"]), int(d["q_block_size"]),
-                      int(d["k_block_size"]), str(d["aggregation_method"]))
+    try:
+        return BsfaExport(thr, tuple(int(k) for k in d["k_values"]), int(d["q_block_size"]),
+                          int(d["k_block_size"]), str(d["aggregation_method"]))
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path}: k values or block sizes are not integers ({e}); export it again.") from None
 
 
 def read_bsfa_safetensors(path: Path) -> BsfaExport:
@@ -113,8 +119,11 @@ def read_bsfa_safetensors(path: Path) -> BsfaExport:
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{path} is not a readable BSFA safetensors export ({type(e).__name__}); export it again.")
     check_schema(path, meta.get("schema_version"), "export it again")
-    return BsfaExport(thr.astype(np.float32), tuple(int(k) for k in ks.tolist()), int(meta["q_block_size"]),
-                      int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta)
+    try:
+        return BsfaExport(thr.astype(np.float32), tuple(int(k) for k in ks.tolist()), int(meta["q_block_size"]),
+                          int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta)
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"{path}: metadata {e} is missing or not an integer; export it again.") from None
 
 
 def bsfa_file(path) -> Path:
@@ -128,8 +137,29 @@ def bsfa_file(path) -> Path:
     return path
 
 
+def check_bsfa_values(path: Path, exp: BsfaExport) -> None:
+    """Thresholds finite or -inf (keep every candidate), never NaN or +inf; k values distinct
+    positive integers in ascending order, one per threshold set; block sizes positive."""
+    thr = np.asarray(exp.thresholds, np.float32)
+    if thr.ndim != 4 or thr.shape[0] != len(exp.k_values):
+        raise UserError(f"{path}: thresholds of shape {thr.shape} do not match {SHAPE_DESCRIPTION} with "
+                        f"{len(exp.k_values)} k values; export it again.")
+    bad = np.isnan(thr) | (thr == np.inf)
+    if bad.any():
+        k, layer, head, pos = (int(i) for i in np.argwhere(bad)[0])
+        raise UserError(f"{path}: threshold at k={exp.k_values[k]}, layer {layer}, head {head}, block {pos} is "
+                        f"{thr[k, layer, head, pos]}; thresholds must be finite or -inf: export it again.")
+    ks = list(exp.k_values)
+    if not ks or ks != sorted(set(ks)) or ks[0] < 1:
+        raise UserError(f"{path}: k values {ks} are not distinct positive integers in ascending order; export it again.")
+    if exp.q_block_size < 1 or exp.k_block_size < 1:
+        raise UserError(f"{path}: block sizes {exp.q_block_size} x {exp.k_block_size} must be positive; export it again.")
+
+
 def check_bsfa(path: Path, exp: BsfaExport, expect: dict | None) -> BsfaExport:
-    """Fill the model id from a sibling safetensors file when missing, and check ``expect``."""
+    """Check the values, fill the model id from a sibling safetensors file when missing, and
+    check ``expect``."""
+    check_bsfa_values(path, exp)
     if exp.model is None and (path.parent / BSFA_ST).is_file():
         from dataclasses import replace
 

@@ -25,8 +25,11 @@ def _thresholds(root: Path, fit: dict):
     path = root / FIT_DIR / THRESHOLDS
     if not path.is_file():
         raise UserError(f"{path} is missing; run `sparsecal fit {root}` again.")
-    tensors, meta = load_arrays(path, keys=["thresholds"])
-    if meta.get("schema_version") != str(SCHEMA_VERSION) or meta.get("model") != fit["model"]["id"]:
+    try:
+        tensors, meta = load_arrays(path, keys=["thresholds"])
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled file is one line
+        raise UserError(f"{path} is damaged ({type(e).__name__}); run `sparsecal fit {root}` again.") from None
+    if "thresholds" not in tensors or meta.get("schema_version") != str(SCHEMA_VERSION) or meta.get("model") != fit["model"]["id"]:
         raise UserError(f"{path} does not belong to this fit (schema/model differ); run `sparsecal fit {root}` again.")
     return tensors["thresholds"], meta
 
