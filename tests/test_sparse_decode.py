@@ -8,7 +8,7 @@ import torch
 from sparsecal.kernels.sparse.reference import sparse_decode
 from sparsecal.kernels.sparse.decode import SCHEDULES, sparse_decode_triton
 
-from helpers import sparse_inputs, TOL
+from helpers import blasst_cut_log_lambda, cut_point, decode_tiles, sparse_inputs, TOL
 
 
 CASES = [  # (B, L, H, Hkv, D, BM, BN, dtype)
@@ -19,45 +19,74 @@ CASES = [  # (B, L, H, Hkv, D, BM, BN, dtype)
 ]
 
 
-def _decode_inputs(seed, b, length, h, hkv, d, dtype):
-    q, k, v = sparse_inputs(seed, b, length, h, hkv, d, dtype)
-    return q[:, :, -1:].contiguous(), k, v
-
-
-def _check(case, seed, splits, **kw):
-    """Both schedules (gather: kept-tile lists; inline: decided in the attend pass) against the reference."""
+def _decode_inputs(seed, case):
+    """The last row of helpers.sparse_inputs as the decode query, and the planted far candidate
+    tiles of that row [B, H, Kb] (every far block lies before the row's own block)."""
     b, length, h, hkv, d, bm, bn, dtype = case
-    q, k, v = _decode_inputs(seed, b, length, h, hkv, d, dtype)
+    q, k, v, far = sparse_inputs(seed, b, length, h, hkv, d, dtype, bm, bn)
+    cand = torch.arange(far.shape[-1]) < (length - 1) // bn
+    return q[:, :, -1:].contiguous(), k, v, far.repeat_interleave(h // hkv, dim=1) & cand
+
+
+def _thresholds(q, k, far, case):
+    """BSFA thresholds [H, Pt] from the row's own tile maxima, one position short: the row reads the
+    last one (min(r // BM, Pt - 1)), a cut that skips the far tiles and part of the others with no
+    tile max near it (helpers.cut_point). The positions the row must not read skip everything."""
+    _, length, h, _, _, bm, bn, _ = case
+    tmax, _ = decode_tiles(q, k, bn)
+    cand = torch.arange(tmax.shape[-1]) < (length - 1) // bn
+    thr = torch.full((h, max(1, (length - 1) // bm)), math.inf)
+    for hh in range(h):
+        f, vals = far[:, hh], tmax[:, hh]
+        thr[hh, -1] = cut_point(vals[cand & ~f], float(vals[f].max()) if f.any() else -math.inf)
+    return thr
+
+
+def _log_lambda(q, k, far, case, order="forward"):
+    """ln(lambda) from the row's own tile gaps in ``order``: skips the far tiles and part of the others."""
+    _, length, _, _, _, _, bn, _ = case
+    _, gap = decode_tiles(q, k, bn, order)
+    return blasst_cut_log_lambda(gap, far, torch.arange(gap.shape[-1]) < (length - 1) // bn)
+
+
+def _check(case, inputs, splits, must_skip=None, **kw):
+    """Both schedules (gather: kept-tile lists; inline: decided in the attend pass) against the
+    reference. must_skip [B, H, Kb]: tiles the method skips by construction (the far tiles)."""
+    b, length, h, hkv, d, bm, bn, dtype = case
+    q, k, v, _ = inputs
     scale = d ** -0.5
     want, counts = sparse_decode(q, k, v, scale, bm, bn, **kw)
     for schedule in SCHEDULES:
         got, skipped = sparse_decode_triton(q, k, v, scale, bm, bn, splits=splits, schedule=schedule, **kw)
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
         assert torch.equal(skipped.sum(dim=0), counts.skipped), schedule
+        if must_skip is not None:  # every planted far tile at least, in every sequence and head
+            assert must_skip.any() and (skipped >= must_skip.sum(-1)).all()
     return skipped
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_methods_match_reference(case, splits, seed):
-    h, length, bm = case[2], case[1], case[5]
-    thr = torch.randn(h, max(1, (length - 1) // bm)) + 3.0  # one position short: the last is reused
-    total = 0
-    for kw in ({"thresholds": thr}, {"log_lambda": -2.0}, {"window": 3}):
-        total += int(_check(case, seed, splits, **kw).sum())
-    assert total > 0
+    inputs = _decode_inputs(seed, case)
+    q, k, _, far = inputs
+    _check(case, inputs, splits, far, thresholds=_thresholds(q, k, far, case))
+    _check(case, inputs, splits, far, log_lambda=_log_lambda(q, k, far, case))
+    _check(case, inputs, splits, window=3)
 
 
 @pytest.mark.parametrize("case", CASES[:2])
 @pytest.mark.parametrize("order", ["reverse", "sink_local"])
 def test_blasst_orders(case, order, seed):
-    _check(case, seed, 2, log_lambda=-1.0, order=order)
+    inputs = _decode_inputs(seed, case)
+    q, k, _, far = inputs
+    _check(case, inputs, 2, far, log_lambda=_log_lambda(q, k, far, case, order), order=order)
 
 
 @pytest.mark.parametrize("case", CASES[:3])
 def test_no_op_is_dense(case, seed):
     b, length, h, hkv, d, bm, bn, dtype = case
-    q, k, v = _decode_inputs(seed, b, length, h, hkv, d, dtype)
+    q, k, v, _ = _decode_inputs(seed, case)
     ref, _ = sparse_decode(q, k, v, d ** -0.5, bm, bn, log_lambda=-math.inf)
     for schedule in SCHEDULES:
         want, _ = sparse_decode_triton(q, k, v, d ** -0.5, bm, bn, dense=True, splits=2, schedule=schedule)
@@ -75,7 +104,9 @@ def test_gather_decisions_across_chunks(case, seed, monkeypatch):
     from sparsecal.kernels.sparse import decode as triton_sparse_decode
 
     monkeypatch.setattr(triton_sparse_decode, "DECIDE_CHUNK", 4)
-    h, length, bm = case[2], case[1], case[5]
-    thr = torch.randn(h, max(1, (length - 1) // bm)) + 3.0
-    for kw in ({"thresholds": thr}, {"log_lambda": -2.0}, {"log_lambda": -1.0, "order": "reverse"}, {"window": 5}):
-        _check(case, seed, 3, **kw)
+    inputs = _decode_inputs(seed, case)
+    q, k, _, far = inputs
+    for kw in ({"thresholds": _thresholds(q, k, far, case)}, {"log_lambda": _log_lambda(q, k, far, case)},
+               {"log_lambda": _log_lambda(q, k, far, case, "reverse"), "order": "reverse"}):
+        _check(case, inputs, 3, far, **kw)
+    _check(case, inputs, 3, window=5)

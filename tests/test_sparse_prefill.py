@@ -2,18 +2,15 @@
 outputs and per-head skip counts for BSFA, BLASST (three scan orders), window and dense."""
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
-
-from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.sparse.reference import sparse_attention
 from sparsecal.kernels.dense import attention_dense
 from sparsecal.kernels.sparse.prefill import sparse_attention_triton
 
-from helpers import block_counts_torch, sparse_inputs, TOL
+from helpers import (blasst_cut_log_lambda, bsfa_cut_thresholds, candidate_mask, far_tiles, prefill_tiles,
+                     sparse_inputs, TOL)
 
 CASES = [  # (B, N, H, Hkv, D, BM, BN, dtype)
     (1, 200, 4, 4, 64, 32, 16, torch.float32),
@@ -32,58 +29,73 @@ def _reference(q, k, v, scale, bm, bn, **kw):
     return torch.cat(outs), torch.stack(skipped)
 
 
-def _check(q, k, v, bm, bn, dtype, min_skipped=1, gate_v=True, **kw):
+def _inputs(case, seed):
+    """q, k, v with planted far tiles (helpers.sparse_inputs), and those tiles [B, H, P, Kb]."""
+    b, n, h, hkv, d, bm, bn, dtype = case
+    q, k, v, far = sparse_inputs(seed, b, n, h, hkv, d, dtype, bm, bn)
+    return q, k, v, far_tiles(far, n, bm, bn, h // hkv)
+
+
+def _check(q, k, v, bm, bn, dtype, must_skip=None, gate_v=True, **kw):
+    """Kernel against reference: outputs within tolerance, per-head skip counts exact. must_skip
+    [B, H, P, Kb]: tiles the method skips by construction (the planted far tiles)."""
     scale = q.shape[-1] ** -0.5
     want, want_skip = _reference(q, k, v, scale, bm, bn, **kw)
     got, got_skip = sparse_attention_triton(q, k, v, scale, bm, bn, gate_v=gate_v, **kw)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
     assert torch.equal(got_skip, want_skip)
-    assert got_skip.sum() >= min_skipped  # the case really skips something
+    if must_skip is not None:  # the case skips at least every planted far tile, in every head
+        assert must_skip.any() and (got_skip >= must_skip.sum(dim=(2, 3))).all()
     return got_skip
 
 
-def _median_bmax_thresholds(q, k, v, bm, bn, seed):
-    """Thresholds near each query block's median candidate block max: partial skipping."""
-    _, tiles = instrumented_attention(q[:1], k[:1], v[:1], q.shape[-1] ** -0.5,
-                                      StatsConfig(block_m=bm, block_n=bn, decode_rows=0))
-    cand, _ = block_counts_torch(q.shape[2], bm, bn)
-    kb = torch.arange(tiles.bmax.shape[-1])
-    middle = tiles.bmax[:, (kb[None, :] < cand[:, None]) & (kb[None, :] > 0)]  # candidates past the sink
-    rng = np.random.default_rng(seed)
-    thr = rng.normal(float(middle.median()), 0.3 * float(middle.std()), (q.shape[1], max(1, tiles.bmax.shape[1] - 1)))
-    return torch.from_numpy(thr).float()  # one position short: the last one is reused
+def _bsfa_thresholds(q, k, v, far, bm, bn):
+    """Thresholds from the input's own block maxima, one position short (the last one is reused):
+    each skips the far tiles and part of the others, no tile max near it (helpers.cut_point)."""
+    bmax, _ = prefill_tiles(q, k, v, bm, bn)
+    p = bmax.shape[2]
+    return bsfa_cut_thresholds(bmax, far, candidate_mask(q.shape[2], bm, bn), max(1, p - 1))
+
+
+def _log_lambda(q, k, v, far, bm, bn, order):
+    """ln(lambda) from the input's own tile gaps in ``order``: skips the far tiles and part of the
+    others, no gap near it (helpers.cut_point)."""
+    _, gap = prefill_tiles(q, k, v, bm, bn, order)
+    return blasst_cut_log_lambda(gap, far, candidate_mask(q.shape[2], bm, bn))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bsfa_matches_reference(case, seed):
-    b, n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = sparse_inputs(seed, b, n, h, hkv, d, dtype)
-    thr = _median_bmax_thresholds(q, k, v, bm, bn, seed)
+    bm, bn, dtype = case[5:]
+    q, k, v, far = _inputs(case, seed)
+    thr = _bsfa_thresholds(q, k, v, far, bm, bn)
     for gate_v in (True, False):
-        _check(q, k, v, bm, bn, dtype, thresholds=thr, gate_v=gate_v)
+        _check(q, k, v, bm, bn, dtype, far, thresholds=thr, gate_v=gate_v)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("order", ["forward", "reverse", "sink_local"])
 def test_blasst_matches_reference(case, order, seed):
-    b, n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = sparse_inputs(seed, b, n, h, hkv, d, dtype)
-    _check(q, k, v, bm, bn, dtype, log_lambda=-2.0, order=order)
+    bm, bn, dtype = case[5:]
+    q, k, v, far = _inputs(case, seed)
+    _check(q, k, v, bm, bn, dtype, far, log_lambda=_log_lambda(q, k, v, far, bm, bn, order), order=order)
 
 
 @pytest.mark.parametrize("case", CASES[:2])
 def test_window_matches_reference(case, seed):
     b, n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = sparse_inputs(seed, b, n, h, hkv, d, dtype)
-    for w in (0, 2):
-        _check(q, k, v, bm, bn, dtype, window=w)
+    q, k, v, _ = _inputs(case, seed)
+    cand = candidate_mask(n, bm, bn)
+    for w in (0, 2):  # every candidate but the w nearest of each query block, whatever the input
+        old = cand & (torch.arange(cand.shape[1]) < (cand.sum(1, keepdim=True) - w))
+        assert (_check(q, k, v, bm, bn, dtype, window=w) == int(old.sum())).all() and old.any()
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_no_op_is_dense(case, seed):
     """thresholds -inf, lambda = 0 and dense=True all give the dense kernel's output, nothing skipped."""
     b, n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = sparse_inputs(seed, b, n, h, hkv, d, dtype)
+    q, k, v, _ = _inputs(case, seed)
     scale = d ** -0.5
     want, _ = attention_dense(q, k, v, scale)
     for kw in ({"thresholds": torch.full((h, 2), -math.inf)}, {"log_lambda": -math.inf}, {"dense": True},
@@ -97,21 +109,22 @@ def test_no_op_is_dense(case, seed):
 def test_count_only_counts_and_computes_everything(case, seed):
     """count_only: the method's skip counts (the reference's), the dense output."""
     b, n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = sparse_inputs(seed, b, n, h, hkv, d, dtype)
+    q, k, v, far = _inputs(case, seed)
     scale = d ** -0.5
     dense, _ = sparse_attention(q[:1], k[:1], v[:1], scale, bm, bn, thresholds=torch.full((h, 1), -math.inf))
-    thr = _median_bmax_thresholds(q, k, v, bm, bn, seed)
-    for kw in ({"thresholds": thr}, {"log_lambda": -2.0, "order": "reverse"}):
+    thr = _bsfa_thresholds(q, k, v, far, bm, bn)
+    for kw in ({"thresholds": thr}, {"log_lambda": _log_lambda(q, k, v, far, bm, bn, "reverse"), "order": "reverse"}):
         _, want_skip = _reference(q, k, v, scale, bm, bn, **kw)
         got, got_skip = sparse_attention_triton(q, k, v, scale, bm, bn, count_only=True, **kw)
-        assert torch.equal(got_skip, want_skip) and want_skip.sum() > 0
+        assert torch.equal(got_skip, want_skip)
+        assert (want_skip >= far.sum(dim=(2, 3))).all()  # the far tiles at least, by construction
         torch.testing.assert_close(got[:1].float(), dense.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
     with pytest.raises(ValueError, match="count_only"):  # the window has no per-tile decision to count
         sparse_attention_triton(q, k, v, scale, bm, bn, window=1, count_only=True)
 
 
 def test_out_buffer_and_errors(seed):
-    q, k, v = sparse_inputs(seed, 1, 70, 2, 1, 64, torch.float32)
+    q, k, v, _ = sparse_inputs(seed, 1, 70, 2, 1, 64, torch.float32, 32, 16)
     buf = torch.empty(1, 70, 2, 64)
     got, _ = sparse_attention_triton(q, k, v, 0.125, 32, 16, log_lambda=-1.0, out=buf.transpose(1, 2))
     want, _ = sparse_attention_triton(q, k, v, 0.125, 32, 16, log_lambda=-1.0)

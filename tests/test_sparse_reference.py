@@ -2,7 +2,6 @@
 decisions come from the instrumented reference's tile statistics (the capture semantics)."""
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,7 +11,8 @@ from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.sparse.reference import sparse_attention
 
-from helpers import block_counts_torch
+from helpers import (blasst_cut_log_lambda, block_counts_torch, bsfa_cut_thresholds, candidate_mask, cut_point,
+                     far_tiles, sparse_inputs)
 
 CASES = [  # (N, H, Hkv, D, BM, BN, dtype)
     (200, 4, 4, 64, 64, 32, torch.float32),
@@ -23,6 +23,7 @@ CASES = [  # (N, H, Hkv, D, BM, BN, dtype)
 
 
 def _inputs(seed, n, h, hkv, d, dtype):
+    """Plain random inputs (no planted structure: block maxima never tie)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, h, n, d, generator=g) * 1.5
     k = torch.randn(1, hkv, n, d, generator=g)
@@ -45,10 +46,15 @@ def _oracle(q, k, v, scale, bm, bn, skip):
     return torch.softmax(s, dim=-1) @ vv
 
 
-def _candidates(n, bm, bn):
-    cand, _ = block_counts_torch(n, bm, bn)
-    kb = cdiv(n, bn)
-    return torch.arange(kb)[None, :] < cand[:, None]  # [P, Kb]
+def _planted(seed, case):
+    """helpers.sparse_inputs for one sequence, and its far candidate tiles [H, P, Kb]: every
+    threshold and ln(lambda) made by helpers.cut_point skips them."""
+    n, h, hkv, d, bm, bn, dtype = case
+    q, k, v, far = sparse_inputs(seed, 1, n, h, hkv, d, dtype, bm, bn)
+    return q, k, v, far_tiles(far, n, bm, bn, h // hkv)[0]
+
+
+_candidates = candidate_mask  # [P, Kb]
 
 
 def _tol(dtype):
@@ -58,35 +64,34 @@ def _tol(dtype):
 @pytest.mark.parametrize("case", CASES)
 def test_bsfa_matches_oracle(case, seed):
     n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = _inputs(seed, n, h, hkv, d, dtype)
+    q, k, v, far = _planted(seed, case)
     scale = d ** -0.5
     _, tiles = instrumented_attention(q, k, v, scale, StatsConfig(block_m=bm, block_n=bn, decode_rows=0))
     p = cdiv(n, bm)
-    rng = np.random.default_rng(seed)
-    finite = tiles.bmax[torch.isfinite(tiles.bmax)]
-    mu, sd = float(finite.mean()), float(finite.std())  # thresholds among the block maxima
-    thr = torch.from_numpy(rng.normal(mu, sd, (h, max(1, p - 1)))).float()  # shorter: last one reused
+    # thresholds cut the input's own candidate maxima (shorter: the last one is reused)
+    thr = bsfa_cut_thresholds(tiles.bmax[None], far[None], _candidates(n, bm, bn), max(1, p - 1))
     out, counts = sparse_attention(q, k, v, scale, bm, bn, thresholds=thr)
     pos = torch.clamp(torch.arange(p), max=thr.shape[1] - 1)
     skip = _candidates(n, bm, bn)[None] & (tiles.bmax < thr[:, pos].unsqueeze(-1))
     torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
     assert torch.equal(counts.skipped, skip.sum(dim=(1, 2)))
-    assert counts.skipped.sum() > 0 or p < 3
+    assert far.any() and (skip >= far).all()  # every far tile skipped, by construction
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("order", ["forward", "reverse", "sink_local"])
 def test_blasst_matches_oracle(case, order, seed):
     n, h, hkv, d, bm, bn, dtype = case
-    q, k, v = _inputs(seed, n, h, hkv, d, dtype)
+    q, k, v, far = _planted(seed, case)
     scale = d ** -0.5
     cfg = StatsConfig(block_m=bm, block_n=bn, orders=(order,), decode_rows=0)
     _, tiles = instrumented_attention(q, k, v, scale, cfg)
-    log_lambda = -2.5
+    log_lambda = blasst_cut_log_lambda(tiles.gap[:, 0], far, _candidates(n, bm, bn))  # cuts the input's gaps
     out, counts = sparse_attention(q, k, v, scale, bm, bn, log_lambda=log_lambda, order=order)
     skip = _candidates(n, bm, bn)[None] & (tiles.gap[:, 0] < log_lambda)
     torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
     assert torch.equal(counts.skipped, skip.sum(dim=(1, 2)))
+    assert far.any() and (skip >= far).all()  # every far tile skipped, by construction
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -147,23 +152,28 @@ def test_argument_errors():
 
 
 @pytest.mark.parametrize("length,bm,bn", [(1, 64, 32), (130, 64, 32), (513, 128, 64)])
-def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed):
+def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed, rng):
     """Decode of row L-1 equals the prefill reference on L tokens with BM = 1, read at the last row:
     same candidates (r // BN), same thresholds position (r // BM), same gaps."""
     from sparsecal.kernels.sparse.reference import sparse_decode
 
     h, hkv, d = 4, 2, 64
-    q, k, v = _inputs(seed, length, h, hkv, d, torch.float32)
+    q, k, v, far = sparse_inputs(seed, 1, length, h, hkv, d, torch.float32, bm, bn)
     scale = d ** -0.5
     r = length - 1
     _, tiles = instrumented_attention(q, k, v, scale, StatsConfig(block_m=1, block_n=bn, decode_rows=0))
     cand = torch.arange(cdiv(length, bn)) < r // bn
-    thr = torch.randn(h, cdiv(length, bm)) + 3.0
-    if r // bn:  # the decode row's threshold: the median of its candidate block maxima
-        thr[:, -1] = tiles.bmax[:, r, : r // bn].median(dim=-1).values
+    far = far[0].repeat_interleave(h // hkv, dim=0) & cand  # [H, Kb] the decode row's far candidates
+    # the decode row's threshold (the last position) cuts its own candidate maxima; the other rows'
+    # thresholds (prefill with BM = 1 reads them, the decode row must not) are random
+    thr = torch.randn(h, cdiv(length, bm), generator=rng) + 3.0
+    for hh in range(h):
+        row = tiles.bmax[hh, r]
+        thr[hh, -1] = cut_point(row[cand & ~far[hh]], float(row[far[hh]].max()) if far[hh].any() else -math.inf)
+    log_lambda = blasst_cut_log_lambda(tiles.gap[:, 0, r], far, cand)
     row_thr = thr[:, torch.clamp(torch.arange(length) // bm, max=thr.shape[1] - 1)]  # per row = per BM=1 block
-    for kw, kw_row in (({"thresholds": thr}, {"thresholds": row_thr}), ({"log_lambda": -1.5}, {"log_lambda": -1.5}),
-                       ({"window": 2}, {"window": 2})):
+    for kw, kw_row in (({"thresholds": thr}, {"thresholds": row_thr}),
+                       ({"log_lambda": log_lambda}, {"log_lambda": log_lambda}), ({"window": 2}, {"window": 2})):
         want, wc = sparse_attention(q, k, v, scale, 1, bn, **kw_row)
         qq, kk, vv = q[:, :, -1:].repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)
         got, gc = sparse_decode(qq, kk, vv, scale, bm, bn, **kw)
@@ -174,7 +184,9 @@ def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed):
         elif "window" in kw:
             skip = (cand & (torch.arange(cand.numel()) < r // bn - 2)).expand(h, -1)
         else:
-            skip = cand & (tiles.gap[:, 0, r] < -1.5)
+            skip = cand & (tiles.gap[:, 0, r] < log_lambda)
         assert torch.equal(gc.skipped, 2 * skip.sum(dim=-1))
+        if "window" not in kw:  # every far tile skipped, by construction
+            assert (skip >= far).all() and (far.any() or r // bn < 2)
         if length > 500 and "thresholds" in kw:
             assert 0 < gc.skipped.sum() < gc.candidates * h  # partial skipping: the test can see it

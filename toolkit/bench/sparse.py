@@ -156,7 +156,7 @@ def prefill_shape(d: int, n: int, group: int, rounds: int, launch) -> dict:
             if sdpa:
                 row["speedup_vs_sdpa"] = sdpa / ms[name]
         rows.append(row)
-    del q, k, v
+    q = k = v = None  # free the inputs before the next shape
     torch.cuda.empty_cache()
     return {"d": d, "n": n, "group": group, "heads": HEADS, "kv_heads": HEADS // group, "best_sdpa_ms": sdpa,
             "rows": rows}
@@ -227,7 +227,7 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int) -> di
         if name.startswith(("decode", "blasst")):
             row["profile"] = decode_profile(variants[name][0], q, k, group, info.get("v_tiles_skipped", 0.0))
         rows.append(row)
-    del q, k, v
+    q = k = v = None  # free the inputs before the next shape
     torch.cuda.empty_cache()
     return {"d": d, "group": group, "batch": batch, "length": length, "rows": rows}
 
