@@ -315,3 +315,27 @@ def test_fit_strict_refuses_damaged_samples(tmp_path):
 def test_capture_into_an_unwritable_place_is_one_line(tiny, tmp_path, seed):
     prompts = write_prompts(tmp_path / "p.jsonl", [70], seed)
     assert_user_error(capture(tiny, prompts, "/proc/sparsecal-run"), "/proc/sparsecal-run")
+
+
+def test_dashboard_export_page_reads_the_validated_blasst(tmp_path):
+    from sparsecal.dashboard import data
+
+    out = tmp_path / "export"
+    assert cli("export", FIXTURE, "--out", out).exit_code == 0
+    for bad in ("[1, 2]", json.dumps({**json.loads((out / "blasst.json").read_text()), "targets": "0.5"})):
+        (out / "blasst.json").write_text(bad)
+        with pytest.raises(data.Broken):
+            data.export_blasst(out)
+
+
+def test_demo_checks_its_port_before_any_work(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = sparsecal("demo", "--port", port, "--out", tmp_path / "demo")
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and err.strip().startswith("error: port") and "in use" in err, err
+    assert not (tmp_path / "demo").exists()
