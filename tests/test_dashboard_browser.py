@@ -16,8 +16,9 @@ ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 CHARTS = {"Overview": 1, "Density": 2, "BLASST": 4, "Stabilization": 4, "Tiles": 3, "Accuracy-speedup": 1,
           "Export": 2}
 
-pytestmark = pytest.mark.skipif(not drive.have_chromium(),
-                                reason=f"no Chromium at {drive.CHROMIUM}: `make test` installs it (apt-get install chromium)")
+pytestmark = [pytest.mark.browser,  # out of the fast inner loop (-m "not model and not browser")
+              pytest.mark.skipif(not drive.have_chromium(),
+                                 reason=f"no Chromium at {drive.CHROMIUM}: `make test` installs it (apt-get install chromium)")]
 
 
 def _check(page, title: str, when: str, js_errors: list) -> dict:

@@ -141,9 +141,9 @@ def test_tile_kinds_match_the_definitions():
             assert (kind[i, :cand] == 1).all() and (kind[i, cand:reach] == 2).all() and (kind[i, reach:] == 0).all()
 
 
-def test_tile_frame_masks_follow_threshold_and_lambda():
+def test_tile_frame_masks_follow_threshold_and_lambda(np_rng):
     p, kb = 4, 8
-    rng = np.random.default_rng(0)
+    rng = np_rng
     tiles = {"bmax": rng.normal(size=(p, kb)), "mass": rng.uniform(size=(p, kb)),
              "gap": -rng.exponential(size=(3, p, kb))}
     thr = np.array([-np.inf, 0.0, 0.5])  # position 3 uses the last threshold

@@ -15,7 +15,7 @@ from sparsecal.evaluation.metrics import Fidelity, fidelity, Reference, sparsity
 from sparsecal.capture.prompts import build_task_prompts, TASKS
 from sparsecal.capture.prompts.scoring import answer_budget, answer_items, is_correct, score
 
-from helpers import assert_user_error, block_counts_torch, cli, make_checkpoint
+from helpers import assert_user_error, block_counts_torch, cli, make_checkpoint, NOOP_BLASST_FACTOR
 
 
 CAL = Path(__file__).resolve().parents[1] / "data" / "calibration" / "smollm2-1k-8k"
@@ -144,13 +144,14 @@ def test_sparsity_counts():
 
 # ----------------------------------------------------------------------------- runner (tiny Llama)
 def _tiny_export(out, layers, heads, model="tiny"):
-    """An export that skips nothing: BSFA thresholds -inf, BLASST factor 0 (lambda 0)."""
+    """An export that skips nothing: BSFA thresholds -inf, BLASST factor NOOP_BLASST_FACTOR."""
     from sparsecal.formats.exports import write_blasst
     from sparsecal.integrations.exports import write_bsfa
 
     out.mkdir()
     write_bsfa(out, torch.full((2, layers, heads, 4), -math.inf), [1, 2], 128, 64, "mean", {"model": model})
-    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 0.0, "decode": 0.0},
+    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR,
+                                                                   "decode": NOOP_BLASST_FACTOR},
                        "target_sparsity": 0.5, "targets": [], "model": model, "num_layers": layers,
                        "num_heads": heads, "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
     return out
@@ -178,16 +179,13 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
 def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: F811
     """run_sample on a tiny random Llama with the real tokenizer's vocabulary: thresholds that skip
     nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from sparsecal.evaluation.command import run_sample
 
     from sparsecal.capture.prompts import build_sample
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    make_checkpoint(tmp_path / "m", seed, heads=2, kv_heads=1, head_dim=64, layers=2, vocab_size=len(tok))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa").eval()
     exp = _tiny_export(tmp_path / "e", 2, 2)
     prompt = build_sample(tok, "niah_single", 333, seed)
@@ -242,6 +240,7 @@ def _eval(*args):
     return cli("eval", *args)
 
 
+@pytest.mark.model  # reads the real SmolLM2's config from its GGUF (head counts, ~5-10 s)
 def test_eval_bad_input_one_line(tmp_path):
     """Refused before any model loads, with one line and exit 2, nothing written."""
     out = tmp_path / "ev"

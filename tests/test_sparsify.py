@@ -12,7 +12,7 @@ from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import write_blasst
 from sparsecal.integrations.exports import write_bsfa
 
-from helpers import block_counts_torch, cli, make_checkpoint, write_prompts
+from helpers import block_counts_torch, cli, make_checkpoint, NOOP_BLASST_FACTOR, write_prompts
 
 
 @pytest.fixture
@@ -27,7 +27,8 @@ def _noop_export(out, layers=2, heads=4):
     out.mkdir()
     thr = torch.full((2, layers, heads, 4), -math.inf)
     write_bsfa(out, thr, [1, 2], 128, 64, "mean", {"model": "tiny"})
-    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 0.0, "decode": 0.0},
+    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR,
+                                                                   "decode": NOOP_BLASST_FACTOR},
                        "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": layers,
                        "num_heads": heads, "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
     return out
@@ -140,11 +141,14 @@ def test_window_skips_all_but_the_nearest_blocks(tiny_model, tmp_path, backend, 
 
 
 def test_triton_backend_matches_reference_in_a_model(tiny_model, tmp_path, seed):
-    """BSFA thresholds of +-inf scattered over layers, heads and positions, through both backends:
-    same logits, same per-layer/head counts (the plumbing of layer, head and position)."""
+    """BSFA thresholds that keep everything (-inf) or skip everything (1e30, above any score: an
+    export holds no +inf) scattered over layers, heads and positions, through both backends: same
+    logits, same per-layer/head counts (the plumbing of layer, head and position)."""
     _, model = tiny_model
     g = torch.Generator().manual_seed(seed)
-    thr = torch.where(torch.rand(1, 2, 4, 4, generator=g) < 0.5, -math.inf, math.inf)
+    # half of the 32 (layer, head, position) thresholds skip all, half none, shuffled: at least 8 of
+    # each sit at positions 1-3 (query blocks with candidates), so some tiles are skipped, some kept
+    thr = torch.where(torch.randperm(32, generator=g) < 16, -math.inf, 1e30).view(1, 2, 4, 4)
     exp = tmp_path / "e"
     exp.mkdir()
     write_bsfa(exp, thr, [1], 128, 64, "mean", {"model": "tiny"})
@@ -176,7 +180,7 @@ def test_from_pretrained_with_registered_export(tiny_model, tmp_path, seed):
     sparsecal.densify(dense_model)
 
 
-def test_registered_export_is_checked_against_the_model(tiny_model, tmp_path):
+def test_registered_export_is_checked_against_the_model(tiny_model, tmp_path, rng):
     """register() cannot see the model: its first forward runs sparsify's checks (heads here)."""
     from transformers import AutoModelForCausalLM
 
@@ -184,4 +188,4 @@ def test_registered_export_is_checked_against_the_model(tiny_model, tmp_path):
     sparsecal.register(_noop_export(tmp_path / "e", heads=8), method="blasst")
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparsecal_blasst").eval()
     with pytest.raises(UserError, match="num_heads 8, but it is applied to num_heads 4"), torch.no_grad():
-        model(torch.randint(0, 300, (1, 100)))
+        model(torch.randint(0, 300, (1, 100), generator=rng))
