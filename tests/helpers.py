@@ -222,9 +222,9 @@ SINK = 6.0  # the sink key's scaled score, for every query row
 
 
 def far_bound(d: int) -> float:
-    """How far (scaled) below zero the planted far keys score: FAR = 4 R + 4 with R = sqrt(d) the
-    bound on every other score (see sparse_inputs), so a far tile sits more than 4 below any gap or
-    block max of an ordinary tile, whatever the draw."""
+    """How far (scaled) below zero the planted far keys score: FAR = 4 M + 4 with M = max(R, SINK)
+    and R = sqrt(d) the bound on every other score (see sparse_inputs), so a far tile sits at least
+    4 below any gap or block max of an ordinary tile, whatever the draw."""
     r = d ** 0.5
     return 4.0 * max(r, SINK) + 4.0
 
@@ -242,8 +242,8 @@ def sparse_inputs(seed, b, n, h, hkv, d, dtype, bm, bn):
     Far blocks (random, and always the first eligible one) are never block 0 and never the first
     diagonal block A_i of a query block nor the decode row's block (N - 1) // BN, so every row has
     seen an ordinary key (>= -R) before it reaches a far candidate tile in every scan order: the
-    tile's gap is <= 2 R - FAR and its max <= R - FAR, more than 4 below any ordinary tile's
-    (gap >= -R - max(R, SINK), max >= -R).
+    tile's gap is <= 2 R - FAR and its max <= R - FAR, at least 4 below any ordinary tile's
+    (gap >= -R - max(R, SINK), max >= -R), up to the dtype's rounding of the inputs (< 0.1).
 
     Returns q [B, H, N, D], k/v [B, Hkv, N, D] in dtype, far [B, Hkv, Kb] bool.
     """
@@ -297,7 +297,7 @@ def cut_point(values, floor=-math.inf, min_margin=0.01):
     gap, c = widest(v[(m - 1) // 4: -(-3 * (m - 1) // 4) + 1])
     if gap < min_margin and math.isfinite(floor):
         gap, c = widest(torch.cat([v.new_tensor([floor]), v]))
-    if gap < min_margin:  # every value ties and nothing is planted below: a cut below all of them
+    if gap < min_margin and not math.isfinite(floor):  # all tie, nothing planted below: under them all
         c = float(v[0]) - 1.0
     return c
 

@@ -1,5 +1,7 @@
 """Capture end to end on tiny random-initialized Llama checkpoints: files, shapes, counts, logits,
 resume after an interrupted run, and every bad input (one line, exit code 2, nothing written)."""
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,7 +70,11 @@ def test_resume_after_interruption(tiny, tmp_path, seed):
 
     with pytest.raises(KeyboardInterrupt):
         run_capture(store, model, prompts, cfg, interrupt)
-    (out / "samples" / ".tmp-half-written-1").mkdir()  # as if killed during a write
+    # as if killed during a write: a temp folder .tmp-<id>-<pid> of a writer that is gone (pid 1,
+    # the old suffix here, is alive: the store keeps a live writer's folder)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / "samples" / f".tmp-half-written-{dead.pid}").mkdir()
     assert len(store.done_ids()) == 1
     store = RunStore.create_or_resume(out, info, cfg.to_dict(), "float32", "reference")
     assert not list((out / "samples").glob(".tmp-*"))

@@ -20,8 +20,8 @@ ALL = ("forward", "reverse", "sink_local")
 CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
     (1, 1, 1, 64, 32, 16, torch.float32),
     (70, 1, 4, 64, 32, 16, torch.bfloat16),
-    (200, 2, 1, 128, 32, 16, torch.float16),
-    (200, 1, 4, 128, 32, 16, torch.float32),
+    (130, 2, 1, 128, 32, 16, torch.float16),
+    (120, 1, 4, 128, 32, 16, torch.float32),
     (90, 1, 2, 64, 40, 24, torch.bfloat16),  # BM, BN not powers of two
 ]
 
@@ -55,8 +55,8 @@ def test_forward_stats_match_reference(case, seed):
         torch.testing.assert_close(got[1], lse_dense, atol=1e-4, rtol=1e-5)
 
 
-def test_rejects_unknown_order():
-    q, k, v = make_qkv(0, 8, 1, 1, 64, torch.float32)
+def test_rejects_unknown_order(seed):
+    q, k, v = make_qkv(seed, 8, 1, 1, 64, torch.float32)
     with pytest.raises(ValueError, match="Unknown scan order"):
         instrumented_forward_triton(q, k, v, 0.125, StatsConfig(block_m=32, block_n=16), "sideways")
 

@@ -26,8 +26,8 @@ CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, orders)
     (1, 1, 1, 64, 32, 16, torch.float32, ALL),
     (70, 1, 4, 64, 32, 16, torch.bfloat16, ALL),
     (200, 2, 1, 128, 32, 16, torch.float16, ("reverse", "forward")),
-    (333, 1, 4, 64, 32, 16, torch.float32, ALL),
-    (150, 1, 4, 128, 32, 16, torch.bfloat16, ALL),
+    (100, 1, 4, 64, 32, 16, torch.float32, ALL),
+    (100, 1, 4, 128, 32, 16, torch.bfloat16, ALL),
     (333, 1, 1, 64, 128, 64, torch.bfloat16, ALL),  # the default geometry
     (250, 1, 2, 64, 80, 48, torch.float32, ("sink_local",)),  # BM, BN not powers of two
 ]
@@ -50,7 +50,7 @@ def test_triton_matches_reference(case, seed):
 
 
 @pytest.mark.parametrize("case", [(1, 1, 1, 64, 32, 16, torch.float32, ALL, True),
-                                  (150, 1, 2, 64, 32, 16, torch.bfloat16, ("sink_local", "forward"), False),
+                                  (110, 1, 2, 64, 32, 16, torch.bfloat16, ("sink_local", "forward"), False),
                                   (100, 1, 2, 128, 40, 24, torch.float16, ("reverse",), True)],
                          ids=lambda c: f"N{c[0]}-{c[4]}x{c[5]}-{len(c[7])}o")
 def test_fused_reductions_equal_reduce_tiles(case, seed):
@@ -79,7 +79,7 @@ def test_head_chunks_and_pass1_alone(seed):
     """A scratch budget of one head at a time gives the same statistics; pass 1 alone gives the
     same output, log-sum-exp and q-init error."""
     cfg = StatsConfig(block_m=32, block_n=16)
-    q, k, v = make_qkv(seed, 90, 1, 3, 64, torch.float32)
+    q, k, v = make_qkv(seed, 60, 1, 3, 64, torch.float32)
     whole = instrumented_forward(q, k, v, 0.125, cfg)
     chunked = instrumented_forward(q, k, v, 0.125, cfg, scratch_bytes=1)
     fused = [instrumented_forward(q, k, v, 0.125, cfg, scratch_bytes=b, fused=True) for b in (None, 1)]
@@ -106,9 +106,9 @@ def test_backend_resolution(monkeypatch):
 
 
 def test_cli_capture_triton_equals_reference(tmp_path, seed):
-    model = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=1, head_dim=64, layers=2)
+    model = make_checkpoint(tmp_path / "tiny", seed, heads=2, kv_heads=1, head_dim=64, layers=2)
     # (N = 1 is covered above: its q-init error is exactly 0, a bin edge, where rounding decides the bin)
-    prompts = write_prompts(tmp_path / "p.jsonl", [2, 70, 150], seed)
+    prompts = write_prompts(tmp_path / "p.jsonl", [2, 50, 90], seed)  # 90: ragged, decode rows < N
     runs = {}
     for backend in ("triton", "reference"):
         out = tmp_path / backend
@@ -130,7 +130,7 @@ def test_cli_capture_triton_equals_reference(tmp_path, seed):
                 assert key.endswith("gap_mass") and not b[key].any() and not a[key].any(), key
                 continue
             if a[key].is_floating_point():
-                assert_same_floats(a[key], b[key], 2e-3 if key.startswith("raw") else 1e-4, key)
+                assert_same_floats(a[key], b[key], 1e-4, key)  # raw_* (fp16): one storage step more
             else:  # counts: a value next to a bin edge (or a near tie) may move one bin
                 diff = int((a[key].long() - b[key].long()).abs().sum())
                 assert diff <= max(4, int(b[key].long().abs().sum()) // 100), (key, diff)

@@ -76,8 +76,8 @@ def test_single_order_capture_matches_reference(case, seed):
     assert_reduced_match(got, r, n, cfg, ties)
 
 
-def test_single_pass_needs_one_order():
-    q, k, v = make_qkv(0, 8, 1, 1, 64, torch.float32)
+def test_single_pass_needs_one_order(seed):
+    q, k, v = make_qkv(seed, 8, 1, 1, 64, torch.float32)
     with pytest.raises(ValueError, match="one scan order"):
         capture_triton(q, k, v, 0.125, StatsConfig(block_m=32, block_n=16), single_pass=True)
 
@@ -113,7 +113,7 @@ def test_cli_single_order_capture(tmp_path, seed):
     """`sparsecal capture --orders reverse --backend triton` writes the run that --backend reference
     writes (one order everywhere), and an unknown order is one error line."""
     model = make_checkpoint(tmp_path / "tiny", seed, heads=2, kv_heads=1, head_dim=64, layers=2)
-    prompts = write_prompts(tmp_path / "p.jsonl", [130], seed)
+    prompts = write_prompts(tmp_path / "p.jsonl", [90], seed)
     runs = {}
     for backend in ("triton", "reference"):
         res = cli("capture", "--model", model, "--prompts-file", prompts, "--out", tmp_path / backend,
@@ -132,7 +132,7 @@ def test_cli_single_order_capture(tmp_path, seed):
             if a[key].dtype != b[key].dtype:  # reduce_tiles: integer zeros for an empty mass histogram
                 assert key.endswith("gap_mass") and not a[key].any() and not b[key].any(), key
             elif a[key].is_floating_point():
-                assert_same_floats(a[key], b[key], 2e-3 if key.startswith("raw") else 1e-4, key)
+                assert_same_floats(a[key], b[key], 1e-4, key)  # raw_* (fp16): one storage step more
             else:  # counts: a value next to a bin edge (or a near tie) may move one bin
                 diff = int((a[key].long() - b[key].long()).abs().sum())
                 assert diff <= max(4, int(b[key].long().abs().sum()) // 100), (key, diff)

@@ -143,8 +143,8 @@ def test_density_monotone_in_k(n, s):
     assert np.all(np.diff(bsfa.predicted_density(cand, reach.numpy(), cfg.k_values)) >= 0)
 
 
-def test_unreachable_lengths_warn_and_unreachable_targets_refuse(tmp_path):
-    store = write_synthetic_run(tmp_path / "run", [1024, 4096], 2, layers=1, heads=2, a=3000.0, target=0.7)
+def test_unreachable_lengths_warn_and_unreachable_targets_refuse(tmp_path, seed):
+    store = write_synthetic_run(tmp_path / "run", [1024, 4096], 2, layers=1, heads=2, a=3000.0, target=0.7, seed=seed)
     warnings = []
     doc = fit_run(store, FitRequest(targets=[0.6], holdout=0), warn=warnings.append)
     assert any("1024 tokens reach at most" in w for w in warnings)
@@ -154,8 +154,8 @@ def test_unreachable_lengths_warn_and_unreachable_targets_refuse(tmp_path):
         fit_run(store, FitRequest(targets=[0.99], holdout=0), warn=lambda line: None)
 
 
-def test_request_errors(tmp_path):
-    store = write_synthetic_run(tmp_path / "run", [1024], 1, layers=1, heads=1)
+def test_request_errors(tmp_path, seed):
+    store = write_synthetic_run(tmp_path / "run", [1024], 1, layers=1, heads=1, seed=seed)
     with pytest.raises(UserError, match="too few samples for a hold-out split"):
         fit_run(store, FitRequest(holdout=0.25), warn=lambda line: None)
     with pytest.raises(UserError, match="k 12 was not captured"):

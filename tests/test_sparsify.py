@@ -152,7 +152,7 @@ def test_triton_backend_matches_reference_in_a_model(tiny_model, tmp_path, seed)
     exp = tmp_path / "e"
     exp.mkdir()
     write_bsfa(exp, thr, [1], 128, 64, "mean", {"model": "tiny"})
-    ids = torch.randint(0, 300, (1, 700), generator=g)
+    ids = torch.randint(0, 300, (1, 520), generator=g)  # 5 query blocks: the last reads position 3 again
     got = {}
     for backend in ("reference", "triton"):
         sparsecal.sparsify(model, exp, method="bsfa", k=1, backend=backend)
@@ -160,7 +160,7 @@ def test_triton_backend_matches_reference_in_a_model(tiny_model, tmp_path, seed)
             got[backend] = (model(ids).logits, model.sparsecal_stats["skipped"].clone())
     torch.testing.assert_close(got["triton"][0], got["reference"][0], atol=2e-4, rtol=2e-4)
     assert torch.equal(got["triton"][1], got["reference"][1])
-    assert 0 < got["triton"][1].sum() < got["triton"][1].numel() * int(block_counts_torch(700, 128, 64)[0].sum())
+    assert 0 < got["triton"][1].sum() < got["triton"][1].numel() * int(block_counts_torch(520, 128, 64)[0].sum())
     sparsecal.densify(model)
 
 
