@@ -96,8 +96,8 @@ def blasst_log_lambda_for(gap: torch.Tensor, n: int, block_m: int, block_n: int,
     cmask, reach = _candidate_mask(n, block_m, block_n, gap.device)
     gaps = gap[:, cmask].flatten().float().sort().values
     want = min(int(round(s * float(reach.sum()) * gap.shape[0])), gaps.numel())
-    if want >= gaps.numel():
-        return float(gaps[-1]) + 1.0
+    if want >= gaps.numel():  # every candidate: lambda = 1 at most, never past the tiles that raise the max
+        return min(float(gaps[-1]) + 1.0, 0.0)
     lo = float(gaps[want - 1]) if want else float(gaps[0]) - 1.0
     return (lo + float(gaps[want])) / 2
 
@@ -124,6 +124,6 @@ def decode_log_lambda_for(q, k, scale: float, block_n: int, s: float) -> float:
     a = (k.shape[2] - 1) // block_n
     gaps = gap[..., :a].flatten().sort().values
     want = min(int(round(s * tmax.numel())), gaps.numel())
-    if want >= gaps.numel():
-        return float(gaps[-1]) + 1.0
+    if want >= gaps.numel():  # every candidate: lambda = 1 at most, never past the tiles that raise the max
+        return min(float(gaps[-1]) + 1.0, 0.0)
     return (float(gaps[want - 1]) + float(gaps[want])) / 2 if want else float(gaps[0]) - 1.0
