@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import torch
 from typer.testing import CliRunner
 
@@ -367,3 +368,16 @@ def decode_tiles(q, k, bn, order="forward"):
     tmax = s.view(b * h, 1, kb, bn).amax(-1)
     gap, _ = scan_rows(tmax, scan_order(order, r // bn, kb), tmax.amax(-1))
     return tmax.view(b, h, kb), gap.view(b, h, kb)
+
+
+def write_results(folder: Path) -> Path:
+    """Result files in the documented format (toolkit/formats/results.py), made up for the test."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"method": m, "config": c, "length": n, "accuracy_rel_dense": acc}
+            for n in (256, 512) for m, c, acc in (("bsfa", "k=1", 0.93), ("bsfa", "k=2", 0.97), ("blasst", "target=0.03", 0.99),
+                                                   ("blasst", "target=0.1", 0.95))]
+    pl.DataFrame(rows).write_parquet(folder / "eval.parquet")
+    bench = [{"method": r["method"], "config": r["config"], "length": r["length"],
+              "speedup": 1.0 + (1.0 - r["accuracy_rel_dense"]) * 10, "sparsity": 0.1} for r in rows]
+    (folder / "bench.json").write_text(json.dumps({"kind": "sparsecal-bench", "rows": bench, "provenance": {}}))
+    return folder

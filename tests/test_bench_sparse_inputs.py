@@ -10,8 +10,14 @@ import math
 
 import torch
 
-from sparsecal.bench.sparse_inputs import (blasst_log_lambda_for, bsfa_thresholds_for, decode_log_lambda_for,
-                                           decode_tile_max, structured_qkv, tile_stats)
+from sparsecal.bench.sparse_inputs import (
+    blasst_log_lambda_for,
+    bsfa_thresholds_for,
+    decode_log_lambda_for,
+    decode_tile_max,
+    structured_qkv,
+    tile_stats,
+)
 from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
 
 from helpers import block_counts_torch, candidate_mask

@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from sparsecal.capture.runner import capture_sample, run_capture
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.capture.models import load_model, resolve_model
 from sparsecal.capture.prompts import load_prompts_file
+from sparsecal.capture.runner import capture_sample, run_capture
 from sparsecal.formats.run import RunStore
+from sparsecal.formats.stats_config import StatsConfig
 
 from helpers import assert_user_error, check_sample_tensors, cli, make_checkpoint, write_prompts
 

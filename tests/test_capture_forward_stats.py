@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.dense import attention_dense
-from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 
-from helpers import assert_same_floats, make_qkv, near_tie_rows, OUT_RTOL, OUT_TOL
-
+from helpers import OUT_RTOL, OUT_TOL, assert_same_floats, make_qkv, near_tie_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
                                         "ignore:invalid value:RuntimeWarning")

@@ -9,14 +9,29 @@ import torch
 
 from sparsecal.capture.runner import resolve_backend
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.run import RunStore
 from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture.instrumented import (
+    instrumented_attention_triton,
+    instrumented_capture_triton,
+    instrumented_forward,
+)
 from sparsecal.kernels.capture.reduce_reference import reduce_tiles
 from sparsecal.kernels.capture.reference import instrumented_attention
-from sparsecal.kernels.capture.instrumented import instrumented_attention_triton, instrumented_capture_triton, instrumented_forward
-from sparsecal.formats.run import RunStore
 
-from helpers import as_torch, assert_reductions_match, assert_same_floats, assert_tiles_match, cli, make_checkpoint, make_qkv, near_tie_rows, OUT_RTOL, OUT_TOL, write_prompts
-
+from helpers import (
+    OUT_RTOL,
+    OUT_TOL,
+    as_torch,
+    assert_reductions_match,
+    assert_same_floats,
+    assert_tiles_match,
+    cli,
+    make_checkpoint,
+    make_qkv,
+    near_tie_rows,
+    write_prompts,
+)
 
 # the interpreter evaluates log2(0) and -inf - -inf on lanes that are masked afterwards
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",

@@ -10,7 +10,6 @@ from sparsecal.kernels.capture.reduce_reference import reduce_tiles
 from sparsecal.kernels.capture.reference import instrumented_attention
 
 from bruteforce import brute_force, bsfa_thresholds
-
 from helpers import block_counts_torch
 
 CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)

@@ -8,16 +8,28 @@ import math
 import pytest
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import ORDERS
+from sparsecal.formats.run import RunStore
+from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.capture.mass import block_mass_triton
+from sparsecal.kernels.capture.pipeline import capture_triton
 from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 from sparsecal.kernels.capture.reference import instrumented_attention
-from sparsecal.kernels.capture.pipeline import capture_triton
-from sparsecal.kernels.capture.mass import block_mass_triton
-from sparsecal.formats.run import RunStore
 
-from helpers import as_torch, assert_reduced_match, assert_same_floats, assert_user_error, block_counts_torch, cli, make_checkpoint, make_qkv, near_tie_rows, OUT_RTOL, OUT_TOL, write_prompts
-
+from helpers import (
+    OUT_RTOL,
+    OUT_TOL,
+    as_torch,
+    assert_reduced_match,
+    assert_same_floats,
+    assert_user_error,
+    block_counts_torch,
+    cli,
+    make_checkpoint,
+    make_qkv,
+    near_tie_rows,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
                                         "ignore:invalid value:RuntimeWarning")

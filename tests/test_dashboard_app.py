@@ -3,14 +3,14 @@ SmolLM2 capture, fit and export) with its main controls changed; missing, broken
 shown on the page instead of a traceback; the Accuracy-speedup empty state and chart."""
 import json
 import shutil
-from pathlib import Path
 
 import polars as pl
 import pytest
 from streamlit.testing.v1 import AppTest
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "fixture"
-APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+from helpers import FIXTURE, ROOT, write_results
+
+APP = ROOT / "dashboard" / "app.py"
 PAGES = {"overview": "page_overview.py", "density": "page_density.py", "blasst": "page_blasst.py",
          "stabilization": "page_stabilization.py", "tiles": "page_tiles.py", "curves": "page_curves.py",
          "export": "page_export.py"}
@@ -132,19 +132,6 @@ def test_curves_out_of_the_box_from_the_committed_evaluation(monkeypatch):
     _ok(at, 1)
     table = at.dataframe[0].value
     assert {"blasst", "bsfa", "window"} <= set(table["method"]) and table["speedup"].notna().any()
-
-
-def write_results(folder: Path) -> Path:
-    """Result files in the documented format (toolkit/formats/results.py), made up for the test."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"method": m, "config": c, "length": n, "accuracy_rel_dense": acc}
-            for n in (256, 512) for m, c, acc in (("bsfa", "k=1", 0.93), ("bsfa", "k=2", 0.97), ("blasst", "target=0.03", 0.99),
-                                                   ("blasst", "target=0.1", 0.95))]
-    pl.DataFrame(rows).write_parquet(folder / "eval.parquet")
-    bench = [{"method": r["method"], "config": r["config"], "length": r["length"],
-              "speedup": 1.0 + (1.0 - r["accuracy_rel_dense"]) * 10, "sparsity": 0.1} for r in rows]
-    (folder / "bench.json").write_text(json.dumps({"kind": "sparsecal-bench", "rows": bench, "provenance": {}}))
-    return folder
 
 
 def test_curves_chart_from_result_files(monkeypatch, tmp_path):

@@ -4,14 +4,13 @@ each, and checks that the charts are drawn with no exception or error alert. Scr
 time each page took to be interactive again go to test-artifacts/dashboard/ (git-ignored;
 timings are reported, never asserted)."""
 import json
-from pathlib import Path
 
 import pytest
 
 from sparsecal.dashboard import drive
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "data" / "fixture"
+from helpers import FIXTURE, ROOT, write_results
+
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 CHARTS = {"Overview": 1, "Density": 2, "BLASST": 4, "Stabilization": 4, "Tiles": 3, "Accuracy-speedup": 1,
           "Export": 2}
@@ -31,7 +30,6 @@ def _check(page, title: str, when: str, js_errors: list) -> dict:
 
 def test_every_page_renders_in_chromium(tmp_path):
     from playwright.sync_api import sync_playwright
-    from test_dashboard_app import write_results
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     results = write_results(tmp_path / "results")

@@ -3,7 +3,6 @@ Accuracy-speedup result format: on the committed fixture run's own tables and on
 with known contents."""
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -15,7 +14,8 @@ from sparsecal.dashboard import charts_fit, charts_run, derive
 from sparsecal.formats import geometry, results
 from sparsecal.formats.geometry import num_candidates, num_reachable
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "fixture"
+from helpers import FIXTURE
+
 FIT = FIXTURE / "fit"
 
 

@@ -2,7 +2,6 @@
 the server command line it builds."""
 import socket
 import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -10,7 +9,7 @@ from typer.testing import CliRunner
 from sparsecal.cli import app
 from sparsecal.dashboard import serve
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "fixture"
+from helpers import FIXTURE
 
 
 def _run(*args):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sparsecal.kernels.dense import attention_dense, flops_causal
+from sparsecal.kernels.dense_reference import attention_reference
 
 CASES = [  # (B, N, KV heads, GQA group, D, dtype, (BLOCK_M, BLOCK_N, warps, stages) or None)
     (1, 1, 1, 1, 64, torch.float32, None),
@@ -15,17 +16,6 @@ CASES = [  # (B, N, KV heads, GQA group, D, dtype, (BLOCK_M, BLOCK_N, warps, sta
     (1, 200, 1, 1, 64, torch.bfloat16, (128, 64, 4, 1)),
 ]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def causal_reference(q, k, v, scale):
-    """float64 causal softmax attention with KV heads repeated. Returns (out, lse)."""
-    group = q.shape[1] // k.shape[1]
-    kr = k.double().repeat_interleave(group, 1)
-    vr = v.double().repeat_interleave(group, 1)
-    s = scale * q.double() @ kr.transpose(-1, -2)
-    n = q.shape[2]
-    s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
-    return torch.softmax(s, -1) @ vr, torch.logsumexp(s, -1)
 
 
 def random_qkv(seed, b, n, hkv, group, d, dtype):
@@ -42,7 +32,7 @@ def test_dense_matches_softmax_attention(case, seed):
     q, k, v = random_qkv(seed, b, n, hkv, group, d, dtype)
     scale = 1 / math.sqrt(d)
     out, lse = attention_dense(q, k, v, scale, config=config)
-    ref, ref_lse = causal_reference(q, k, v, scale)
+    ref, ref_lse = attention_reference(q, k, v, scale)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:3]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
@@ -59,7 +49,7 @@ def test_dense_strided_inputs_and_output_buffer(seed):
     v = torch.randn(1, n, hkv, d, generator=g).transpose(1, 2)
     buf = torch.full((1, n, h, d), float("nan"))
     out, _ = attention_dense(q, k, v, 0.1, out=buf.transpose(1, 2))
-    ref, _ = causal_reference(q, k, v, 0.1)
+    ref, _ = attention_reference(q, k, v, 0.1)
     assert out.data_ptr() == buf.data_ptr() and not torch.isnan(buf).any()
     torch.testing.assert_close(buf.transpose(1, 2).double(), ref, atol=1e-5, rtol=0)
 

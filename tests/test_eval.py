@@ -4,21 +4,19 @@ SmolLM2 at 512 tokens through the CLI with resume, the bench join and the bad-in
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from sparsecal.formats.errors import UserError
-from sparsecal.evaluation.methods import GRAMMAR, Method, parse_methods, with_dense
-from sparsecal.evaluation.metrics import Fidelity, fidelity, Reference, sparsity
-from sparsecal.capture.prompts import build_task_prompts, TASKS
+from sparsecal.capture.prompts import TASKS, build_task_prompts
 from sparsecal.capture.prompts.scoring import answer_budget, answer_items, is_correct, score
+from sparsecal.evaluation.methods import GRAMMAR, Method, parse_methods, with_dense
+from sparsecal.evaluation.metrics import Fidelity, Reference, fidelity, sparsity
+from sparsecal.formats.errors import UserError
 
-from helpers import assert_user_error, block_counts_torch, cli, make_checkpoint, NOOP_BLASST_FACTOR
+from helpers import CALIBRATION, NOOP_BLASST_FACTOR, assert_user_error, block_counts_torch, cli, make_checkpoint
 
-
-CAL = Path(__file__).resolve().parents[1] / "data" / "calibration" / "smollm2-1k-8k"
+CAL = CALIBRATION
 
 
 # ----------------------------------------------------------------------------- method grammar
@@ -161,14 +159,14 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
     """Answer tasks: score / dense's score only where dense scores >= MIN_DENSE_SCORE; text: ppl ratio."""
     import polars as pl
 
-    from sparsecal.evaluation.summary import curves, MIN_DENSE_SCORE, summarize
+    from sparsecal.evaluation.summary import MIN_DENSE_SCORE, curves, summarize
 
     base = {"length": 1024, "correct": True, "kl": 0.0, "top1": 1.0, "nll": 1.0, "sparsity": 0.0,
             "decode_sparsity": 0.0, "prefill_s": 0.1, "decode_s": 0.1, "held_out_task": False}
     rows = []
-    for task, dense_score, score in (("niah_single", 0.8, 0.6), ("cwe", MIN_DENSE_SCORE / 2, 0.3)):
+    for task, dense_score, method_score in (("niah_single", 0.8, 0.6), ("cwe", MIN_DENSE_SCORE / 2, 0.3)):
         rows.append(dict(base, method="dense", config="dense", label="dense", task=task, score=dense_score))
-        rows.append(dict(base, method="bsfa", config="k=16", label="bsfa:16", task=task, score=score))
+        rows.append(dict(base, method="bsfa", config="k=16", label="bsfa:16", task=task, score=method_score))
     summ = summarize(rows)
     rel = {(r["label"], r["task"]): r["accuracy_rel_dense"] for r in summ.to_dicts()}
     assert rel[("bsfa:16", "niah_single")] == pytest.approx(0.75) and rel[("bsfa:16", "cwe")] is None
@@ -181,9 +179,8 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
     nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile."""
     from transformers import AutoModelForCausalLM
 
-    from sparsecal.evaluation.command import run_sample
-
     from sparsecal.capture.prompts import build_sample
+    from sparsecal.evaluation.command import run_sample
 
     make_checkpoint(tmp_path / "m", seed, heads=2, kv_heads=1, head_dim=64, layers=2, vocab_size=len(tok))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa").eval()

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from sparsecal.bench.synthetic import write_synthetic_run
 from sparsecal.cli import app
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import blasst_lambda, BSFA_KEYS, load_blasst
+from sparsecal.formats.exports import BSFA_KEYS, blasst_lambda, load_blasst
 from sparsecal.integrations.exports import load_bsfa
 
 runner = CliRunner()

@@ -12,12 +12,13 @@ import sys
 import time
 
 import pytest
-from helpers import FIXTURE, assert_user_error, cli, make_checkpoint, write_prompts
 
 from sparsecal.analysis.samples import finished_records
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import load_blasst
 from sparsecal.formats.run import RunStore
+
+from helpers import FIXTURE, assert_user_error, cli, make_checkpoint, write_prompts
 
 pytestmark = pytest.mark.faults
 

@@ -10,12 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecal.analysis import bsfa
-from sparsecal.analysis.fit import fit_run, FitRequest
+from sparsecal.analysis.fit import FitRequest, fit_run
 from sparsecal.analysis.samples import split_samples
 from sparsecal.bench.synthetic import write_synthetic_run
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.stats_config import StatsConfig
-
 from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 
 from helpers import block_counts_torch

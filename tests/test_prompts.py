@@ -1,13 +1,21 @@
-"""Tests for sparsecal.prompts: exact-length synthetic tasks and JSONL prompt files."""
+"""Tests for sparsecal.capture.prompts: exact-length synthetic tasks and JSONL prompt files."""
 import collections
 import json
 import re
 
 import pytest
 
-from sparsecal.formats.errors import UserError
-from sparsecal.capture.prompts import build_sample, build_task_prompts, load_prompts_file, MIN_LENGTH, PromptSample, sample_seed, TASKS
+from sparsecal.capture.prompts import (
+    MIN_LENGTH,
+    TASKS,
+    PromptSample,
+    build_sample,
+    build_task_prompts,
+    load_prompts_file,
+    sample_seed,
+)
 from sparsecal.capture.prompts.tasks import source_text
+from sparsecal.formats.errors import UserError
 
 LENGTHS = (512, 777, 1024)
 BASE_SEED = 20240611

@@ -3,16 +3,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sparsecal.capture.runner import capture_sample
-from sparsecal.cli import app
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.capture.models import load_model, load_tokenizer, resolve_model
 from sparsecal.capture.prompts import build_sample
-from sparsecal.formats.run import RunStore
+from sparsecal.capture.runner import capture_sample
 from sparsecal.capture.summary import sample_summary
+from sparsecal.cli import app
+from sparsecal.formats.run import RunStore
+from sparsecal.formats.stats_config import StatsConfig
 
 from helpers import check_sample_tensors
-
 
 pytestmark = pytest.mark.model
 

@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 
-from sparsecal.kernels.sparse.reference import sparse_decode
 from sparsecal.kernels.sparse.decode import SCHEDULES, sparse_decode_triton
+from sparsecal.kernels.sparse.reference import sparse_decode
 
-from helpers import blasst_cut_log_lambda, cut_point, decode_tiles, sparse_inputs, TOL
-
+from helpers import TOL, blasst_cut_log_lambda, cut_point, decode_tiles, sparse_inputs
 
 # The interpreter's cost grows with the programs (B * Hkv * splits), then the tiles: each case is
 # as small as its coverage allows (every L ragged; Kb > 8 where DECIDE_CHUNK = 4 must see a ragged

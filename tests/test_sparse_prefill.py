@@ -5,12 +5,19 @@ import math
 import pytest
 import torch
 
-from sparsecal.kernels.sparse.reference import sparse_attention
 from sparsecal.kernels.dense import attention_dense
 from sparsecal.kernels.sparse.prefill import sparse_attention_triton
+from sparsecal.kernels.sparse.reference import sparse_attention
 
-from helpers import (blasst_cut_log_lambda, bsfa_cut_thresholds, candidate_mask, far_tiles, prefill_tiles,
-                     sparse_inputs, TOL)
+from helpers import (
+    TOL,
+    blasst_cut_log_lambda,
+    bsfa_cut_thresholds,
+    candidate_mask,
+    far_tiles,
+    prefill_tiles,
+    sparse_inputs,
+)
 
 # One program per (sequence, head, query block), one step per reachable tile: the interpreter's
 # cost. Each case is as small as its coverage allows (every N ragged for BM and BN, four query blocks

@@ -5,14 +5,21 @@ import math
 import pytest
 import torch
 
-from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.geometry import cdiv
+from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.sparse.reference import sparse_attention
 
-from helpers import (blasst_cut_log_lambda, block_counts_torch, bsfa_cut_thresholds, candidate_mask, cut_point,
-                     far_tiles, sparse_inputs)
+from helpers import (
+    blasst_cut_log_lambda,
+    block_counts_torch,
+    bsfa_cut_thresholds,
+    candidate_mask,
+    cut_point,
+    far_tiles,
+    sparse_inputs,
+)
 
 CASES = [  # (N, H, Hkv, D, BM, BN, dtype)
     (200, 4, 4, 64, 64, 32, torch.float32),

@@ -12,7 +12,7 @@ from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import write_blasst
 from sparsecal.integrations.exports import write_bsfa
 
-from helpers import block_counts_torch, cli, make_checkpoint, NOOP_BLASST_FACTOR, write_prompts
+from helpers import NOOP_BLASST_FACTOR, block_counts_torch, cli, make_checkpoint, write_prompts
 
 
 @pytest.fixture
