@@ -106,9 +106,9 @@ class RunStore:
             man = {"schema_version": SCHEMA_VERSION, "kind": RUN_KIND, "created": _now(), "updated": _now(),
                    "model": model, "dtype": dtype, "backend": backend, "config": config,
                    "versions": versions(), "samples": []}
-            (root / SAMPLES).mkdir(parents=True, exist_ok=True)
             store = cls(root, man)
-            store._write_manifest()
+            store._write_manifest()  # before samples/: a racing writer sees a run, not a foreign directory
+            (root / SAMPLES).mkdir(parents=True, exist_ok=True)
             return store
 
     @classmethod
@@ -120,7 +120,9 @@ class RunStore:
         if (root / MANIFEST).exists():
             cls.open(root)._check_same(model, config, dtype)
             return True
-        if root.exists() and any(p.name != LOCK for p in root.iterdir()):
+        # hidden entries (.lock, a manifest's atomic-write temp file) belong to a run another writer
+        # is creating right now, which the locked second check then finds
+        if root.exists() and any(not p.name.startswith(".") for p in root.iterdir()):
             raise UserError(f"--out {root} is a non-empty directory that is not a sparsecal run; choose a new directory.")
         return False
 
