@@ -20,7 +20,6 @@ import hashlib
 import importlib.util
 import os
 import pathlib
-import secrets
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,7 +42,7 @@ def seed_for(nodeid: str) -> int:
     """The test's seed: fixed by its node id unless SPARSECAL_TEST_SEED says otherwise."""
     env = os.environ.get(SEED_ENV, "")
     if env == "random":
-        return secrets.randbelow(2**31)
+        return int.from_bytes(os.urandom(4), "little") % 2**31
     if env:
         return int(env)
     return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:4], "little") % 2**31
