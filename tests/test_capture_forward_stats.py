@@ -11,10 +11,9 @@ from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.dense import attention_dense
 
-from helpers import OUT_RTOL, OUT_TOL, assert_same_floats, make_qkv, near_tie_rows
+from helpers import INTERPRETER_WARNINGS, OUT_RTOL, OUT_TOL, assert_same_floats, make_qkv, near_tie_rows
 
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
-                                        "ignore:invalid value:RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 ALL = ("forward", "reverse", "sink_local")
 CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
     (1, 1, 1, 64, 32, 16, torch.float32),

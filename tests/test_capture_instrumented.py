@@ -20,6 +20,7 @@ from sparsecal.kernels.capture.reduce_reference import reduce_tiles
 from sparsecal.kernels.capture.reference import instrumented_attention
 
 from helpers import (
+    INTERPRETER_WARNINGS,
     OUT_RTOL,
     OUT_TOL,
     as_torch,
@@ -33,9 +34,7 @@ from helpers import (
     write_prompts,
 )
 
-# the interpreter evaluates log2(0) and -inf - -inf on lanes that are masked afterwards
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
-                                        "ignore:invalid value:RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 ALL = ("forward", "reverse", "sink_local")
 CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, orders)
     (1, 1, 1, 64, 32, 16, torch.float32, ALL),

@@ -17,6 +17,7 @@ from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 from sparsecal.kernels.capture.reference import instrumented_attention
 
 from helpers import (
+    INTERPRETER_WARNINGS,
     OUT_RTOL,
     OUT_TOL,
     as_torch,
@@ -31,8 +32,7 @@ from helpers import (
     write_prompts,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
-                                        "ignore:invalid value:RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 MASS_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
     (1, 1, 1, 64, 32, 16, torch.float32),
     (70, 1, 4, 64, 32, 16, torch.bfloat16),
