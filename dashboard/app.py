@@ -6,7 +6,9 @@ this one (page_*.py) so that AppTest can switch to it.
 """
 from __future__ import annotations
 
+import runpy
 import sys
+from pathlib import Path
 
 import streamlit as st
 
@@ -42,8 +44,18 @@ def main() -> None:
         st.session_state[RUN_KEY] = runs[0]
     st.sidebar.selectbox("Run", runs, key=RUN_KEY, format_func=_run_label,
                          help="Runs given on the command line; each page shows the chosen one.")
-    pages = [st.Page(f, title=t, icon=i, url_path=u, default=n == 0) for n, (f, t, i, u) in enumerate(PAGES)]
+    pages = [st.Page(f, title=t, icon=i, url_path=u if n else "home", default=n == 0)
+             for n, (f, t, i, u) in enumerate(PAGES)]
+    # The default page is served at "/"; its own path (/overview) opens it too, through a hidden alias.
+    first = PAGES[0]
+    pages.append(st.Page(_run_script(first[0]), title=first[1], url_path=first[3], visibility="hidden"))
     st.navigation(pages).run()
+
+
+def _run_script(name: str):
+    def page():
+        runpy.run_path(str(Path(__file__).with_name(name)), run_name="__main__")
+    return page
 
 
 main()

@@ -50,6 +50,9 @@ def test_every_page_renders_in_chromium(tmp_path):
                 page.screenshot(path=str(ARTIFACTS / f"{n + 1}-{title}.png"), full_page=True)
                 timings[title] = {"visit_s": round(visit_s, 3), "change_s": round(change_s, 3),
                                   "action": list(drive.PAGE_ACTIONS[title])}
+            drive.open_app(page, srv.url + "/overview")  # the default page's own path opens it too
+            assert "Page not found" not in page.inner_text("body")
+            _check(page, "Overview", "at /overview", js_errors)
         finally:
             browser.close()
     (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=1))
