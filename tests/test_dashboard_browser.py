@@ -51,6 +51,8 @@ def test_every_page_renders_in_chromium(tmp_path):
                 timings[title] = {"visit_s": round(visit_s, 3), "change_s": round(change_s, 3),
                                   "action": list(drive.PAGE_ACTIONS[title])}
             drive.open_app(page, srv.url + "/overview")  # the default page's own path opens it too
+            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg', timeout=90_000)
+            drive.wait_idle(page, need_run=False)
             assert "Page not found" not in page.inner_text("body")
             _check(page, "Overview", "at /overview", js_errors)
         finally:
