@@ -31,12 +31,13 @@ def finished_records(store, warn=None, strict: bool = False) -> list[dict]:
     """Records of the finished, readable samples of ``store``: the manifest's in its order, then
     finished samples the manifest lacks (a warning names them and `sparsecal doctor`); damaged
     samples are left out with a warning."""
-    recs, extra = store.finished_records()
+    scan = store.scan()  # one read of every sample's header
+    recs, extra = store.finished_records(scan)
     if warn and extra:
         warn(f"{len(extra)} finished sample(s) of {store.root} are missing from its manifest ({', '.join(extra[:3])}"
              f"{', ...' if len(extra) > 3 else ''}); they are fitted too. `sparsecal doctor {store.root}` repairs "
              "the manifest.")
-    damaged = store.damaged()
+    damaged = store.damaged(scan)
     if strict and damaged:
         sid, why = next(iter(damaged.items()))
         raise UserError(f"{store.root} has {len(damaged)} damaged sample(s) ({sid}: {why}); run the same capture "

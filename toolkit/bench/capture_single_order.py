@@ -19,7 +19,6 @@ data/bench/triton-capture-single-order-h100.json).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -33,13 +32,13 @@ from sparsecal.bench.harness import (
     compiled_info,
     log,
     random_qkv,
+    result_file,
     run_section,
     sdpa_fns,
     sweep,
     sync,
 )
 from sparsecal.formats.geometry import ORDERS
-from sparsecal.formats.provenance import provenance
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.mass import block_mass_triton
@@ -218,14 +217,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.dims = [int(x) for x in args.dims.split(",")]
-    result = {"benchmark": "triton-capture-single-order", "provenance": provenance()}
-    result["provenance"]["commit"] = args.commit or result["provenance"]["commit"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save():
-        args.out.write_text(json.dumps(result, indent=1, default=str))
-
-    log(f"GPU: {result['provenance']['gpu']}, torch {torch.__version__}")
+    result, save = result_file("triton-capture-single-order", args.out, args.commit)
     single_order_benchmark(args, save, result)
     print(single_order_table(result), flush=True)
     print(f"-> {args.out}")

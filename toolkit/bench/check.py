@@ -14,17 +14,13 @@ Writes the rows with provenance and prints one line per family; exits 1 when a c
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import torch
-
 from sparsecal.bench.capture_instrumented import check_case
 from sparsecal.bench.capture_single_order import check_single
-from sparsecal.bench.harness import CHECK_CASES, log, run_section
+from sparsecal.bench.harness import CHECK_CASES, result_file, run_section
 from sparsecal.bench.sparse import check_kernels
-from sparsecal.formats.provenance import provenance
 
 
 def main(argv=None) -> None:
@@ -32,14 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=Path("data/bench/kernel-checks-h100.json"))
     ap.add_argument("--commit", default=None, help="commit to record (the device copy's .git may be stale or absent)")
     args = ap.parse_args(argv)
-    result = {"benchmark": "kernel-checks", "provenance": provenance()}
-    result["provenance"]["commit"] = args.commit or result["provenance"]["commit"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save():
-        args.out.write_text(json.dumps(result, indent=1, default=str))
-
-    log(f"GPU: {result['provenance']['gpu']}, torch {torch.__version__}")
+    result, save = result_file("kernel-checks", args.out, args.commit)
     run_section(result, "capture_instrumented", lambda: [check_case(c) for c in CHECK_CASES], save)
     run_section(result, "capture_single_order", lambda: [check_single(c) for c in CHECK_CASES], save)
     run_section(result, "sparse", check_kernels, save)

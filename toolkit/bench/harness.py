@@ -137,3 +137,24 @@ def run_section(result: dict, key: str, fn, save) -> None:
         log(f"{key} FAILED: {type(e).__name__}: {e}")
         result.setdefault("errors", {})[key] = traceback.format_exc()[-3000:]
     save()
+
+
+def result_file(name: str, out, commit: str | None = None):
+    """A benchmark's result: ({"benchmark": name, "provenance": ...}, save), where save() writes it
+    to ``out`` as JSON (call it after every section, so a crash keeps what was measured).
+    ``commit`` overrides the recorded commit (the device copy's .git may be stale or absent)."""
+    import json
+    from pathlib import Path
+
+    from sparsecal.formats.provenance import provenance
+
+    result = {"benchmark": name, "provenance": provenance()}
+    result["provenance"]["commit"] = commit or result["provenance"]["commit"]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(result, indent=1, default=str))
+
+    log(f"GPU: {result['provenance']['gpu']}, torch {torch.__version__}")
+    return result, save

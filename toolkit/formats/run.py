@@ -195,23 +195,23 @@ class RunStore:
             return f"unreadable ({type(e).__name__})"
         return None
 
-    def done_ids(self) -> set[str]:
+    def scan(self) -> dict[str, str | None]:
+        """{sample id: None when finished and readable, else what is wrong} of every sample folder."""
+        return {p.name: self.check_sample(p.name) for p in self.sample_dirs()}
+
+    def done_ids(self, scan: dict | None = None) -> set[str]:
         """Samples finished on disk and readable (damaged ones count as not finished)."""
-        return {p.name for p in self.sample_dirs() if self.check_sample(p.name) is None}
+        return {sid for sid, why in (self.scan() if scan is None else scan).items() if why is None}
 
-    def damaged(self) -> dict[str, str]:
+    def damaged(self, scan: dict | None = None) -> dict[str, str]:
         """{sample id: what is wrong} of the sample folders that do not read."""
-        out = {}
-        for p in self.sample_dirs():
-            why = self.check_sample(p.name)
-            if why is not None:
-                out[p.name] = why
-        return out
+        return {sid: why for sid, why in (self.scan() if scan is None else scan).items() if why is not None}
 
-    def finished_records(self) -> tuple[list[dict], list[str]]:
+    def finished_records(self, scan: dict | None = None) -> tuple[list[dict], list[str]]:
         """(records of the finished samples: the manifest's, in its order, then those only on disk,
-        from their sample.json; ids of finished samples the manifest lacks)."""
-        done = self.done_ids()
+        from their sample.json; ids of finished samples the manifest lacks). ``scan``: a ``scan()``
+        already made."""
+        done = self.done_ids(scan)
         planned = {r["id"] for r in self.manifest["samples"]}
         recs = [r for r in self.manifest["samples"] if r["id"] in done]
         extra = sorted(done - planned)
@@ -225,11 +225,12 @@ class RunStore:
         added, damaged samples {id: why}). What ``sparsecal doctor`` does."""
         with _locked(self.root):
             self._reload()
-            recs, extra = self.finished_records()
+            scan = self.scan()
+            recs, extra = self.finished_records(scan)
             if extra:
                 self.manifest["samples"].extend(r for r in recs if r["id"] in set(extra))
                 self._write_manifest()
-        return extra, self.damaged()
+        return extra, self.damaged(scan)
 
     def write_sample(self, record: dict, stats: dict, raw: dict | None = None) -> Path:
         """Write one finished sample atomically: build it in a temp folder, then rename."""
