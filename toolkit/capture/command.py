@@ -34,6 +34,7 @@ class CaptureRequest:
     device: str = "cpu"
     backend: str = "auto"  # auto | triton | reference
     add: bool = False       # allow prompts the run did not plan yet (another task, more lengths)
+    layers: str | None = None  # "0,3,8-11": capture only these layers (the rest run dense)
 
 
 def stats_config(req: CaptureRequest):
@@ -95,6 +96,21 @@ def check_additions(store, prompts, add: bool) -> None:
                       f"run `sparsecal fit {store.root}` (and export) again once the capture is done.")
 
 
+def layer_scope(req: CaptureRequest, hf_cfg, info: dict, prompts) -> dict:
+    """{"layers": captured layer indices, "layer_notes": {layer: why it runs dense}}, printed."""
+    from sparsecal.formats.layers import layer_specs, parse_layers, plan_layers
+
+    requested = parse_layers(req.layers, info["num_layers"])
+    layers, notes = plan_layers(layer_specs(hf_cfg), requested, max(p.length for p in prompts), info["model_type"])
+    if notes:
+        reasons: dict[str, list[str]] = {}
+        for i, why in notes.items():
+            reasons.setdefault(why, []).append(i)
+        console.print(f"capturing {len(layers)} of {info['num_layers']} layers; dense, not captured: " +
+                      "; ".join(f"{', '.join(ids)} ({why})" for why, ids in reasons.items()))
+    return {"layers": layers, "layer_notes": notes}
+
+
 class _LazyTokenizer:
     """Loads the tokenizer on first use, so token-id prompt files need none."""
 
@@ -121,15 +137,17 @@ def capture_command(req: CaptureRequest) -> None:
     cfg = stats_config(req)
     check_dtype_device(req.dtype, req.device)
     ms = resolve_model(req.model)
-    info = model_info(ms, load_config(ms))
+    hf_cfg = load_config(ms)
+    info = model_info(ms, hf_cfg)
     backend = resolve_backend(req.backend, req.device, info["head_dim"])
     exists = RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
     prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
     if not prompts:
         raise UserError("No prompts: give --task and --lengths, or --prompts-file.")
+    scope = layer_scope(req, hf_cfg, info, prompts)
     if exists:
         check_additions(RunStore.open(req.out), prompts, req.add)
-    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend)
+    store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend, scope)
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
                   f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}, {backend} backend)")
     records, todo = pending(store, prompts)

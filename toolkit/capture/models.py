@@ -71,15 +71,23 @@ def load_config(ms: ModelSpec):
 
 def model_info(ms: ModelSpec, cfg) -> dict:
     """What the manifest records about the model: identity and attention geometry."""
+    from sparsecal.formats.layers import layer_specs, layers_info
+
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = text.num_attention_heads
+    try:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    except Exception as e:  # noqa: BLE001 - transformers refuses a global head dim for heterogeneous layers
+        raise UserError(f"{ms.spec} ({cfg.model_type}) has layers of different head dims or shapes "
+                        f"({type(e).__name__}); sparsecal needs one attention geometry for every layer.") from None
     return {
         "id": ms.model_id, "spec": ms.spec, "model_type": cfg.model_type,
         "num_layers": text.num_hidden_layers, "num_heads": heads,
         "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "head_dim": head_dim,
         "max_context": getattr(text, "max_position_embeddings", None),
         "vocab_size": getattr(text, "vocab_size", None),
+        **layers_info(layer_specs(cfg)),
     }
 
 
@@ -121,6 +129,11 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
     if dtype not in DTYPES:
         raise UserError(f"Unknown dtype '{dtype}'. Available: {', '.join(DTYPES)}.")
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(ms.path), dtype=getattr(torch, dtype),
-                                                 attn_implementation=attn, **ms.hf_kwargs())
+    kwargs = dict(dtype=getattr(torch, dtype), **ms.hf_kwargs())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation=attn, **kwargs)
+    except ValueError as e:  # families without an SDPA path (Gemma 2's soft cap) load with eager attention
+        if attn != "sdpa" or "attention implementation" not in str(e):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation="eager", **kwargs)
     return model.to(device).eval()

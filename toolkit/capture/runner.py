@@ -32,9 +32,11 @@ RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")
 class Collector:
     """Receives each layer's reduced statistics during one instrumented forward."""
 
-    cfg: object  # kernels.config.StatsConfig
+    cfg: object  # formats.stats_config.StatsConfig
     layers: dict = field(default_factory=dict)
     backend: str = "reference"  # resolved: "triton" or "reference"
+    captured: frozenset | None = None  # layer indices to instrument (None: every layer)
+    specs: dict = field(default_factory=dict)  # layer index -> formats.layers.LayerSpec
 
 
 def _triton_importable() -> bool:
@@ -79,27 +81,49 @@ def model_head_dim(model) -> int:
 
 
 def capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function. query [B, H, N, D], key/value [B, Hkv, N, D] -> ([B, N, H, D], None)."""
-    from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+    """AttentionInterface function. query [B, H, N, D], key/value [B, Hkv, N, D] -> ([B, N, H, D], None).
 
+    A captured layer computes its output and statistics; any other layer (sliding, chunked, outside
+    --layers) its exact dense attention (kernels/layer_dense.py), with the model's window, chunk,
+    soft cap and sinks."""
     col = _ACTIVE.get()
     if col is None:
         raise RuntimeError(f"attn_implementation='{ATTN_NAME}' runs only inside sparsecal.capture.collecting()")
     if query.shape[2] != key.shape[2] or attention_mask is not None:
         raise RuntimeError("capture instruments causal prefill of one unpadded sequence (no KV cache, no padding)")
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise RuntimeError("capture does not support sliding-window or soft-capped attention layers")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    idx, n = module.layer_idx, query.shape[2]
+    spec = col.specs.get(idx)
+    window = kwargs.get("sliding_window") or (spec.window if spec else None)
+    softcap = kwargs.get("softcap") or None
+    if col.captured is not None and idx not in col.captured:
+        from sparsecal.kernels.layer_dense import layer_attention
+
+        out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
+                              softcap=softcap, sinks=kwargs.get("s_aux"))
+        return out.transpose(1, 2).contiguous(), None
+    if kwargs.get("s_aux") is not None:
+        raise UserError(f"layer {idx} uses learned attention sinks, which sparsecal's capture does not model.")
+    if window and window < n:
+        raise UserError(f"layer {idx} attends over a sliding window of {window} tokens, shorter than this {n}-token "
+                        "sample; capture it with --lengths up to the window, or leave it out with --layers.")
+    col.layers[idx], out = _instrumented(query, key, value, scale, col, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _instrumented(query, key, value, scale: float, col: Collector, softcap: float | None):
+    """(the layer's per-sample reductions, out [1, H, N, D]) on the collector's backend."""
+    cap = {"softcap": softcap} if softcap else {}
     if col.backend == "triton":  # histograms counted in the kernels, same keys/shapes/dtypes
         from sparsecal.kernels.capture.pipeline import capture_triton
 
-        out, col.layers[module.layer_idx] = capture_triton(query, key, value, scale, col.cfg)
-    else:
-        from sparsecal.kernels.capture.reference import instrumented_attention
+        out, reduced = capture_triton(query, key, value, scale, col.cfg, **cap)
+        return reduced, out
+    from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+    from sparsecal.kernels.capture.reference import instrumented_attention
 
-        out, tiles = instrumented_attention(query, key, value, scale, col.cfg)
-        col.layers[module.layer_idx] = reduce_tiles(tiles, query.shape[2], col.cfg)
-    return out.transpose(1, 2).contiguous(), None
+    out, tiles = instrumented_attention(query, key, value, scale, col.cfg, **cap)
+    return reduce_tiles(tiles, query.shape[2], col.cfg), out
 
 
 def register() -> None:
@@ -110,8 +134,11 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def collecting(cfg, backend: str = "reference"):
-    col = Collector(cfg, backend=backend)
+def collecting(cfg, backend: str = "reference", layers=None, specs=None):
+    """Collect the statistics of the layers in ``layers`` (None: all) during forwards in this context;
+    ``specs`` [LayerSpec] gives the other layers' windows and chunks."""
+    col = Collector(cfg, backend=backend, captured=None if layers is None else frozenset(layers),
+                    specs={s.index: s for s in specs or ()})
     token = _ACTIVE.set(col)
     try:
         yield col
@@ -120,24 +147,31 @@ def collecting(cfg, backend: str = "reference"):
 
 
 @torch.no_grad()
-def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto"):
-    """One instrumented forward. Returns (stats {name: [L, ...]}, raw {name: [L, ...]}, logits).
-    ``backend``: auto | triton | reference (see ``resolve_backend``)."""
+def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto",
+                   layers: list[int] | None = None):
+    """One instrumented forward. Returns (stats {name: [Lc, ...]}, raw {name: [Lc, ...]}, logits) over
+    the captured layers ``layers`` in order (None: every layer ``formats.layers.plan_layers`` admits
+    at this length). ``backend``: auto | triton | reference (see ``resolve_backend``)."""
+    from sparsecal.formats.layers import layer_specs, plan_layers
+
     backend = resolve_backend(backend, model.device, model_head_dim(model))
+    specs = layer_specs(model.config)
+    if layers is None:
+        layers = plan_layers(specs, None, len(input_ids), model.config.model_type)[0]
     register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     try:
-        ids = torch.tensor([input_ids], device=model.device)
-        with collecting(cfg, backend) as col:
+        ids = torch.tensor([input_ids], device=model.get_input_embeddings().weight.device)
+        with collecting(cfg, backend, layers, specs) as col:
             logits = model(ids, use_cache=False, logits_to_keep=logits_to_keep).logits
     finally:
         model.set_attn_implementation(previous)
-    num_layers = model.config.get_text_config().num_hidden_layers
-    if sorted(col.layers) != list(range(num_layers)):
-        raise RuntimeError(f"captured layers {sorted(col.layers)} of {num_layers}: a layer bypassed the attention interface")
-    names = col.layers[0].keys()
-    stacked = {k: _compact(torch.stack([col.layers[i][k] for i in range(num_layers)]).cpu()) for k in names}
+    if sorted(col.layers) != sorted(layers):
+        raise RuntimeError(f"captured layers {sorted(col.layers)}, planned {sorted(layers)}: a layer bypassed the "
+                           "attention interface")
+    names = col.layers[layers[0]].keys()
+    stacked = {k: _compact(torch.stack([col.layers[i][k].cpu() for i in layers])) for k in names}
     raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
     return stacked, raw, logits
 
@@ -175,7 +209,7 @@ def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto"
     total_start = time.perf_counter()
     for n_done, (rec, prompt) in enumerate(todo, 1):
         start = time.perf_counter()
-        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg, backend=backend)
+        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg, backend=backend, layers=store.layers())
         cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
         stats.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
                      candidates=cand, reachable=reach)

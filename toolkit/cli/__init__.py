@@ -88,6 +88,8 @@ def capture(
     backend: str = typer.Option("auto", help="Attention backend: auto (triton on CUDA, else reference), triton, reference."),
     add: bool = typer.Option(False, "--add", help="Add prompts an existing run did not plan (another task, "
                              "more lengths); its fit and export are then stale."),
+    layers: Optional[str] = typer.Option(None, help="Capture only these layers, e.g. 0,3,8-11 (the rest run dense); "
+                                         "default: every full-attention layer."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from sparsecal.capture.command import CaptureRequest, capture_command
@@ -98,7 +100,7 @@ def capture(
                          prompts_file=prompts_file, block_m=block_m, block_n=block_n,
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
                          orders=[o.strip() for o in orders.split(",") if o.strip()],
-                         dtype=dtype, device=device, backend=backend, add=add)
+                         dtype=dtype, device=device, backend=backend, add=add, layers=layers)
     capture_command(req)
 
 

@@ -4,7 +4,8 @@
       manifest.json              schema version, model, dtype, stats config (geometry, k values,
                                  bins), versions, the planned samples (task, length, seed, answer)
       samples/<id>/sample.json   the sample's record plus timing and backend
-      samples/<id>/stats.safetensors   per-layer reductions stacked as [L, ...] + input_ids [N]
+      samples/<id>/stats.safetensors   per-layer reductions stacked as [Lc, ...] over the captured
+                                 layers (manifest "layers", every layer when absent) + input_ids [N]
       samples/<id>/raw.safetensors     raw tiles (only with --raw)
 
 A sample folder is built under samples/.tmp-<id>-<pid>/ and renamed into place, so a crash or
@@ -90,35 +91,41 @@ class RunStore:
         return cls(root, man)
 
     @classmethod
-    def create_or_resume(cls, root, model: dict, config: dict, dtype: str, backend: str) -> "RunStore":
-        """Open RUN for writing: a new directory, or an existing run with the same model and config."""
+    def create_or_resume(cls, root, model: dict, config: dict, dtype: str, backend: str,
+                         scope: dict | None = None) -> "RunStore":
+        """Open RUN for writing: a new directory, or an existing run with the same model, config and
+        ``scope`` ({"layers": captured layer indices, "layer_notes": {layer: why not captured}})."""
         root = Path(root)
-        cls.check_target(root, model, config, dtype)  # one line before anything is written
+        cls.check_target(root, model, config, dtype, scope)  # one line before anything is written
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create --out {root} ({e.strerror}); choose a writable directory.") from None
         with _locked(root):
-            if cls.check_target(root, model, config, dtype):  # another writer may have created it meanwhile
+            if cls.check_target(root, model, config, dtype, scope):  # another writer may have created it meanwhile
                 store = cls.open(root)
                 store._clean_tmp()
                 return store
             man = {"schema_version": SCHEMA_VERSION, "kind": RUN_KIND, "created": _now(), "updated": _now(),
                    "model": model, "dtype": dtype, "backend": backend, "config": config,
-                   "versions": versions(), "samples": []}
+                   "versions": versions(), **(scope or {}), "samples": []}
             store = cls(root, man)
             store._write_manifest()  # before samples/: a racing writer sees a run, not a foreign directory
             (root / SAMPLES).mkdir(parents=True, exist_ok=True)
             return store
 
     @classmethod
-    def check_target(cls, root, model: dict, config: dict, dtype: str) -> bool:
+    def check_target(cls, root, model: dict, config: dict, dtype: str, scope: dict | None = None) -> bool:
         """Refuse an output path that cannot take this run; True when it holds the same run."""
         root = Path(root)
         if root.exists() and not root.is_dir():
             raise UserError(f"--out {root} is a file; give a directory for the run.")
         if (root / MANIFEST).exists():
-            cls.open(root)._check_same(model, config, dtype)
+            store = cls.open(root)
+            store._check_same(model, config, dtype)
+            if scope and store.layers() != scope["layers"]:
+                raise UserError(f"{root} captured layers {store.layers()}, not {scope['layers']}; use the same "
+                                "--layers (and lengths within the same sliding windows) or a new --out directory.")
             return True
         # hidden entries (.lock, a manifest's atomic-write temp file) belong to a run another writer
         # is creating right now, which the locked second check then finds
@@ -137,6 +144,10 @@ class RunStore:
         if diff:
             desc = ", ".join(f"{k} {have['config'].get(k, have.get(k))!r} vs {config.get(k, dtype)!r}" for k in diff)
             raise UserError(f"{self.root} holds a run with a different geometry/config ({desc}); use a new --out directory.")
+
+    def layers(self) -> list[int]:
+        """The model layers with statistics, in the order of the stats arrays' first axis."""
+        return captured_layers(self.manifest)
 
     # ---- writing -------------------------------------------------------------------------
     def _write_manifest(self) -> None:
@@ -278,6 +289,12 @@ class RunStore:
 
 
 MANIFEST_KEYS = {"model": dict, "config": dict, "dtype": str, "samples": list}
+
+
+def captured_layers(manifest: dict) -> list[int]:
+    """A run manifest's captured layers (runs made before ``layers`` existed captured every layer)."""
+    layers = manifest.get("layers")
+    return list(range(manifest["model"]["num_layers"])) if layers is None else [int(i) for i in layers]
 
 
 def check_manifest(path: Path, man: dict) -> None:
