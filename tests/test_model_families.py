@@ -76,9 +76,9 @@ def test_noop_sparsify_keeps_the_models_logits(checkpoints, family, tmp_path, se
     sparsecal.sparsify(model, export, method="blasst", backend="reference")
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, own, **TOL)
+        reach = model.sparsecal_stats["reachable"].sum(dim=1)
+        assert reach[[1, 3]].gt(0).all() and not reach[[0, 2]].any()  # the sliding/chunked layers ran dense
         assert torch.equal(model.generate(ids, max_new_tokens=WINDOW + 3, do_sample=False), own_gen)
-    reach = model.sparsecal_stats["reachable"].sum(dim=1)
-    assert reach[[1, 3]].gt(0).all() and not reach[[0, 2]].any()  # the sliding/chunked layers ran dense
 
 
 def test_capture_cli_records_layer_types_and_notes(checkpoints, tmp_path, seed):

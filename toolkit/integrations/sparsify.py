@@ -48,6 +48,8 @@ class _State:
     model_id: str | None = None                    # register(): the expected model id
     checked: bool = True                           # register(): False until checked against a model
     stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
+    layers: frozenset | None = None                # layers the export runs sparse (None: every layer)
+    specs: dict = field(default_factory=dict)      # layer -> formats.layers.LayerSpec of the model
     _on_device: dict = field(default_factory=dict)  # device -> thresholds there
 
     def thresholds_on(self, device) -> torch.Tensor:
@@ -84,17 +86,40 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
         if k is None:
             raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
         exp = load_bsfa(export_dir, expect)
-        return _State("bsfa", exp.q_block_size, exp.k_block_size, thresholds=exp.for_k(k), backend=backend)
+        return _State("bsfa", exp.q_block_size, exp.k_block_size, thresholds=exp.for_k(k), backend=backend,
+                      layers=_sparse_layers((exp.meta or {}).get("sparse_layers")))
     if method == "window":
         if blocks is None or blocks < 0:
             raise UserError("window needs blocks >= 0: sparsify(model, EXPORT_DIR, method='window', blocks=32).")
         exp = load_bsfa(export_dir, expect)
-        return _State("window", exp.q_block_size, exp.k_block_size, window=int(blocks), backend=backend)
+        return _State("window", exp.q_block_size, exp.k_block_size, window=int(blocks), backend=backend,
+                      layers=_sparse_layers((exp.meta or {}).get("sparse_layers")))
     doc = load_blasst(export_dir, expect)
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
-                  order=doc.get("scan_order", "forward"), backend=backend)
+                  order=doc.get("scan_order", "forward"), backend=backend,
+                  layers=_sparse_layers(doc.get("sparse_layers")))
+
+
+def _sparse_layers(layers) -> frozenset | None:
+    """The export's sparse layers (a list, or its JSON text in safetensors metadata); None: all."""
+    if isinstance(layers, str):
+        import json
+
+        layers = json.loads(layers)
+    return None if layers is None else frozenset(int(i) for i in layers)
+
+
+def _check_layers(state: _State, config) -> None:
+    """Per-layer specs of the model; refuse features the sparse kernels cannot honour on a sparse layer."""
+    from sparsecal.formats.layers import layer_specs
+
+    state.specs = {s.index: s for s in layer_specs(config)}
+    for s in state.specs.values():
+        if s.sinks and (state.layers is None or s.index in state.layers):
+            raise UserError(f"layer {s.index} ({config.model_type}) uses learned attention sinks, which the sparse "
+                            "kernels do not model; this model cannot run sparse.")
 
 
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
@@ -111,6 +136,7 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     if hasattr(model, _STATE_ATTR):
         state.previous = getattr(model, _STATE_ATTR).previous
     state.stats_on(model.device, geo["num_layers"], geo["num_heads"])
+    _check_layers(state, model.config)
     register()
     for m in _attention_modules(model):
         m._sparsecal_state = state
@@ -182,12 +208,16 @@ def _module_state(module) -> _State:
                            "sparsecal.register(EXPORT_DIR, ...) before from_pretrained")
     if not state.checked:  # the export against the model it now runs in: the same checks as sparsify
         load_state(**state.source, expect=dict(_geometry(module.config), model=state.model_id))
+        _check_layers(state, module.config)
         state.checked = True
     return state
 
 
 def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function. query [B, H, Nq, D], key/value [B, Hkv, Nk, D] -> ([B, Nq, H, D], None)."""
+    """AttentionInterface function. query [B, H, Nq, D], key/value [B, Hkv, Nk, D] -> ([B, Nq, H, D], None).
+
+    Layers the export leaves alone, and sliding or chunked layers whose window binds at this
+    length, run their exact dense attention (kernels/layer_dense.py) and count nothing."""
     state = _module_state(module)
     b, h, nq, d = query.shape
     nk = key.shape[2]
@@ -198,19 +228,38 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         raise RuntimeError("sparse attention runs prefill of whole sequences and decode one token at a time")
     if attention_mask is not None and not _is_causal_only(attention_mask, nq, nk):
         raise RuntimeError("sparse attention takes unpadded sequences (no padding mask)")
-    kw = method_args(state, layer, mode, nk, query.device)
-    if _use_triton(state, query):
-        out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
-    else:
-        out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     geo = _geometry(module.config)
     stats = state.stats_on(query.device, geo["num_layers"], h)
     if layer == 0:  # a new forward starts: the counts describe the last forward only
         stats["skipped"].zero_()
         stats["reachable"].zero_()
+    spec = state.specs.get(layer)
+    window = kwargs.get("sliding_window") or (spec.window if spec else None)
+    if not _runs_sparse(state, layer, spec, window, nk):
+        from sparsecal.kernels.layer_dense import layer_attention
+
+        out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
+                              softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+        return out.transpose(1, 2).contiguous(), None
+    kw = method_args(state, layer, mode, nk, query.device)
+    if kwargs.get("softcap"):
+        kw["softcap"] = kwargs["softcap"]
+    if _use_triton(state, query):
+        out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
+    else:
+        out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     stats["skipped"][layer] = skipped
     stats["reachable"][layer] = reach
     return out, None
+
+
+def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: int) -> bool:
+    """A layer runs sparse when the export covers it and its window or chunk does not bind."""
+    if state.layers is not None and layer not in state.layers:
+        return False
+    if window and window <= length:  # a decode step's sliding cache holds at most the window
+        return False
+    return spec is None or spec.kind in ("full_attention", "sliding_attention") or not spec.binds(length)
 
 
 def _use_triton(state: _State, query) -> bool:
