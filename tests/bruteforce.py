@@ -1,13 +1,45 @@
 """Test oracle: every DESIGN.md statistic computed from the full N x N score matrix in float64,
 with plain Python loops over blocks and rows, straight from the definitions. Slow on purpose;
-shares no code with kernels/ (only the definitions)."""
+shares no code with kernels/ (only the definitions).
+
+Soft-capping (Gemma 2): with softcap c > 0 every score s = scale * q.k is replaced by
+c * tanh(s / c) before anything reads it, so every statistic is the uncapped definition applied to
+the capped matrix; the Q-init estimate max_j scale * q . kb_j is capped the same way (tanh is
+monotone: capping each product and taking the max is capping the max).
+
+Shape legend: H query heads, Hkv KV heads, N tokens, D head dim, P = ceil(N/BM), Kb = ceil(N/BN).
+"""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import torch
 
 NEG = -math.inf
+
+
+def capped(s, softcap):
+    """c * tanh(s / c) of float64 scores (numpy or torch); s itself when softcap is 0 / None."""
+    if not softcap:
+        return s
+    if isinstance(s, torch.Tensor):
+        return softcap * torch.tanh(s / softcap)
+    return softcap * np.tanh(np.asarray(s, np.float64) / softcap)
+
+
+def near_tie_rows(q, k, scale, bn, softcap=0.0, tol=1e-4):
+    """[H, N] bool: rows whose two largest block maxima of the (capped) float64 scores lie within
+    tol, where t* may legitimately differ. q [1, H, N, D], k [1, Hkv, N, D] tensors."""
+    group = q.shape[1] // k.shape[1]
+    s = capped(scale * q[0].double() @ k[0].double().repeat_interleave(group, 0).transpose(1, 2), softcap)
+    n = s.shape[-1]
+    s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), NEG)
+    s = torch.nn.functional.pad(s, (0, -n % bn), value=NEG)
+    top = s.view(s.shape[0], n, -1, bn).amax(-1).topk(min(2, -(-n // bn)), dim=-1).values
+    if top.shape[-1] < 2:
+        return torch.zeros(s.shape[:2], dtype=torch.bool)
+    return (top[..., 0] - top[..., 1]) < tol
 
 
 def _blocks(i, n, bm, bn):
@@ -52,9 +84,10 @@ def _scan(rm, rows, blocks_in_order):
     return gap, tstar
 
 
-def brute_force(q, k, v, scale, bm, bn, orders, decode_rows):
-    """q [H, N, D], k/v [Hkv, N, D] numpy arrays. Returns a dict of float64 arrays shaped like the
-    reference TileStats fields (-inf for unreachable tiles)."""
+def brute_force(q, k, v, scale, bm, bn, orders, decode_rows, softcap=0.0):
+    """q [H, N, D], k/v [Hkv, N, D] numpy arrays; softcap c > 0 caps every score (module
+    docstring). Returns a dict of float64 arrays shaped like the reference TileStats fields (-inf
+    for unreachable tiles)."""
     h, n, _ = q.shape
     group = h // k.shape[0]
     p, kb = -(-n // bm), -(-n // bn)
@@ -67,7 +100,7 @@ def brute_force(q, k, v, scale, bm, bn, orders, decode_rows):
     }
     for hh in range(h):
         kk, vv = k[hh // group].astype(np.float64), v[hh // group].astype(np.float64)
-        s = scale * q[hh].astype(np.float64) @ kk.T
+        s = capped(scale * q[hh].astype(np.float64) @ kk.T, softcap)
         s[np.triu_indices(n, 1)] = NEG
         prob = np.exp(s - s.max(1, keepdims=True))
         prob /= prob.sum(1, keepdims=True)
@@ -97,7 +130,7 @@ def brute_force(q, k, v, scale, bm, bn, orders, decode_rows):
                 bm_r = sorted((rm[r, j] for j in reach), reverse=True)
                 res["near_tie"][hh, r] = len(bm_r) > 1 and bm_r[0] - bm_r[1] < 1e-4
                 m_init = max(scale * float(q[hh, r].astype(np.float64) @ rep[j]) for j in reach)
-                res["qinit_err"][hh, r] = m_init - s[r].max()
+                res["qinit_err"][hh, r] = float(capped(m_init, softcap)) - s[r].max()
         res.setdefault("dec", []).append(_decode(rm, prob, n, bn, orders, decode_rows))
     res["dec_gap"] = np.stack([d[0] for d in res["dec"]])
     res["dec_mass"] = np.stack([d[1] for d in res["dec"]])

@@ -1,4 +1,5 @@
-"""The plain-torch instrumented attention against the brute-force oracle (tests/bruteforce.py)."""
+"""The plain-torch instrumented attention against the brute-force oracle (tests/bruteforce.py),
+uncapped and with attention logit soft-capping."""
 import math
 
 import numpy as np
@@ -42,14 +43,60 @@ def finite_close(a, b, atol):
     np.testing.assert_allclose(a[m], b[m], atol=atol, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{c[4]}x{c[5]}-{str(c[6])[6:]}")
+SOFTCAP_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, softcap)
+    (97, 1, 4, 64, 32, 16, torch.float32, 2.0),     # GQA 4 on one KV head (MQA)
+    (70, 2, 2, 128, 32, 16, torch.float16, 3.0),
+    (40, 1, 16, 256, 32, 16, torch.bfloat16, 2.5),  # D = 256, MQA with 16 query heads
+]
+
+
+def case_id(c):
+    return f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{c[4]}x{c[5]}-{str(c[6])[6:]}" + (f"-cap{c[7]}" if len(c) > 7 else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_reference_matches_bruteforce(case, seed):
+    check_against_bruteforce(case, seed)
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=case_id)
+def test_softcapped_reference_matches_bruteforce(case, seed):
+    """Soft-capping: every output and statistic is the oracle's on the capped scores, and differs
+    from the uncapped reference (the cap bites: scores well past it saturate)."""
+    n, hkv, group, d, bm, bn, dtype, cap = case
+    t = check_against_bruteforce(case[:7], seed, cap)
+    q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=ORDERS, k_values=(1, 2, 4), decode_rows=70, raw=True)
+    _, plain = instrumented_attention(q, k, v, 1 / math.sqrt(d), cfg)
+    fin = torch.isfinite(plain.bmax)
+    assert float((plain.bmax[fin] - t.bmax[fin]).abs().max()) > 0.1
+    assert float(t.bmax[fin].max()) < cap < float(plain.bmax[fin].max())
+    assert float((plain.qinit_err - t.qinit_err).abs().max()) > 0.01
+
+
+def test_softcap_off_and_errors(seed):
+    """softcap 0 or None is exactly the uncapped computation; a negative or non-finite cap is refused."""
+    q, k, v = make_qkv(seed, 50, 1, 2, 64, torch.float32)
+    cfg = StatsConfig(block_m=32, block_n=16, decode_rows=8)
+    out, t = instrumented_attention(q, k, v, 0.125, cfg)
+    for off in (0, 0.0, None):
+        o2, t2 = instrumented_attention(q, k, v, 0.125, cfg, softcap=off)
+        assert torch.equal(out, o2) and torch.equal(t.gap, t2.gap) and torch.equal(t.qinit_err, t2.qinit_err)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="softcap"):
+            instrumented_attention(q, k, v, 0.125, cfg, softcap=bad)
+
+
+def check_against_bruteforce(case, seed, softcap=0.0):
+    """The reference's output, TileStats and reductions against tests/bruteforce.py (both capped
+    at ``softcap``); returns the reference TileStats."""
     n, hkv, group, d, bm, bn, dtype = case
     cfg = StatsConfig(block_m=bm, block_n=bn, orders=ORDERS, k_values=(1, 2, 4), decode_rows=70, raw=True)
     q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
     scale = 1 / math.sqrt(d)
-    out, t = instrumented_attention(q, k, v, scale, cfg)
-    bf = brute_force(q[0].float().numpy(), k[0].float().numpy(), v[0].float().numpy(), scale, bm, bn, ORDERS, 70)
+    out, t = instrumented_attention(q, k, v, scale, cfg, softcap=softcap)
+    bf = brute_force(q[0].float().numpy(), k[0].float().numpy(), v[0].float().numpy(), scale, bm, bn, ORDERS, 70,
+                     softcap=softcap)
 
     out_tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     assert out.dtype == dtype and out.shape == q.shape
@@ -67,6 +114,7 @@ def test_reference_matches_bruteforce(case, seed):
     cand, _ = block_counts_torch(n, bm, bn)
     assert cand.tolist() == bf["cand"].tolist()
     check_reductions(reduce_tiles(t, n, cfg), bf, cfg, n)
+    return t
 
 
 def edge_tolerant_hist_check(counts, values, edges):

@@ -1,5 +1,6 @@
 """The plain-torch BSFA/BLASST sparse attention against a float64 full-matrix oracle whose skip
-decisions come from the instrumented reference's tile statistics (the capture semantics)."""
+decisions come from the instrumented reference's tile statistics (the capture semantics), uncapped
+and soft-capped (the oracle caps its scores, the decisions come from the capped statistics)."""
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.sparse.reference import sparse_attention
 
+from bruteforce import capped
 from helpers import (
     blasst_cut_log_lambda,
     block_counts_torch,
@@ -39,13 +41,14 @@ def _inputs(seed, n, h, hkv, d, dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def _oracle(q, k, v, scale, bm, bn, skip):
-    """Full-matrix float64 attention with key blocks ``skip`` [H, P, Kb] masked out per query block."""
+def _oracle(q, k, v, scale, bm, bn, skip, softcap=0.0):
+    """Full-matrix float64 attention (scores capped at ``softcap``) with key blocks ``skip``
+    [H, P, Kb] masked out per query block."""
     _, h, n, _ = q.shape
     group = h // k.shape[1]
     kk = k[0].double().repeat_interleave(group, 0)
     vv = v[0].double().repeat_interleave(group, 0)
-    s = q[0].double() @ kk.transpose(1, 2) * scale
+    s = capped(q[0].double() @ kk.transpose(1, 2) * scale, softcap)
     rows, keys = torch.arange(n), torch.arange(n)
     allowed = keys[None, :] <= rows[:, None]
     block_skip = skip[:, rows // bm][:, :, keys // bn]  # [H, N, N]
@@ -99,6 +102,32 @@ def test_blasst_matches_oracle(case, order, seed):
     torch.testing.assert_close(out[0].double(), _oracle(q, k, v, scale, bm, bn, skip), atol=_tol(dtype), rtol=0)
     assert torch.equal(counts.skipped, skip.sum(dim=(1, 2)))
     assert far.any() and (skip >= far).all()  # every far tile skipped, by construction
+
+
+@pytest.mark.parametrize("case", [(97, 16, 1, 64, 32, 16, torch.float32, 4.0),     # MQA, group 16
+                                  (70, 4, 2, 256, 32, 16, torch.bfloat16, 3.0)])  # D = 256
+def test_softcap_matches_oracle(case, seed):
+    """Soft-capped scores: BSFA and BLASST (every order) decide on the capped tile statistics, and
+    the output is the capped oracle's over the kept keys."""
+    n, h, hkv, d, bm, bn, dtype, cap = case
+    q, k, v, far = _planted(seed, case[:7])
+    scale = d ** -0.5
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=("forward", "reverse", "sink_local"), decode_rows=0)
+    _, tiles = instrumented_attention(q, k, v, scale, cfg, softcap=cap)
+    cands = _candidates(n, bm, bn)
+    p = cdiv(n, bm)
+    thr = bsfa_cut_thresholds(tiles.bmax[None], far[None], cands, p)
+    runs = [({"thresholds": thr}, cands[None] & (tiles.bmax < thr.unsqueeze(-1)))]
+    for o, order in enumerate(cfg.orders):
+        ll = blasst_cut_log_lambda(tiles.gap[:, o], far, cands)
+        runs.append(({"log_lambda": ll, "order": order}, cands[None] & (tiles.gap[:, o] < ll)))
+    for kw, skip in runs:
+        out, counts = sparse_attention(q, k, v, scale, bm, bn, softcap=cap, **kw)
+        want = _oracle(q, k, v, scale, bm, bn, skip, cap)
+        torch.testing.assert_close(out[0].double(), want, atol=_tol(dtype), rtol=0)
+        assert torch.equal(counts.skipped, skip.sum(dim=(1, 2))) and (skip >= far).all()
+        plain = _oracle(q, k, v, scale, bm, bn, skip)
+        assert float((plain - want).abs().max()) > 10 * _tol(dtype)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -158,17 +187,18 @@ def test_argument_errors():
         sparse_attention(q, q, q, 1.0, 4, 4, thresholds=torch.zeros(3, 1))
 
 
-@pytest.mark.parametrize("length,bm,bn", [(1, 64, 32), (130, 64, 32), (513, 128, 64)])
-def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed, rng):
+@pytest.mark.parametrize("length,bm,bn,cap", [(1, 64, 32, 0.0), (130, 64, 32, 0.0), (513, 128, 64, 0.0),
+                                              (70, 32, 16, 3.0)])
+def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, cap, seed, rng):
     """Decode of row L-1 equals the prefill reference on L tokens with BM = 1, read at the last row:
-    same candidates (r // BN), same thresholds position (r // BM), same gaps."""
+    same candidates (r // BN), same thresholds position (r // BM), same gaps; soft-capped too."""
     from sparsecal.kernels.sparse.reference import sparse_decode
 
     h, hkv, d = 4, 2, 64
     q, k, v, far = sparse_inputs(seed, 1, length, h, hkv, d, torch.float32, bm, bn)
     scale = d ** -0.5
     r = length - 1
-    _, tiles = instrumented_attention(q, k, v, scale, StatsConfig(block_m=1, block_n=bn, decode_rows=0))
+    _, tiles = instrumented_attention(q, k, v, scale, StatsConfig(block_m=1, block_n=bn, decode_rows=0), softcap=cap)
     cand = torch.arange(cdiv(length, bn)) < r // bn
     far = far[0].repeat_interleave(h // hkv, dim=0) & cand  # [H, Kb] the decode row's far candidates
     # the decode row's threshold (the last position) cuts its own candidate maxima; the other rows'
@@ -181,9 +211,9 @@ def test_decode_is_the_last_prefill_row_as_its_own_block(length, bm, bn, seed, r
     row_thr = thr[:, torch.clamp(torch.arange(length) // bm, max=thr.shape[1] - 1)]  # per row = per BM=1 block
     for kw, kw_row in (({"thresholds": thr}, {"thresholds": row_thr}),
                        ({"log_lambda": log_lambda}, {"log_lambda": log_lambda}), ({"window": 2}, {"window": 2})):
-        want, wc = sparse_attention(q, k, v, scale, 1, bn, **kw_row)
+        want, wc = sparse_attention(q, k, v, scale, 1, bn, softcap=cap, **kw_row)
         qq, kk, vv = q[:, :, -1:].repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)
-        got, gc = sparse_decode(qq, kk, vv, scale, bm, bn, **kw)
+        got, gc = sparse_decode(qq, kk, vv, scale, bm, bn, softcap=cap, **kw)
         torch.testing.assert_close(got, want[:, :, -1:].expand(2, -1, -1, -1), atol=2e-5, rtol=0)
         assert gc.candidates == 2 * (r // bn) and gc.reachable == 2 * (r // bn + 1)
         if "thresholds" in kw:

@@ -3,7 +3,9 @@
 One pass over the query blocks computes the real attention output and the tile-level statistics
 of DESIGN.md. It never holds more than one query block's scores (per head) at a time: for block i
 the scores are [H, BM, num_reachable(i) * BN]. GQA is native: query head h reads KV head
-h // (H // Hkv), and K/V are never repeated per query head.
+h // (H // Hkv), and K/V are never repeated per query head. With ``softcap`` c > 0 (Gemma 2's
+attention logit soft-capping) every scaled score s becomes c * tanh(s / c) before anything reads
+it: the output and every statistic are those of the capped scores (kernels/softcap.py).
 
 Shape legend
     H   query heads            Hkv  key/value heads (H % Hkv == 0)
@@ -19,6 +21,7 @@ import torch
 
 from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order, where_code
 from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.kernels.softcap import check_softcap, soft_cap, soft_cap_
 
 NEG_INF = float("-inf")
 
@@ -88,12 +91,13 @@ def scan_rows(rmax: torch.Tensor, perm: list[int], row_max: torch.Tensor):
     return gap, tstar
 
 
-def block_scores(qs, kp, r0, r1, nr, bn, group):
-    """Scaled causal scores of rows [r0, r1) against key blocks 0..nr-1 -> [H, m, nr*BN]."""
+def block_scores(qs, kp, r0, r1, nr, bn, group, softcap: float = 0.0):
+    """Scaled (and, with softcap, capped) causal scores of rows [r0, r1) against key blocks
+    0..nr-1 -> [H, m, nr*BN]."""
     hkv, _, d = kp.shape
     m = r1 - r0
     qi = qs[:, r0:r1].reshape(hkv, group * m, d)
-    s = torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)).view(hkv * group, m, nr * bn)
+    s = soft_cap_(torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)), softcap).view(hkv * group, m, nr * bn)
     a_start = (r0 // bn) * bn  # keys before the block holding row r0 are visible to every row
     keys = torch.arange(a_start, nr * bn, device=s.device)
     rows = torch.arange(r0, r1, device=s.device)
@@ -120,13 +124,15 @@ def check_sequence(q, k, what: str) -> None:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
 
 
-def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig):
+def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig, *, softcap: float = 0.0):
     """Causal attention output and TileStats of one sequence.
 
-    q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32).
-    Returns (out [1, H, N, D] in q.dtype, TileStats).
+    q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32). softcap: the cap c of
+    c * tanh(s / c) on every scaled score (0 or None: off). Returns (out [1, H, N, D] in q.dtype,
+    TileStats).
     """
     check_sequence(q, k, "instrumented attention")
+    softcap = check_softcap(softcap)
     _, h, n, d = q.shape
     hkv = k.shape[1]
     group, bm, bn, orders = h // hkv, cfg.block_m, cfg.block_n, cfg.orders
@@ -149,7 +155,7 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig):
     for i in range(p):
         r0, r1 = i * bm, min((i + 1) * bm, n)
         m, nr, a = r1 - r0, num_reachable(i, n, bm, bn), num_candidates(i, bm, bn)
-        s = block_scores(qs, kp, r0, r1, nr, bn, group)
+        s = block_scores(qs, kp, r0, r1, nr, bn, group, softcap)
         rmax, row_max, bsum, norm = _softmax_blocks(s, nr, bn)
         pv = torch.bmm(s.view(hkv, group * m, nr * bn), vp[:, : nr * bn])
         out[:, r0:r1] = pv.view(h, m, d) / norm.unsqueeze(-1)
@@ -165,19 +171,20 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig):
             tstar_norm[:, o, r0:r1] = step.float() / max(nr - 1, 1)
         qi = qs[:, r0:r1].reshape(hkv, group * m, d)
         m_init = torch.bmm(qi, krep[:, :nr].transpose(1, 2)).view(h, m, nr).amax(dim=-1)
-        qinit_err[:, r0:r1] = m_init - row_max
+        qinit_err[:, r0:r1] = soft_cap(m_init, softcap) - row_max  # tanh is monotone: cap the max
 
-    dec_rows, dec_gap, dec_mass = decode_tiles(qs, kp, n, group, cfg)
+    dec_rows, dec_gap, dec_mass = decode_tiles(qs, kp, n, group, cfg, softcap=softcap)
     stats = TileStats(bmax, gap, mass, tstar_step, tstar_where, tstar_norm, qinit_err,
                       dec_gap, dec_mass, dec_rows)
     return out.to(q.dtype).unsqueeze(0), stats
 
 
-def decode_tiles(qs, kp, n: int, group: int, cfg: StatsConfig):
+def decode_tiles(qs, kp, n: int, group: int, cfg: StatsConfig, *, softcap: float = 0.0):
     """Decode-mode gaps and masses for the last R rows, each row its own block (BM = 1).
 
-    qs [H, N, D] pre-scaled queries; kp [Hkv, Kb*BN, D]. Returns (rows [R], gap [H, O, R, Kb],
-    mass [H, R, Kb]). Rows that share a key block share the scan order, so they run together.
+    qs [H, N, D] pre-scaled queries; kp [Hkv, Kb*BN, D]; softcap as in instrumented_attention.
+    Returns (rows [R], gap [H, O, R, Kb], mass [H, R, Kb]). Rows that share a key block share the
+    scan order, so they run together.
     """
     bn, orders = cfg.block_n, cfg.orders
     h, kb = qs.shape[0], kp.shape[1] // bn
@@ -189,7 +196,7 @@ def decode_tiles(qs, kp, n: int, group: int, cfg: StatsConfig):
     while r < n:
         r_end = min(n, (r // bn + 1) * bn)  # rows in the same key block share nr and A
         nr, a = r // bn + 1, num_candidates(r, 1, bn)
-        s = block_scores(qs, kp, r, r_end, nr, bn, group)
+        s = block_scores(qs, kp, r, r_end, nr, bn, group, softcap)
         rmax, row_max, bsum, norm = _softmax_blocks(s, nr, bn)
         mass[:, r - r_first : r_end - r_first, :nr] = bsum / norm.unsqueeze(-1)
         for o, order in enumerate(orders):

@@ -12,6 +12,10 @@ running max, so skipping never changes the running max: the decision made from t
 (what capture records) is exactly the kernel's. thresholds = -inf or ln(lambda) = -inf skips
 nothing (dense attention).
 
+Soft-capping (``softcap`` c > 0, Gemma 2): every scaled score s becomes c * tanh(s / c) before the
+decisions and the softmax, so BSFA tile maxima and BLASST gaps are those of the capped scores (what
+a capture with the same cap records).
+
 Decode (one new query row at position r = L - 1 against L cached keys): the row is its own block
 (BM = 1), so its candidates are the key blocks j with (j + 1) * BN <= r and the last reachable
 block is always computed; BSFA reads the threshold of the query block the row falls in,
@@ -28,6 +32,7 @@ import torch
 
 from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order
 from sparsecal.kernels.capture.reference import NEG_INF, block_scores, check_sequence, pad_blocks, scan_rows
+from sparsecal.kernels.softcap import check_softcap, soft_cap_
 
 
 @dataclass
@@ -64,14 +69,17 @@ def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order
 
 
 def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
-                     log_lambda: float | None = None, window: int | None = None, order: str = "forward"):
+                     log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                     softcap: float = 0.0):
     """BSFA (``thresholds`` [H, Pt]), BLASST (``log_lambda``, scan ``order``) or sliding-window
     (``window`` candidate blocks) causal attention.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32). Exactly one of
-    thresholds, log_lambda and window. Returns (out [1, H, N, D] in q.dtype, SkipCounts).
+    thresholds, log_lambda and window; softcap: the cap c of c * tanh(s / c) (0 or None: off).
+    Returns (out [1, H, N, D] in q.dtype, SkipCounts).
     """
     check_method(thresholds, log_lambda, window)
+    softcap = check_softcap(softcap)
     check_sequence(q, k, "sparse reference attention")
     _, h, n, d = q.shape
     hkv = k.shape[1]
@@ -86,7 +94,7 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
     for i in range(cdiv(n, bm)):
         r0, r1 = i * bm, min((i + 1) * bm, n)
         m, nr, a = r1 - r0, num_reachable(i, n, bm, bn), num_candidates(i, bm, bn)
-        s = block_scores(qs, kp, r0, r1, nr, bn, group)                      # [H, m, nr*BN]
+        s = block_scores(qs, kp, r0, r1, nr, bn, group, softcap)             # [H, m, nr*BN]
         skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order, window)
         s.view(h, m, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
@@ -97,13 +105,15 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
 
 
 def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
-                  log_lambda: float | None = None, window: int | None = None, order: str = "forward"):
+                  log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                  softcap: float = 0.0):
     """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
 
-    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST) or window. Returns (out
-    [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
+    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST) or window; softcap as in
+    sparse_attention. Returns (out [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
     """
     check_method(thresholds, log_lambda, window)
+    softcap = check_softcap(softcap)
     b, h, one, d = q.shape
     if one != 1:
         raise ValueError(f"decode takes one query row per sequence, got {one}")
@@ -114,7 +124,7 @@ def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, threshol
     for s_i in range(b):
         kp, vp = pad_blocks(k[s_i].float(), bn), pad_blocks(v[s_i].float(), bn)
         qi = q[s_i].float().reshape(hkv, group, d) * scale
-        s = torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)).view(h, 1, nr * bn)
+        s = soft_cap_(torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)), softcap).view(h, 1, nr * bn)
         s[..., length:] = NEG_INF                                             # padding keys
         skip = _skip_mask(s.view(h, 1, nr, bn).amax(dim=-1), r // block_m, a, thresholds, log_lambda, order,
                           window)
