@@ -34,7 +34,7 @@ from sparsecal.analysis import bsfa, stabilization
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
-from sparsecal.formats.run import FIT_DIR, FIT_KIND
+from sparsecal.formats.run import FIT_DIR, FIT_KIND, captured_layers
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.version import SCHEMA_VERSION
 
@@ -208,17 +208,24 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
         "qinit": stabilization.qinit_rows(st.qinit, cfg.qinit_edges()),
         "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges()),
     }
+    layers = captured_layers(store.manifest)
     for name, rows in frames.items():
-        tables.write_table(out / f"{name}.parquet", rows)
+        tables.write_table(out / f"{name}.parquet", _model_layers(rows, layers))
     doc = {"kind": FIT_KIND, "schema_version": SCHEMA_VERSION,
            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "model": store.manifest["model"], "config": store.manifest["config"], "request": asdict(req),
            "k_values": ks, "lengths": split.lengths, "validation": label,
+           "layers": layers, "layer_notes": store.manifest.get("layer_notes", {}),
            "split": {"train": [r["id"] for r in split.train], "test": [r["id"] for r in split.test]},
            "blasst": [_cal_doc(c, evals[id(c)]) for _, c in cals if c.order == req.order],
            "warnings": warnings, "tables": sorted(frames)}
     tables.write_json(out / "fit.json", doc)
     return doc
+
+
+def _model_layers(rows: list[dict], layers: list[int]) -> list[dict]:
+    """Rows whose ``layer`` is a position in the stats arrays, relabelled with the model's layer index."""
+    return [dict(r, layer=layers[r["layer"]]) if "layer" in r else r for r in rows]
 
 
 def _cal_doc(cal: B.Calibration, ev: list[dict]) -> dict:

@@ -70,21 +70,33 @@ def density_vs_length(df: pl.DataFrame) -> go.Figure:
 
 
 def layer_head_heatmap(df: pl.DataFrame, value: str, title: str, zmin=None, zmax=None,
-                       colorscale: str = "Viridis", fmt: str = ".3f") -> go.Figure:
-    """Heatmap of ``value`` with layers as rows and heads as columns. ``df`` has layer, head, value
-    (one row per pair; missing pairs are blank)."""
+                       colorscale: str = "Viridis", fmt: str = ".3f", layer_types: list | None = None) -> go.Figure:
+    """Heatmap of ``value`` with layers as rows and heads as columns. ``df`` has layer (the model's
+    layer index), head, value (one row per pair; missing pairs are blank). Only the layers in ``df``
+    get a row: in a hybrid model those are the captured (full-attention) layers, and the y labels
+    say so when ``layer_types`` (per model layer) is given."""
     if not df.height:
         return empty_figure(title)
-    n_l, n_h = int(df["layer"].max()) + 1, int(df["head"].max()) + 1
-    z = np.full((n_l, n_h), np.nan)
+    layers = sorted(set(df["layer"].to_list()))
+    row = {layer: i for i, layer in enumerate(layers)}
+    n_h = int(df["head"].max()) + 1
+    z = np.full((len(layers), n_h), np.nan)
     vals = df[value].cast(pl.Float64).fill_null(float("nan")).to_numpy()
-    z[df["layer"].to_numpy(), df["head"].to_numpy()] = vals
-    fig = go.Figure(go.Heatmap(z=z, x=list(range(n_h)), y=list(range(n_l)), zmin=zmin, zmax=zmax,
+    z[[row[x] for x in df["layer"].to_list()], df["head"].to_numpy()] = vals
+    labels = [layer_label(x, layer_types) for x in layers]
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(n_h)), y=labels, zmin=zmin, zmax=zmax,
                                colorscale=colorscale, colorbar={"title": {"text": value}},
                                hovertemplate=f"layer %{{y}}, head %{{x}}<br>{value} %{{z:{fmt}}}<extra></extra>"))
     fig.update_xaxes(title="head", dtick=1)
-    fig.update_yaxes(title="layer", autorange="reversed")
-    return finish(fig, title, height=max(380, 16 * n_l + 120))
+    fig.update_yaxes(title="layer", autorange="reversed", type="category")
+    return finish(fig, title, height=max(380, 16 * len(layers) + 120))
+
+
+def layer_label(layer: int, layer_types: list | None) -> str:
+    """'5' or, in a model with several layer kinds, '5 full' / '3 sliding'."""
+    if not layer_types or len(set(layer_types)) < 2 or layer >= len(layer_types):
+        return str(layer)
+    return f"{layer} {layer_types[layer].split('_')[0]}"
 
 
 # ---- BLASST ------------------------------------------------------------------------------------

@@ -163,3 +163,23 @@ def export_lambda_chart(per_length: pl.DataFrame) -> go.Figure:
     fig.update_xaxes(type="log", title="prompt length (tokens)")
     fig.update_yaxes(type="log", title="lambda")
     return finish(fig, title, height=380)
+
+
+LAYER_KINDS = {"full_attention": 0, "sliding_attention": 1, "chunked_attention": 2}
+
+
+def layer_map_chart(layer_types: list[str], captured: list[int], notes: dict) -> go.Figure:
+    """One cell per model layer, coloured by attention type, marked captured or dense (hover: why)."""
+    n = len(layer_types)
+    z = [[LAYER_KINDS.get(t, 3) for t in layer_types]]
+    text = [["●" if i in captured else "" for i in range(n)]]
+    hover = [[f"layer {i}: {t.replace('_', ' ')}<br>" + ("captured" if i in captured else notes.get(str(i), "dense"))
+              for i, t in enumerate(layer_types)]]
+    scale = [[0.0, "#1f77b4"], [0.33, "#1f77b4"], [0.33, "#ff7f0e"], [0.66, "#ff7f0e"], [0.66, "#2ca02c"],
+             [0.9, "#2ca02c"], [0.9, "#7f7f7f"], [1.0, "#7f7f7f"]]
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(n)), y=["layer"], zmin=0, zmax=3, colorscale=scale, showscale=False,
+                               text=text, texttemplate="%{text}", customdata=hover, xgap=2,
+                               hovertemplate="%{customdata}<extra></extra>"))
+    fig.update_xaxes(title="layer (● captured; blue full, orange sliding, green chunked, grey other)", dtick=1)
+    fig.update_yaxes(showticklabels=False)
+    return finish(fig, "Attention type per layer", height=190)

@@ -37,7 +37,7 @@ import streamlit as st
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
 from sparsecal.formats.files import check_schema, read_json_manifest
-from sparsecal.formats.run import FIT_DIR, FIT_KIND, MANIFEST, RUN_KIND, check_manifest
+from sparsecal.formats.run import FIT_DIR, FIT_KIND, MANIFEST, RUN_KIND, captured_layers, check_manifest
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
@@ -134,6 +134,13 @@ def manifest(root: Path) -> dict:
     man = _manifest(str(path), _stamp(path), RUN_KIND, "capture the run again with this sparsecal")
     _broken(check_manifest, path, man)
     return man
+
+
+def layer_map(root: Path) -> tuple[list[int], list[str] | None, dict]:
+    """(captured model layers, in the stats arrays' order; each model layer's attention type, None
+    for runs that predate them; {layer: why it was not captured})."""
+    man = manifest(root)
+    return captured_layers(man), man["model"].get("layer_types"), man.get("layer_notes", {})
 
 
 @st.cache_data(show_spinner=False, max_entries=32)

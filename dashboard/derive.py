@@ -47,17 +47,19 @@ def snap(grid: np.ndarray, x: float) -> int:
     return int(np.argmin(np.abs(np.asarray(grid) - x)))
 
 
-def head_sparsity_frame(gc, length: int, order: str, log_lambda: float) -> pl.DataFrame:
+def head_sparsity_frame(gc, length: int, order: str, log_lambda: float, layers: list | None = None) -> pl.DataFrame:
     """Per layer x head at the grid point nearest ``log_lambda``: layer, head, sparsity (skipped
     candidate tiles / reachable tiles), retained_mass (1 - skipped mass / query positions),
-    log_lambda (the grid value used). ``gc`` is a data.GapCum."""
+    log_lambda (the grid value used). ``gc`` is a data.GapCum; ``layers`` maps its layer axis to the
+    model's layer indices (data.layer_map; None: the identity)."""
     li = int(np.flatnonzero(np.asarray(gc.lengths) == length)[0])
     o = list(gc.orders).index(order)
     e = snap(gc.log_lambda, log_lambda)
     sp = gc.count_below[li, :, :, o, e] / max(float(gc.reach[li]), 1.0)
     rm = 1.0 - gc.mass_below[li, :, :, o, e] / max(float(gc.npos[li]), 1.0)
-    layers, heads = np.indices(sp.shape)
-    return pl.DataFrame({"layer": layers.ravel(), "head": heads.ravel(),
+    pos, heads = np.indices(sp.shape)
+    model_layer = np.asarray(layers if layers is not None else range(sp.shape[0]))[pos]
+    return pl.DataFrame({"layer": model_layer.ravel(), "head": heads.ravel(),
                          "sparsity": sp.ravel().astype(np.float64), "retained_mass": rm.ravel().astype(np.float64),
                          "log_lambda": np.full(sp.size, float(gc.log_lambda[e]))})
 

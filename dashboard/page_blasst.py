@@ -62,11 +62,12 @@ def _heads(root, mode, order, target) -> None:
                          fmt=lambda v: f"{v:g} (λ={np.exp(v):.3g})",
                          help="Skip a candidate tile when its gap is below ln lambda. Starts at the calibrated a/L.")
     q = ui.choose("Quantity", ["sparsity", "retained_mass"], key="bl_q", where=c3)
-    d = derive.head_sparsity_frame(gc, n, order, x)
+    layers, types, _ = data.layer_map(root)
+    d = derive.head_sparsity_frame(gc, n, order, x, layers)
     mean = float(d[q].mean())
     ui.plot(charts_fit.layer_head_heatmap(
         d, q, f"{mode} {q} per layer x head at ln λ={x:g} ({n:,} tokens, {order}; mean {mean:.3f})",
-        zmin=0.0, zmax=1.0 if q == "sparsity" else None), key="bl_heads")
+        zmin=0.0, zmax=1.0 if q == "sparsity" else None, layer_types=types), key="bl_heads")
     if law:
         st.caption(f"The calibrated a/L for target {target:g} gives λ={law:.3g} (ln λ={math.log(law):.2f}) at "
                    f"{n:,} tokens; the grid steps by 0.25 in ln λ.")

@@ -40,7 +40,8 @@ def _heads(root) -> None:
         span = float(d["error"].abs().max() or 0.0) or 1e-3
         lo, hi = -span, span
     ui.plot(charts_fit.layer_head_heatmap(d, q, f"{label} per layer x head (k={k}, {n:,} tokens)",
-                                          zmin=lo, zmax=hi, colorscale=scale), key="den_heads")
+                                          zmin=lo, zmax=hi, colorscale=scale,
+                                          layer_types=data.layer_map(root)[1]), key="den_heads")
 
 
 def render() -> None:

@@ -25,6 +25,22 @@ def _model(man: dict, n_done: int) -> None:
                f"gap bins every {cfg['gap_step']} on [{cfg['gap_lo']}, 0]; decode rows {cfg.get('decode_rows')}; "
                f"raw tiles {'yes' if cfg.get('raw') else 'no'}; max context {m.get('max_context')}; "
                f"created {man.get('created', '?')}, updated {man.get('updated', '?')}")
+    _layers(man)
+
+
+def _layers(man: dict) -> None:
+    """The layer kinds of a hybrid model (or a --layers capture): which layers were captured, and why not."""
+    from sparsecal.formats.run import captured_layers
+
+    types, notes = man["model"].get("layer_types"), man.get("layer_notes", {})
+    if not types or (len(set(types)) < 2 and not notes):
+        return
+    ui.plot(charts_run.layer_map_chart(types, captured_layers(man), notes), key="ov_layers")
+    reasons: dict[str, list[str]] = {}
+    for i, why in notes.items():
+        reasons.setdefault(why, []).append(i)
+    st.caption("Captured: full-attention layers; statistics, fits and exports cover only them. " +
+               " ".join(f"Layers {', '.join(ids)}: {why}." for why, ids in reasons.items()))
 
 
 def _prompts(prompts: pl.DataFrame) -> None:

@@ -31,7 +31,7 @@ def _pick(df: pl.DataFrame, n: int, layer: int | None) -> pl.DataFrame:
     return df
 
 
-def _heads(where: pl.DataFrame, n: int) -> None:
+def _heads(where: pl.DataFrame, n: int, layer_types: list | None) -> None:
     c1, c2 = st.columns(2)
     order = ui.choose("Scan order", sorted(set(where["order"])), key="st_order", where=c1)
     cat = ui.choose("Category", ["sink", "diagonal", "middle"], key="st_cat", where=c2)
@@ -39,7 +39,7 @@ def _heads(where: pl.DataFrame, n: int) -> None:
          .agg(pl.col("sink").sum(), pl.col("diagonal").sum(), pl.col("middle").sum())
          .with_columns((pl.col(cat) / (pl.col("sink") + pl.col("diagonal") + pl.col("middle"))).alias("share")))
     ui.plot(charts_fit.layer_head_heatmap(d, "share", f"Share of rows settling at the {cat} ({order} order)",
-                                          zmin=0.0, zmax=1.0), key="st_heads")
+                                          zmin=0.0, zmax=1.0, layer_types=layer_types), key="st_heads")
 
 
 def render() -> None:
@@ -55,7 +55,7 @@ def render() -> None:
         with ui.section():
             ui.plot(charts_fit.qinit_histogram(_pick(data.table(root, "qinit_hist"), n, layer)), key="st_qinit")
         st.subheader("Per layer and head")
-        _heads(where, n)
+        _heads(where, n, data.layer_map(root)[1])
 
 
 render()

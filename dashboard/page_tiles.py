@@ -9,7 +9,7 @@ import math
 import polars as pl
 import streamlit as st
 
-from sparsecal.dashboard import charts_run, data, derive, ui
+from sparsecal.dashboard import charts_fit, charts_run, data, derive, ui
 
 NONE = "none"
 
@@ -25,7 +25,9 @@ def _sample(root, man) -> dict:
     sid = ui.choose("Sample", list(by_id), key="ti_sample", where=c1, default=longest,
                     fmt=lambda s: f"{by_id[s]['task']} · {by_id[s]['length']:,} tokens · {s}")
     m = man["model"]
-    layer = ui.choose("Layer", range(m["num_layers"]), key="ti_layer", where=c2)
+    layers, types, _ = data.layer_map(root)  # raw tiles and thresholds are indexed by position in ``layers``
+    layer = ui.choose("Layer", range(len(layers)), key="ti_layer", where=c2,
+                      fmt=lambda i: charts_fit.layer_label(layers[i], types))
     head = ui.choose("Head", range(m["num_heads"]), key="ti_head", where=c3)
     order = ui.choose("Scan order (gap)", list(man["config"]["orders"]), key="ti_order", where=c4)
     return {"rec": by_id[sid], "layer": layer, "head": head, "order": order}

@@ -45,13 +45,15 @@ def test_density_vs_length_has_measured_and_predicted_per_k():
 
 
 def test_layer_head_heatmap_puts_each_value_at_its_layer_and_head():
-    df = pl.DataFrame({"layer": [0, 0, 2], "head": [0, 1, 1], "v": [0.1, 0.2, 0.9]})
+    df = pl.DataFrame({"layer": [1, 1, 3], "head": [0, 1, 1], "v": [0.1, 0.2, 0.9]})
     fig = charts_fit.layer_head_heatmap(df, "v", "t")
     z = np.array(fig.data[0].z, dtype=float)
-    assert z.shape == (3, 2)
-    assert z[0, 1] == pytest.approx(0.2) and z[2, 1] == pytest.approx(0.9)
+    assert z.shape == (2, 2) and list(fig.data[0].y) == ["1", "3"]  # a row per layer present (captured)
+    assert z[0, 1] == pytest.approx(0.2) and z[1, 1] == pytest.approx(0.9)
     assert math.isnan(z[1, 0])  # missing pairs stay blank
     assert fig.layout.yaxis.autorange == "reversed"
+    hybrid = charts_fit.layer_head_heatmap(df, "v", "t", layer_types=["sliding_attention", "full_attention"] * 2)
+    assert list(hybrid.data[0].y) == ["1 full", "3 full"]
 
 
 def test_sparsity_curves_one_line_per_length_and_mode_marks():

@@ -99,7 +99,7 @@ def plan_layers(specs: list[LayerSpec], requested: list[int] | None, max_length:
         if requested is not None and s.index not in requested:
             notes[str(s.index)] = "not in --layers: runs dense"
         elif s.binds(max_length):
-            notes[str(s.index)] = f"{s.describe()}: runs dense (its window is its budget)" \
+            notes[str(s.index)] = f"{s.describe()}: runs dense, the window is its budget" \
                 if s.kind in (SLIDING, CHUNKED) else f"{s.describe()}: no softmax attention to capture"
         elif s.sinks:
             raise UserError(f"layer {s.index} ({model_type}) uses learned attention sinks (per-head sink logits in "
