@@ -50,6 +50,7 @@ class _State:
     stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
     layers: frozenset | None = None                # layers the export runs sparse (None: every layer)
     specs: dict = field(default_factory=dict)      # layer -> formats.layers.LayerSpec of the model
+    said_fallback: bool = False                    # the head-dim fall-back to the reference was reported
     _on_device: dict = field(default_factory=dict)  # device -> thresholds there
 
     def thresholds_on(self, device) -> torch.Tensor:
@@ -262,10 +263,23 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
     return spec is None or spec.kind in ("full_attention", "sliding_attention") or not spec.binds(length)
 
 
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
 def _use_triton(state: _State, query) -> bool:
-    if state.backend == "reference":
+    """Triton when asked (or on CUDA for auto) and the head dim has a kernel; otherwise the reference,
+    said once per state."""
+    if state.backend == "reference" or not (state.backend == "triton" or query.is_cuda):
         return False
-    return state.backend == "triton" or query.is_cuda
+    if query.shape[-1] in TRITON_HEAD_DIMS:
+        return True
+    if not state.said_fallback:
+        import sys
+
+        print(f"note: head dim {query.shape[-1]} has no Triton sparse kernel; running the plain-torch reference.",
+              file=sys.stderr)
+        state.said_fallback = True
+    return False
 
 
 def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict):
