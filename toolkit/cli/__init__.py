@@ -69,6 +69,7 @@ def main():
 @app.command()
 @_user_errors
 def capture(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Run directory (created, or resumed if it holds the same run)."),
     model: str = typer.Option("smollm2", help="'smollm2' (embedded default) or a local HF checkpoint directory."),
     task: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS}."),
@@ -90,9 +91,18 @@ def capture(
                              "more lengths); its fit and export are then stale."),
     layers: Optional[str] = typer.Option(None, help="Capture only these layers, e.g. 0,3,8-11 (the rest run dense); "
                                          "default: every full-attention layer."),
+    engine: Optional[str] = typer.Option(None, help="Capture at a serving engine's skip-softmax tiles (sets BM x BN): "
+                                         "trtllm (trtllm-gen: TensorRT-LLM on Blackwell, SGLang, vLLM; 128x128), "
+                                         "trtllm-hopper (fmha_v2: 64 x 256/128/64 by head_dim), modelopt (128x128), "
+                                         "sparsecal (128x64)."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from sparsecal.capture.command import CaptureRequest, capture_command
+
+    if engine is not None:
+        from sparsecal.cli.calibrate import engine_blocks
+
+        block_m, block_n = engine_blocks(ctx, engine, model, block_m, block_n)
 
     tasks = task.split(",") if task else ([] if prompts_file else ["niah_single"])
     req = CaptureRequest(out=out, model=model, tasks=[t.strip() for t in tasks if t.strip()],
@@ -116,11 +126,16 @@ def fit(
     order: str = typer.Option("forward", help="Scan order whose BLASST calibration is exported."),
     strict: bool = typer.Option(False, "--strict", help="Refuse a run with damaged samples (default: leave them "
                                 "out with a warning)."),
+    engine: Optional[str] = typer.Option(None, help="Fit for a serving engine (trtllm, trtllm-hopper, modelopt, "
+                                         "sparsecal): refuses a run captured at other tiles; engines scan forward."),
 ):
     """Fit BSFA thresholds and the BLASST lambda law, validate them on held-out samples, and
     write the analysis tables (Parquet) to RUN/fit/."""
     from sparsecal.analysis.fit import FitRequest
-    from sparsecal.cli.calibrate import fit_command
+    from sparsecal.cli.calibrate import check_fit_engine, fit_command
+
+    if engine is not None:
+        check_fit_engine(run, engine, order)
 
     req = FitRequest(k_values=_int_list(k, "k") if k else None, targets=_float_list(targets, "targets"),
                      holdout=holdout, seed=seed, aggregation=aggregation, order=order, strict=strict)
@@ -135,11 +150,22 @@ def export(
     target: Optional[float] = typer.Option(None, help="BLASST target written at the top of blasst.json [default: the first fitted]."),
     max_length: Optional[int] = typer.Option(None, help="Cover positions up to this many tokens (past the longest calibrated length, the last threshold is reused)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an export of another run in OUT."),
+    format: Optional[str] = typer.Option(None, "--format", help="Also write serving-engine files (comma-separated, "
+                                         "or all): modelopt (config.json block), trtllm (YAML), sglang (env), vllm "
+                                         "(flags); the run must be captured at that engine's tiles."),
+    patch_config: Optional[Path] = typer.Option(None, "--patch-config", help="Write the modelopt block into this "
+                                                "checkpoint's config.json (backup kept; another model's is refused)."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="Add each layer's own BLASST factor to blasst.json."),
+    min_layer_sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Leave a layer dense when it skips less "
+                                             "than this at every length at the exported factor (0: never)."),
 ):
-    """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json from RUN's fit."""
+    """Write thresholds.bsfa.pt, thresholds.safetensors, blasst.json and report.txt (the engines'
+    rule replayed on the held-out samples) from RUN's fit; with --format, the engines' files too."""
     from sparsecal.cli.calibrate import export_command
+    from sparsecal.formats.engines import parse_formats
 
-    export_command(run, out, target, max_length, force)
+    export_command(run, out, target, max_length, force, formats=parse_formats(format), patch_config=patch_config,
+                   per_layer=per_layer, min_layer_sparsity=min_layer_sparsity)
 
 
 @app.command()

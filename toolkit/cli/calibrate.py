@@ -76,14 +76,72 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
         out.print(t)
 
 
-def export_command(run: Path, out: Path, target, max_length, force: bool = False) -> dict:
+def export_command(run: Path, out: Path, target, max_length, force: bool = False, formats=(), patch_config=None,
+                   per_layer: bool = False, min_layer_sparsity: float = 0.05) -> dict:
+    """``sparsecal export``: the files, a summary line on stderr, the simulated-sparsity report on stdout."""
     from sparsecal.formats.run import RunStore
     from sparsecal.integrations.export import export_run
 
-    res = export_run(RunStore.open(run), out, target, max_length, force)
+    store = RunStore.open(run)
+    res = export_run(store, out, target, max_length, force, formats=formats, patch_config=patch_config,
+                     per_layer=per_layer, min_layer_sparsity=min_layer_sparsity,
+                     hf_config=_model_config(store.manifest["model"]) if formats else None,
+                     warn=lambda line: console.print(f"[yellow]warning:[/] {line}"))
     console.print(f"exported to {out}: thresholds.bsfa.pt and thresholds.safetensors {res['bsfa_shape']} "
                   f"(k {','.join(map(str, res['k_values']))}), blasst.json "
                   + "; ".join(f"target {t:g}: a = {f['prefill']:.4g} prefill, "
                               + (f"{f['decode']:.4g} decode" if f.get("decode") is not None else "no decode")
-                              for t, f in res["blasst"].items()))
+                              for t, f in res["blasst"].items())
+                  + (f"; {', '.join(res['engine_files'])}" if res["engine_files"] else ""))
+    if res["patched"]:
+        console.print(f"patched {res['patched'][0]} (the original is kept as {res['patched'][1].name})")
+    print(res["report"], end="")
     return res
+
+
+def _model_config(model: dict):
+    """The run's model config (attention module names for the engine files), when it loads here."""
+    from sparsecal.capture.models import load_config, resolve_model
+    from sparsecal.formats.errors import UserError
+
+    try:
+        return load_config(resolve_model(model.get("spec") or ""))
+    except (UserError, OSError, ValueError):
+        return None
+
+
+def engine_blocks(ctx, engine: str, model: str, block_m: int, block_n: int) -> tuple[int, int]:
+    """``capture --engine``: the engine's BM x BN (trtllm-hopper's depends on the model's head_dim);
+    --block-m/--block-n typed on the command line must agree. The preset is written back into the
+    command's parameters, so ranks started by --gpus capture the same tiles."""
+    from click.core import ParameterSource
+
+    from sparsecal.formats.engines import ENGINES, preset_blocks
+    from sparsecal.formats.errors import unknown
+
+    if engine not in ENGINES:
+        raise unknown("engine", engine, ENGINES)
+    head_dim = None
+    if engine == "trtllm-hopper":
+        from sparsecal.capture.models import load_config, model_info, resolve_model
+
+        ms = resolve_model(model)
+        head_dim = model_info(ms, load_config(ms))["head_dim"]
+    given = {name: value for name, value in (("block-m", block_m), ("block-n", block_n))
+             if ctx.get_parameter_source(name.replace("-", "_")) == ParameterSource.COMMANDLINE}
+    bm, bn = preset_blocks(engine, head_dim, given)
+    ctx.params.update(block_m=bm, block_n=bn)
+    return bm, bn
+
+
+def check_fit_engine(run: Path, engine: str, order: str) -> None:
+    """``fit --engine``: the run must be captured at the engine's tiles, and engines scan forward."""
+    from sparsecal.formats.engines import check_run_geometry
+    from sparsecal.formats.errors import UserError
+    from sparsecal.formats.run import RunStore
+
+    man = RunStore.open(run).manifest
+    check_run_geometry(engine, str(run), man["config"]["block_m"], man["config"]["block_n"],
+                       man["model"].get("head_dim"))
+    if order != "forward" and engine != "sparsecal":
+        raise UserError(f"--engine {engine} scans key tiles forward; leave out --order {order}.")

@@ -54,6 +54,17 @@ class BsfaExport:
     def num_heads(self) -> int:
         return self.thresholds.shape[2]
 
+    @property
+    def ignored_layers(self) -> dict[int, str]:
+        """{model layer: why it keeps every block} (thresholds -inf there); {} for older exports."""
+        return {int(k): v for k, v in json.loads((self.meta or {}).get("ignored_layers", "{}")).items()}
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        """The model layers whose thresholds were calibrated (every layer for older exports)."""
+        raw = (self.meta or {}).get("sparse_layers")
+        return json.loads(raw) if raw else [i for i in range(self.num_layers) if i not in self.ignored_layers]
+
     def for_k(self, k: int):
         """[L, H, P] thresholds for one k; the kernel reads [layer][head, min(q_block, P - 1)]."""
         if k not in self.k_values:
@@ -120,10 +131,35 @@ def read_bsfa_safetensors(path: Path) -> BsfaExport:
         raise UserError(f"{path} is not a readable BSFA safetensors export ({type(e).__name__}); export it again.")
     check_schema(path, meta.get("schema_version"), "export it again")
     try:
-        return BsfaExport(thr.astype(np.float32), tuple(int(k) for k in ks.tolist()), int(meta["q_block_size"]),
-                          int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta)
+        exp = BsfaExport(thr.astype(np.float32), tuple(int(k) for k in ks.tolist()), int(meta["q_block_size"]),
+                         int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta)
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{path}: metadata {e} is missing or not an integer; export it again.") from None
+    check_layer_lists(path, _json_meta(path, meta, "ignored_layers", {}), _json_meta(path, meta, "sparse_layers", None),
+                      exp.num_layers)
+    return exp
+
+
+def _json_meta(path, meta: dict, key: str, default):
+    try:
+        return json.loads(meta[key]) if key in meta else default
+    except ValueError:
+        raise UserError(f"{path}: metadata {key} is not JSON; export it again.") from None
+
+
+def check_layer_lists(path, ignored, sparse, num_layers: int) -> None:
+    """``ignored_layers`` {"<layer>": reason} and ``sparse_layers`` [layer, ...] (or None): model
+    layer indices below num_layers, no layer in both."""
+    ok = isinstance(ignored, dict) and all(isinstance(k, str) and k.isdigit() and int(k) < num_layers
+                                           and isinstance(v, str) for k, v in ignored.items())
+    ok = ok and (sparse is None or (isinstance(sparse, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in sparse)))
+    if not ok:
+        raise UserError(f"{path}: ignored_layers must map layer indices below {num_layers} to reasons and "
+                        "sparse_layers list layer indices; export it again.")
+    if sparse is not None and set(map(int, ignored)) & set(sparse):
+        raise UserError(f"{path}: layer {min(set(map(int, ignored)) & set(sparse))} is both sparse and "
+                        "ignored; export it again.")
 
 
 def bsfa_file(path) -> Path:
@@ -166,7 +202,8 @@ def check_bsfa(path: Path, exp: BsfaExport, expect: dict | None) -> BsfaExport:
         from safetensors import safe_open
 
         with safe_open(str(path.parent / BSFA_ST), framework="np") as f:
-            exp = replace(exp, model=(f.metadata() or {}).get("model"))
+            meta = dict(f.metadata() or {})
+        exp = replace(exp, model=meta.get("model"), meta=meta)  # the .pt's layers come from its twin too
     check_geometry(path, {"model": exp.model, "num_layers": exp.num_layers, "num_heads": exp.num_heads,
                           "block_m": exp.q_block_size, "block_n": exp.k_block_size}, expect)
     return exp
@@ -248,22 +285,57 @@ def validate_blasst(path, doc) -> None:
     if same and same[0]["threshold_scale_factor"] != doc["threshold_scale_factor"]:
         raise UserError(f"{path}: the main threshold_scale_factor differs from targets' entry for target "
                         f"{doc['target_sparsity']:g}; export it again.")
+    check_layer_lists(path, doc.get("ignored_layers", {}), doc.get("sparse_layers"), doc["num_layers"])
+    for where, entry in [("the main calibration", doc)] + [(f"targets[{i}]", e) for i, e in enumerate(targets)]:
+        _check_per_layer(path, entry.get("per_layer"), where, doc["num_layers"])
+
+
+def _check_per_layer(path, per_layer, where: str, num_layers: int) -> None:
+    """Optional ``per_layer``: {mode: {"<layer>": factor or null}}, factors finite and positive."""
+    if per_layer is None:
+        return
+    ok = isinstance(per_layer, dict) and set(per_layer) <= {"prefill", "decode"} and all(
+        isinstance(m, dict) and all(k.isdigit() and int(k) < num_layers and (f is None or (_number(f) and f > 0))
+                                    for k, f in m.items()) for m in per_layer.values())
+    if not ok:
+        raise UserError(f"{path}: {where}.per_layer must map prefill/decode to {{layer below {num_layers}: positive "
+                        "factor or null}; export it again.")
+
+
+def _blasst_entry(doc: dict, target: float | None) -> dict:
+    """The calibration of ``target`` (default: the file's own) from a validated blasst.json."""
+    if target is None or abs(target - doc["target_sparsity"]) <= 1e-9:
+        return doc
+    found = [t for t in doc.get("targets", []) if abs(t["target_sparsity"] - target) < 1e-9]
+    if not found:
+        have = ", ".join(f"{t['target_sparsity']:g}" for t in doc.get("targets", [doc]))
+        raise UserError(f"target sparsity {target:g} is not in the BLASST export (has {have}); fit it with "
+                        "`sparsecal fit RUN --targets ...` and export again.")
+    return found[0]
+
+
+def _factor(entry: dict, mode: str) -> float:
+    factor = entry["threshold_scale_factor"].get(mode)
+    if factor is None:
+        raise UserError(f"the BLASST export has no {mode} calibration for target {entry['target_sparsity']:g}.")
+    return float(factor)
 
 
 def blasst_lambda(doc: dict, length: int, target: float | None = None, mode: str = "prefill") -> float:
     """lambda = threshold_scale_factor[mode] / length for ``target`` (default: the file's own)."""
-    entry = doc
-    if target is not None and abs(target - doc["target_sparsity"]) > 1e-9:
-        found = [t for t in doc.get("targets", []) if abs(t["target_sparsity"] - target) < 1e-9]
-        if not found:
-            have = ", ".join(f"{t['target_sparsity']:g}" for t in doc.get("targets", [doc]))
-            raise UserError(f"target sparsity {target:g} is not in the BLASST export (has {have}); fit it with "
-                            "`sparsecal fit RUN --targets ...` and export again.")
-        entry = found[0]
-    factor = entry["threshold_scale_factor"].get(mode)
-    if factor is None:
-        raise UserError(f"the BLASST export has no {mode} calibration for target {entry['target_sparsity']:g}.")
-    return float(factor) / float(length)
+    return _factor(_blasst_entry(doc, target), mode) / float(length)
+
+
+def blasst_layer_factors(doc: dict, mode: str = "prefill", target: float | None = None) -> list[float | None]:
+    """One threshold_scale_factor per model layer (lambda_l = factor_l / L) from a validated
+    blasst.json: the layer's own a where the export holds per-layer factors (``sparsecal export
+    --per-layer``) and the layer has one, else the file's factor for the target; None for a layer
+    that runs dense (listed in ``ignored_layers``: not captured, or skipping does not pay)."""
+    entry = _blasst_entry(doc, target)
+    default = _factor(entry, mode)
+    own = (entry.get("per_layer") or {}).get(mode) or {}
+    ignored = {int(k) for k in doc.get("ignored_layers", {})}
+    return [None if layer in ignored else float(own.get(str(layer)) or default) for layer in range(doc["num_layers"])]
 
 
 EXPECT_KEYS = ("model", "num_layers", "num_heads", "block_m", "block_n")

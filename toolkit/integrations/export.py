@@ -1,23 +1,36 @@
-"""``sparsecal export``: turn a run's fit into the files kernels and serving engines read
-(formats in sparsecal.formats.exports and docs/formats.md "Exports").
+"""``sparsecal export``: turn a run's fit into the files kernels and serving engines read (formats
+in sparsecal.formats.exports, sparsecal.formats.engine_files and docs/formats.md "Exports").
 
-Shape legend: K k values, L layers, H query heads, P query blocks (extended to --max-length).
+Always: thresholds.bsfa.pt, thresholds.safetensors, blasst.json and report.txt (the engines'
+rule replayed on the run's held-out samples). With ``formats``: the engine files of
+integrations.engine_export beside them, and ``patch_config`` writes Model-Optimizer's block into a
+checkpoint. Layers the run did not capture, and captured layers where skipping does not pay, are
+listed as ignored (with the reason) in every file; BSFA keeps every block there (-inf).
+
+Shape legend: K k values, L model layers, L' captured layers, H query heads, P query blocks
+(extended to --max-length).
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from sparsecal.analysis.bsfa import extend_positions
+from sparsecal.analysis.engine_law import MIN_LAYER_SPARSITY, collect, format_table, simulate, unpaid_layers
 from sparsecal.analysis.fit import FIT_DIR, load_fit
-from sparsecal.analysis.tables import THRESHOLDS
+from sparsecal.analysis.tables import THRESHOLDS, read_table
+from sparsecal.formats import engine_files as F
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_ALGORITHM, BLASST_JSON, write_blasst
+from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.geometry import cdiv
+from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import load_arrays
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
+from sparsecal.integrations import engine_export as E
 from sparsecal.integrations.exports import write_bsfa
 
 
@@ -83,21 +96,88 @@ def check_overwrite(out: Path, model: str, run: dict, force: bool) -> None:
                         "--force to overwrite it, or choose another directory.")
 
 
-def export_run(store, out: Path, target: float | None = None, max_length: int | None = None,
-               force: bool = False) -> dict:
-    """Write thresholds.bsfa.pt, thresholds.safetensors and blasst.json into ``out``; an export
-    of another run already there is refused unless ``force``."""
+def captured(manifest: dict, fit: dict) -> tuple[list[int], dict[int, str]]:
+    """(the model layers with statistics, {layer not captured: why}) of a run; runs made before
+    ``layers`` existed captured every layer."""
+    n = manifest["model"]["num_layers"]
+    layers = [int(i) for i in manifest.get("layers", range(n))]
+    if fit.get("layers") is not None and [int(i) for i in fit["layers"]] != layers:
+        raise UserError(f"the fit covers layers {fit['layers']} but the run captured {layers}; run `sparsecal fit` "
+                        "again.")
+    notes = {int(k): str(v) for k, v in (manifest.get("layer_notes") or {}).items()}
+    return layers, {i: notes.get(i, "not captured by the run") for i in range(n) if i not in layers}
+
+
+def model_layers(thr: np.ndarray, layers: list[int], num_layers: int, root) -> np.ndarray:
+    """[K, L', H, P] over the captured layers -> [K, L, H, P], -inf (keep every block) elsewhere."""
+    if thr.shape[1] == num_layers:
+        return thr
+    if thr.shape[1] != len(layers):
+        raise UserError(f"{root}/{FIT_DIR} holds thresholds of {thr.shape[1]} layers but the run captured "
+                        f"{len(layers)}; run `sparsecal fit {root}` again.")
+    out = np.full((thr.shape[0], num_layers) + thr.shape[2:], -np.inf, np.float32)
+    out[:, layers] = thr
+    return out
+
+
+def calibration(store, fit: dict, doc: dict, layers: list[int], min_sparsity: float, warn) -> dict:
+    """The held-out histograms, the captured layers where skipping does not pay ({layer: why}) and
+    the sparse mask [L'] (None, None and all-sparse when the run's samples are gone)."""
+    split = fit["split"]
+    done = store.done_ids()
+    if not all(sid in done for sid in split["train"] + split["test"]):
+        warn and warn(f"{store.root} lacks samples the fit used: no simulated sparsity, no layer left dense for "
+                      "lack of skipping (capture them again with the same command to get both).")
+        return {"held": None, "edges": None, "unpaid": {}, "sparse": np.ones(len(layers), bool)}
+    cfg = StatsConfig.from_dict(fit["config"])
+    hists = collect(store, fit, cfg, doc["scan_order"])
+    factor = doc["threshold_scale_factor"]["prefill"]
+    unpaid = unpaid_layers(hists.train["prefill"], cfg.gap_edges(), factor, doc["target_sparsity"], min_sparsity)
+    sparse = np.array([p not in unpaid for p in range(len(layers))])
+    return {"held": hists.held, "edges": cfg.gap_edges(), "unpaid": {layers[p]: w for p, w in unpaid.items()},
+            "sparse": sparse}
+
+
+def add_per_layer(root: Path, doc: dict, layers: list[int], ignored: dict) -> None:
+    """``per_layer`` {mode: {"<layer>": a or null}} in blasst.json's main entry and each target's,
+    from the fit's per-layer a/L laws (blasst_layers: heads pooled, calibration samples); null where
+    the layer reaches the target at no length (it uses the global factor)."""
+    tab = read_table(root / FIT_DIR, "blasst_layers")
+    rows = [r for r in tab.iter_rows(named=True) if r["order"] == doc["scan_order"]]
+    seen = {int(r["layer"]) for r in rows}
+    positional = seen == set(range(len(layers)))  # the stats arrays' first axis, else model indices
+    for entry in [doc] + doc["targets"]:
+        per = {}
+        for r in rows:
+            if abs(r["target"] - entry["target_sparsity"]) > 1e-9:
+                continue
+            layer = layers[int(r["layer"])] if positional else int(r["layer"])
+            if layer not in ignored:
+                a = r["a"]
+                per.setdefault(r["mode"], {})[str(layer)] = float(a) if a is not None and math.isfinite(a) else None
+        entry["per_layer"] = per
+
+
+def report(doc: dict, rows: list, ignored: dict, cfg: dict, root: Path) -> str:
+    """report.txt: what the export's engines will skip on this run, and the layers left dense."""
+    lines = [(f"sparsecal {__version__} export of {root.name} ({doc['model']}): BLASST target sparsity "
+              f"{doc['target_sparsity']:g}, {cfg['block_m']} x {cfg['block_n']} tiles, {doc['scan_order']} order."),
+             (f"Simulated: lambda = factor / L on the run's own tiles, over the {doc['validation']} samples; "
+              "achieved = skipped / reachable tiles of every captured layer (dense layers count as kept)."), ""]
+    lines += [format_table(rows) if rows else "(no simulation: the run's samples are not there)", ""]
+    lines += ["Layers left dense:"] + ([f"  layer {i}: {why}" for i, why in sorted(ignored.items())] or ["  none"])
+    return "\n".join(lines) + "\n"
+
+
+def _checked(store, out: Path, max_length: int | None) -> dict:
+    """The run's fit, checked against the run, and the --out/--max-length checks."""
     root = Path(store.root)
     fit = load_fit(root)
     if fit["model"]["id"] != store.manifest["model"]["id"] or fit["config"] != store.manifest["config"]:
         raise UserError(f"{root}/{FIT_DIR} was fitted on a different model or geometry than the run; "
                         f"run `sparsecal fit {root}` again.")
-    out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory for the export.")
-    doc = blasst_doc(fit, target)
-    thr, meta = _thresholds(root, fit)
-    cfg = fit["config"]
     longest = max(fit["lengths"])
     if max_length is not None and max_length < longest:
         raise UserError(f"--max-length {max_length} is below the longest calibrated length {longest}; "
@@ -106,15 +186,59 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     if max_length is not None and context and max_length > context:
         raise UserError(f"--max-length {max_length} is past the model's context of {context} tokens; "
                         f"give at most {context}.")
-    blocks = cdiv(max_length or longest, cfg["block_m"])
-    thr = extend_positions(thr, blocks)
-    doc["run"] = {"name": root.name, "created": store.manifest.get("created")}
-    check_overwrite(out, fit["model"]["id"], doc["run"], force)
+    return fit
+
+
+def export_run(store, out: Path, target: float | None = None, max_length: int | None = None, force: bool = False,
+               formats=(), patch_config=None, per_layer: bool = False, min_layer_sparsity: float = MIN_LAYER_SPARSITY,
+               hf_config=None, warn=None) -> dict:
+    """Write the three threshold files and report.txt into ``out`` (plus the engine ``formats`` and,
+    with ``patch_config``, Model-Optimizer's block into that checkpoint's config.json); everything
+    is checked before the first write. An export of another run in ``out`` is refused unless ``force``.
+    ``hf_config``: the model's transformers config, for the attention module names."""
+    root, out = Path(store.root), Path(out)
+    fit = _checked(store, out, max_length)
+    cfg, model = fit["config"], fit["model"]
+    formats = list(dict.fromkeys(list(formats) + (["modelopt"] if patch_config is not None else [])))
+    tiles = E.formats_tiles(formats, root, cfg, model)
+    if patch_config is not None:
+        F.read_config(patch_config, model)  # refuse a config of another model before any work
+        hf_config = E.checkpoint_config(patch_config) or hf_config
+    doc = blasst_doc(fit, target)
+    thr, meta = _thresholds(root, fit)
+    layers, structural = captured(store.manifest, fit)
+    thr = extend_positions(model_layers(thr, layers, model["num_layers"], root),
+                           cdiv(max_length or max(fit["lengths"]), cfg["block_m"]))
+    cal = calibration(store, fit, doc, layers, min_layer_sparsity, warn)
+    ignored = {**structural, **cal["unpaid"]}
+    sparse_layers = [i for i in layers if i not in ignored]
+    doc.update(run={"name": root.name, "created": store.manifest.get("created")}, sparse_layers=sparse_layers,
+               ignored_layers={str(i): why for i, why in sorted(ignored.items())})
+    if per_layer:
+        add_per_layer(root, doc, layers, ignored)
+    rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
+                    cal["sparse"], "sparsecal: blasst.json") if cal["held"] is not None else []
+    built = None
+    if formats:
+        classes, names = E.attention_modules(model, hf_config)
+        ctx = {"model": model, "run": doc["run"], "target": doc["target_sparsity"], "config": cfg,
+               "sparse": cal["sparse"], "ignored": ignored, "names": names, "classes": classes, "held": cal["held"],
+               "edges": cal["edges"], "validation": fit["validation"], "sparse_layers": sparse_layers}
+        built = E.build(formats, tiles, doc, ctx)
+        E.check_factors_finite(built)
+        rows += built["rows"]
+    check_overwrite(out, model["id"], doc["run"], force)
     out.mkdir(parents=True, exist_ok=True)
-    st_meta = {"model": fit["model"]["id"], "samples": meta["samples"], "lengths": meta["lengths"],
-               "max_length": str(max_length or longest), "run": root.name}
+    st_meta = {"model": model["id"], "samples": meta["samples"], "lengths": meta["lengths"],
+               "max_length": str(max_length or max(fit["lengths"])), "run": root.name,
+               "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())}}
     write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta)
     write_blasst(out, doc)
+    text = report(doc, rows, ignored, cfg, root)
+    atomic_write_text(out / F.REPORT, text)
+    written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
+    patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
     return {"out": str(out), "bsfa_shape": list(thr.shape), "k_values": fit["k_values"],
             "blasst": {e["target_sparsity"]: e["threshold_scale_factor"] for e in doc["targets"]},
-            "threshold_finite_share": float(np.isfinite(thr).mean())}
+            "threshold_finite_share": float(np.isfinite(thr).mean()), "report": text, "rows": rows,
+            "ignored_layers": ignored, "engine_files": written, "patched": patched, "block": built and built["block"]}
