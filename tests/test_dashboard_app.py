@@ -105,6 +105,39 @@ def test_tiles(fixture_app):
     assert float(at.metric[0].value) == 0 and float(at.metric[2].value) == 0
 
 
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory, module_seed):
+    """A tiny Gemma 3 (sliding layers 0 and 2, full layers 1 and 3) captured with raw tiles, fitted, exported."""
+    from families import make_family_checkpoint
+    from helpers import cli, write_prompts
+
+    root = tmp_path_factory.mktemp("hybrid")
+    model = make_family_checkpoint(root / "model", module_seed, "gemma3_text")
+    prompts = write_prompts(root / "p.jsonl", [48, 64, 48, 64], module_seed)
+    run = root / "run"
+    for args in (("capture", "--model", model, "--prompts-file", prompts, "--out", run, "--block-m", 16,
+                  "--block-n", 8, "--k", "1,2,4", "--decode-rows", 8, "--raw"),
+                 ("fit", run, "--targets", "0.02"), ("export", run, "--out", run / "export")):
+        res = cli(*args)
+        assert res.exit_code == 0, res.output
+    return run
+
+
+def test_every_page_shows_a_hybrid_run_by_model_layer(monkeypatch, hybrid_run):
+    at = _app(monkeypatch, hybrid_run)
+    for name in PAGES:
+        _ok(_page(at, name), CHARTS[name] + (name == "overview"))
+        if name == "overview":  # the layer map: every layer's type, captured or not and why
+            spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+            assert spec["data"][0]["z"] == [[1, 0, 1, 0]] and spec["data"][0]["text"] == [["", "●", "", "●"]]
+            assert any("sliding window 16" in c.value for c in at.caption)
+        if name == "density":
+            heat = json.loads(at.get("plotly_chart")[-1].proto.spec)["data"][0]
+            assert heat["y"] == ["1 full", "3 full"]
+        if name == "tiles":
+            assert [at.selectbox(key="ti_layer").format_func(i) for i in (0, 1)] == ["1 full", "3 full"]
+
+
 def test_export(fixture_app):
     at = _page(fixture_app, "export")
     _ok(at, 2)
