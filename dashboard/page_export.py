@@ -1,5 +1,6 @@
 """Export: download the threshold files (thresholds.bsfa.pt, thresholds.safetensors, blasst.json)
-with their metadata, and look at what they hold.
+with their metadata, look at what they hold, copy the serving engines' files (``sparsecal export
+--format``), see the layers left dense and why, and the engines' rule simulated per length.
 Controls: export directory, k and layer of the thresholds heatmap, BLASST target."""
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import polars as pl
 import streamlit as st
 
 from sparsecal.dashboard import charts_run, data, derive, ui
+from sparsecal.formats import engine_files as F
+from sparsecal.formats.errors import UserError
 
 MIME = {".pt": "application/octet-stream", ".safetensors": "application/octet-stream", ".json": "application/json"}
 
@@ -67,6 +70,65 @@ def _blasst(d: Path) -> None:
         st.json({k: v for k, v in doc.items() if k != "targets"})
 
 
+LANGUAGE = {"modelopt": "json", "trtllm": "yaml", "sglang": "bash", "vllm": "bash"}
+SIM_COLUMNS = {"factors": pl.Utf8, "mode": pl.Utf8, "length": pl.Int64, "samples": pl.Int64, "factor": pl.Float64,
+               "lambda": pl.Float64, "target": pl.Float64, "achieved": pl.Float64, "achieved_min": pl.Float64,
+               "achieved_max": pl.Float64, "achieved_sparse_layers": pl.Float64, "retained_mass": pl.Float64}
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _engine(export_dir: str, stamp) -> dict:
+    """engine.json and the text of every engine file it lists, each read through its checked loader."""
+    d = Path(export_dir)
+    try:
+        man = F.load_engine_manifest(d)
+        files = {}
+        for fmt, entry in man["formats"].items():
+            if fmt in F.LOADERS:
+                F.LOADERS[fmt](d)
+            files[fmt] = (entry["file"], (d / entry["file"]).read_text())
+    except UserError as e:
+        raise data.Broken(str(e)) from None
+    return {"manifest": man, "files": files}
+
+
+def _engines(d: Path) -> None:
+    """Each engine file ready to copy, with what it was calibrated on."""
+    path = Path(d) / F.ENGINE_JSON
+    if not path.is_file():
+        raise data.Missing(f"{d} has no serving-engine files; write them with `sparsecal export RUN --out {d} "
+                           "--format all` from a run captured at the engine's tiles (`sparsecal capture --engine ...`).")
+    found = _engine(str(d), (path.stat().st_mtime_ns, path.stat().st_size))
+    geo = found["manifest"]["geometry"]
+    st.markdown(f"**Serving engines**: calibrated on {geo['block_m']} x {geo['block_n']} tiles (log base "
+                f"{geo['log_base']}; {geo['score_scale']}); lambda = factor / kv_len.")
+    for fmt, (name, text) in found["files"].items():
+        tiles = found["manifest"]["formats"][fmt]["tiles"]
+        st.caption(f"`{name}`: {tiles['engine']} ({tiles['kernel']}), {tiles['block_m']} x {tiles['block_n']} tiles, "
+                   f"log base {tiles['log_base']}")
+        st.code(text, language=LANGUAGE.get(fmt, "text"))
+
+
+def _layers_and_simulation(d: Path) -> None:
+    """The layers left dense with the reason, and achieved vs target sparsity per length."""
+    doc = data.export_blasst(d)
+    ignored = doc.get("ignored_layers", {})
+    st.markdown(f"**Layers left dense** ({len(ignored)} of {doc['num_layers']}): not captured by the run, or "
+                "skipping does not pay there.")
+    if ignored:
+        st.dataframe(pl.DataFrame({"layer": [int(k) for k in ignored], "why": list(ignored.values())}),
+                     hide_index=True)
+    rows = doc.get("simulation") or []
+    st.markdown("**Simulated sparsity** of the engines' rule (lambda = factor / L on the run's own tiles) over the "
+                f"{doc.get('validation')} samples: what the engine will skip, per length.")
+    if not rows:
+        st.info("This export holds no simulation (made by an older sparsecal, or without the run's samples); "
+                "export it again with `sparsecal export`.", icon=":material/info:")
+        return
+    st.dataframe(pl.DataFrame([{k: r.get(k) for k in SIM_COLUMNS} for r in rows], schema=SIM_COLUMNS),
+                 hide_index=True)
+
+
 def render() -> None:
     root = ui.header("Export", "The files kernels and serving engines read; formats in the README's "
                      "\"Fit and export\".")
@@ -78,6 +140,10 @@ def render() -> None:
             _bsfa(d)
         with ui.section():
             _blasst(d)
+        with ui.section():
+            _layers_and_simulation(d)
+        with ui.section():
+            _engines(d)
 
 
 render()

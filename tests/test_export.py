@@ -75,6 +75,17 @@ def test_blasst_json_round_trip(exported):
         assert set(r) >= {"length", "target", "lambda", "achieved"}
         assert r["achieved"] == pytest.approx(0.5, abs=0.06)
     assert doc["fit"]["prefill"]["law"]["r2"] > 0.95 and "b" in doc["fit"]["prefill"]["power_law"]
+    assert doc["sparse_layers"] == [0, 1] and doc["ignored_layers"] == {}  # every layer captured, every one skips
+
+
+def test_report_simulates_the_exported_rule_on_held_out_samples(exported):
+    _, out = exported
+    report = (out / "report.txt").read_text()
+    assert "sparsecal: blasst.json" in report and "Layers left dense:\n  none" in report
+    rows = load_blasst(out)["simulation"]
+    assert {(r["mode"], r["length"]) for r in rows} == {(m, n) for m in ("prefill", "decode") for n in (1024, 2048, 4096)}
+    for r in rows:  # the synthetic law holds at every length: the engines' rule reaches the target
+        assert r["achieved"] == pytest.approx(0.5, abs=0.06) and r["lambda"] == pytest.approx(r["factor"] / r["length"])
 
 
 def test_loading_refuses_mismatches(exported, tmp_path):

@@ -114,8 +114,6 @@ def engine_blocks(ctx, engine: str, model: str, block_m: int, block_n: int) -> t
     """``capture --engine``: the engine's BM x BN (trtllm-hopper's depends on the model's head_dim);
     --block-m/--block-n typed on the command line must agree. The preset is written back into the
     command's parameters, so ranks started by --gpus capture the same tiles."""
-    from click.core import ParameterSource
-
     from sparsecal.formats.engines import ENGINES, preset_blocks
     from sparsecal.formats.errors import unknown
 
@@ -128,7 +126,7 @@ def engine_blocks(ctx, engine: str, model: str, block_m: int, block_n: int) -> t
         ms = resolve_model(model)
         head_dim = model_info(ms, load_config(ms))["head_dim"]
     given = {name: value for name, value in (("block-m", block_m), ("block-n", block_n))
-             if ctx.get_parameter_source(name.replace("-", "_")) == ParameterSource.COMMANDLINE}
+             if getattr(ctx.get_parameter_source(name.replace("-", "_")), "name", None) == "COMMANDLINE"}
     bm, bn = preset_blocks(engine, head_dim, given)
     ctx.params.update(block_m=bm, block_n=bn)
     return bm, bn

@@ -227,6 +227,7 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
         built = E.build(formats, tiles, doc, ctx)
         E.check_factors_finite(built)
         rows += built["rows"]
+    doc["simulation"] = rows
     check_overwrite(out, model["id"], doc["run"], force)
     out.mkdir(parents=True, exist_ok=True)
     st_meta = {"model": model["id"], "samples": meta["samples"], "lengths": meta["lengths"],
