@@ -255,3 +255,22 @@ def test_committed_smollm2_example_loads_in_every_format():
     assert "achieved" in report and "Layers left dense" in report
     assert load_bsfa(EXAMPLE).num_layers == 30
     assert torch.load(EXAMPLE / "thresholds.bsfa.pt", weights_only=True)["num_layers"] == 30
+
+
+def test_export_page_shows_each_engine_file_ready_to_copy(engine_run, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    run, out, _ = engine_run
+    monkeypatch.setenv("SPARSECAL_RUNS", str(run))
+    monkeypatch.setenv("SPARSECAL_RESULTS", "")
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("page_export.py").run()
+    at.text_input(key="ex_other").input(str(out)).run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    codes = "\n".join(c.value for c in at.code)
+    for needle in ("sparse_attention_config", "a * exp(b * target_sparsity)", "SGLANG_SKIP_SOFTMAX_PREFILL",
+                   "--attention-config.trtllm_skip_softmax_decode_threshold_scale_factor"):
+        assert needle in codes
+    sim = at.dataframe[-1].value
+    assert {"factors", "mode", "length", "achieved", "target"} <= set(sim.columns) and len(sim) == 18
