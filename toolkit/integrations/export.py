@@ -23,6 +23,7 @@ from sparsecal.analysis.engine_law import MIN_LAYER_SPARSITY, collect, format_ta
 from sparsecal.analysis.fit import FIT_DIR, load_fit
 from sparsecal.analysis.tables import THRESHOLDS, read_table
 from sparsecal.formats import engine_files as F
+from sparsecal.formats.engines import SCALED_SCORES
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_ALGORITHM, BLASST_JSON, write_blasst
 from sparsecal.formats.files import atomic_write_text
@@ -74,7 +75,7 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
             "scan_order": fit["request"]["order"], "fit": main["fit"], "per_length": main["per_length"],
             "targets": entries, "model": model["id"], "num_layers": model["num_layers"],
             "num_heads": model["num_heads"], "q_block_size": cfg["block_m"], "k_block_size": cfg["block_n"],
-            "lengths": fit["lengths"], "samples": len(fit["split"]["train"]), "validation": fit["validation"],
+            "log_base": "e", "score_scale": SCALED_SCORES, "lengths": fit["lengths"], "samples": len(fit["split"]["train"]), "validation": fit["validation"],
             "schema_version": SCHEMA_VERSION, "sparsecal": __version__}
 
 
@@ -232,7 +233,8 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     out.mkdir(parents=True, exist_ok=True)
     st_meta = {"model": model["id"], "samples": meta["samples"], "lengths": meta["lengths"],
                "max_length": str(max_length or max(fit["lengths"])), "run": root.name,
-               "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())}}
+               "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())},
+               "score_scale": SCALED_SCORES}
     write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta)
     write_blasst(out, doc)
     text = report(doc, rows, ignored, cfg, root)
