@@ -147,3 +147,18 @@ def test_manifest_of_an_old_run_reads_as_every_layer_full():
 
     man = json.loads('{"model": {"num_layers": 3}}')
     assert captured_layers(man) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("name,kw,kinds", [
+    ("Phi3Config", dict(sliding_window=WINDOW), {"sliding_attention"}),
+    ("Starcoder2Config", dict(sliding_window=WINDOW), {"sliding_attention"}),
+    ("Qwen2Config", dict(sliding_window=WINDOW, use_sliding_window=False), {"full_attention"}),
+    ("LlamaConfig", {}, {"full_attention"}),
+])
+def test_layer_kinds_of_configs_without_layer_types(name, kw, kinds):
+    import transformers
+
+    cfg = getattr(transformers, name)(num_hidden_layers=3, **kw)
+    specs = layer_specs(cfg)
+    assert {s.kind for s in specs} == kinds and len(specs) == 3
+    assert all((s.window == WINDOW) == (s.kind == "sliding_attention") for s in specs)

@@ -56,12 +56,14 @@ def text_config(cfg):
 
 def layer_specs(cfg) -> list[LayerSpec]:
     """Per-layer attention specs from a transformers config (``layer_types`` where the family has
-    them; Mistral-style configs slide every layer when ``sliding_window`` is set)."""
+    them; configs without them (Mistral, Mixtral, Phi-3, Starcoder2) slide every layer when
+    ``sliding_window`` is set and not switched off by ``use_sliding_window``). The capture checks
+    each layer's window again when transformers passes it, so a config that misstates it is caught."""
     text = text_config(cfg)
     n = text.num_hidden_layers
     window = getattr(text, "sliding_window", None)
-    types = list(getattr(text, "layer_types", None) or [SLIDING if window and cfg.model_type in ("mistral",
-                                                                                                 "mixtral") else FULL] * n)
+    slides = bool(window) and getattr(text, "use_sliding_window", True) is not False
+    types = list(getattr(text, "layer_types", None) or [SLIDING if slides else FULL] * n)
     if len(types) != n:
         raise UserError(f"the config lists {len(types)} layer types for {n} layers; the checkpoint's config is inconsistent.")
     softcap = getattr(text, "attn_logit_softcapping", None) or None
