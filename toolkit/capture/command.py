@@ -35,6 +35,8 @@ class CaptureRequest:
     backend: str = "auto"  # auto | triton | reference
     add: bool = False       # allow prompts the run did not plan yet (another task, more lengths)
     layers: str | None = None  # "0,3,8-11": capture only these layers (the rest run dense)
+    device_map: str | None = None  # "auto": accelerate spreads the model over the GPUs
+    max_memory: str | None = None  # --max-memory "0=20GiB,1=20GiB,cpu=64GiB" (with --device-map auto)
 
 
 def stats_config(req: CaptureRequest):
@@ -97,18 +99,23 @@ def check_additions(store, prompts, add: bool) -> None:
 
 
 def layer_scope(req: CaptureRequest, hf_cfg, info: dict, prompts) -> dict:
-    """{"layers": captured layer indices, "layer_notes": {layer: why it runs dense}}, printed."""
+    """{"layers": captured layer indices, "layer_notes": {layer: why it runs dense}}."""
     from sparsecal.formats.layers import layer_specs, parse_layers, plan_layers
 
     requested = parse_layers(req.layers, info["num_layers"])
     layers, notes = plan_layers(layer_specs(hf_cfg), requested, max(p.length for p in prompts), info["model_type"])
-    if notes:
-        reasons: dict[str, list[str]] = {}
-        for i, why in notes.items():
-            reasons.setdefault(why, []).append(i)
-        console.print(f"capturing {len(layers)} of {info['num_layers']} layers; dense, not captured: " +
-                      "; ".join(f"{', '.join(ids)} ({why})" for why, ids in reasons.items()))
     return {"layers": layers, "layer_notes": notes}
+
+
+def print_layer_scope(scope: dict, num_layers: int) -> None:
+    """One line: how many layers are captured, and why the others are not."""
+    if not scope["layer_notes"]:
+        return
+    reasons: dict[str, list[str]] = {}
+    for i, why in scope["layer_notes"].items():
+        reasons.setdefault(why, []).append(i)
+    console.print(f"capturing {len(scope['layers'])} of {num_layers} layers; not captured: " +
+                  "; ".join(f"layers {', '.join(ids)}: {why}" for why, ids in reasons.items()))
 
 
 class _LazyTokenizer:
@@ -129,13 +136,38 @@ class _LazyTokenizer:
         return len(self.get())
 
 
+@dataclass
+class CaptureJob:
+    """What rank 0 hands every rank after the checks (all of it for one process)."""
+
+    cfg: object    # StatsConfig
+    ms: object     # models.ModelSpec
+    backend: str
+    total: int     # prompts asked for
+    todo: list     # their (record, prompt) pairs not finished yet, in prompt order
+
+
 def capture_command(req: CaptureRequest) -> None:
-    from sparsecal.capture.models import check_dtype_device, load_config, load_model, model_info, resolve_model
-    from sparsecal.capture.runner import pending, resolve_backend, run_capture
+    """One process, or one rank of ``torchrun ... -m sparsecal.cli capture`` (capture/distributed.py):
+    rank 0 checks and plans while the others wait, then every rank captures its share."""
+    from sparsecal.capture import distributed
+
+    ranks = distributed.start()
+    job = ranks.lead(lambda: prepare(req, ranks))
+    if job.todo:
+        capture_share(req, job, ranks)
+
+
+def prepare(req: CaptureRequest, ranks) -> CaptureJob:
+    """Every check, then the run directory created or resumed and its samples planned."""
+    from sparsecal.capture.distributed import check_placement
+    from sparsecal.capture.models import check_dtype_device, load_config, model_info, resolve_model
+    from sparsecal.capture.runner import pending, resolve_backend
     from sparsecal.formats.run import RunStore
 
     cfg = stats_config(req)
     check_dtype_device(req.dtype, req.device)
+    check_placement(req.device_map, req.max_memory, req.device)
     ms = resolve_model(req.model)
     hf_cfg = load_config(ms)
     info = model_info(ms, hf_cfg)
@@ -148,30 +180,75 @@ def capture_command(req: CaptureRequest) -> None:
     if exists:
         check_additions(RunStore.open(req.out), prompts, req.add)
     store = RunStore.create_or_resume(req.out, info, cfg.to_dict(), req.dtype, backend, scope)
+    where = f" x {ranks.world} ranks" if ranks.several else (" (device map auto)" if req.device_map else "")
     console.print(f"[bold]sparsecal capture[/] {ms.spec} -> {req.out}  ({len(prompts)} samples, "
-                  f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}, {backend} backend)")
+                  f"BM={cfg.block_m} BN={cfg.block_n}, {req.dtype} on {req.device}{where}, {backend} backend)")
+    print_layer_scope(scope, info["num_layers"])
     records, todo = pending(store, prompts)
     store.plan([r for r, _ in records])  # also repairs a plan another writer's lost write dropped
     if not todo:
         console.print(f"all {len(prompts)} samples are already captured in {req.out}")
         print_summary(store)
-        return
+    return CaptureJob(cfg, ms, backend, len(prompts), todo)
+
+
+def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
+    """Load the model on this rank's device(s) and capture this rank's share of the unfinished
+    samples; rank 0 then prints the totals, the peak GPU memory and the summary."""
+    from sparsecal.capture import distributed
+    from sparsecal.capture.models import load_model
+    from sparsecal.formats.run import RunStore
+
+    try:
+        store = RunStore.open(req.out)  # on several hosts: the shared directory rank 0 created
+    except UserError:
+        raise UserError(f"rank {ranks.rank} does not see the run {req.out} that rank 0 created: with ranks on "
+                        "several hosts, --out must be on a filesystem they share.") from None
+    mine = ranks.share(job.todo, weight=lambda pair: pair[0]["length"])
+    device = ranks.device(req.device)
+    memory = distributed.check_placement(req.device_map, req.max_memory, req.device)
     t0 = time.perf_counter()
-    model = load_model(ms, req.dtype, req.device)
-    console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
+    model = load_model(job.ms, req.dtype, device, device_map=req.device_map, max_memory=memory)
+    where = distributed.placement(model) if req.device_map else device
+    console.print(f"{ranks.tag}model loaded in {time.perf_counter() - t0:.1f} s ({where})", soft_wrap=True)
+    ranks.gather(None)  # the ranks start together: the time below is the capture's own
+    t0 = time.perf_counter()
+    result = _capture(store, model, [p for _, p in mine], job, ranks)
+    results = ranks.gather(dict(result, peak=distributed.peak_memory(model, device)))
+    if not ranks.main:
+        return
+    seconds, done = time.perf_counter() - t0, sum(r["done"] for r in results)
+    console.print(f"captured {done} samples, skipped {job.total - len(job.todo)} already finished, in "
+                  f"{seconds:.1f} s" + (f" on {ranks.world} ranks" if ranks.several else "") +
+                  f" ({done / max(seconds, 1e-9):.3g} samples/s)", soft_wrap=True)
+    peaks = distributed.memory_line([r["peak"] for r in results])
+    if peaks:
+        console.print(peaks, soft_wrap=True)
+    print_summary(store)
+
+
+def _capture(store, model, prompts, job: CaptureJob, ranks) -> dict:
+    """run_capture with progress: a bar for one process, rank-tagged lines for several."""
+    from sparsecal.capture.runner import run_capture
+
+    def line(rec, secs, mark=""):
+        return (f"{ranks.tag}  {rec['id']:<32} {rec['length']:>6} tok  {secs:6.1f} s  "
+                f"({rec['length'] / secs:,.0f} tok/s){mark}")
+
+    if ranks.several:
+        def progress(done, total, rec, secs):
+            console.print(line(rec, secs, f"  {done}/{total}"), soft_wrap=True)
+
+        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
-        job = bar.add_task("capturing", total=len(prompts))
+        task = bar.add_task("capturing", total=job.total)
 
         def progress(done, total, rec, secs):
-            bar.console.print(f"  {rec['id']:<32} {rec['length']:>6} tok  {secs:6.1f} s  "
-                              f"({rec['length'] / secs:,.0f} tok/s)")
-            bar.update(job, completed=len(prompts) - total + done)
+            bar.console.print(line(rec, secs))
+            bar.update(task, completed=job.total - total + done)
 
-        result = run_capture(store, model, prompts, cfg, progress, backend)
-    console.print(f"captured {result['done']} samples, skipped {result['skipped']} already finished, "
-                  f"in {result['seconds']:.1f} s")
-    print_summary(store)
+        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False)
 
 
 def print_summary(store) -> None:

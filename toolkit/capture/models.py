@@ -123,8 +123,12 @@ def check_dtype_device(dtype: str, device: str) -> None:
         raise UserError(f"--device {device}: only cpu and cuda devices are supported.")
 
 
-def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
-    """The causal LM in eval mode on ``device`` with attention implementation ``attn``."""
+def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa",
+               device_map: str | None = None, max_memory: dict | None = None):
+    """The causal LM in eval mode on ``device`` with attention implementation ``attn``. With
+    ``device_map`` 'auto', accelerate spreads its layers over the GPUs instead (on a CPU ``device``:
+    the CPU), and over the CPU where ``max_memory`` ({0: '20GiB', 'cpu': '64GiB'}) allows; the
+    current CUDA device then follows the layer being run (distributed.follow_layer_devices)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -133,10 +137,21 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
         raise UserError(f"Unknown dtype '{dtype}'. Available: {', '.join(DTYPES)}.")
     hf_logging.disable_progress_bar()
     kwargs = dict(dtype=getattr(torch, dtype), **ms.hf_kwargs())
+    if device_map is not None:
+        on_cpu = torch.device(device).type == "cpu" and not max_memory
+        kwargs.update(device_map={"": "cpu"} if on_cpu else device_map, max_memory=dict(max_memory or {}) or None)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation=attn, **kwargs)
     except ValueError as e:  # families without an SDPA path (Gemma 2's soft cap) load with eager attention
         if attn != "sdpa" or "attention implementation" not in str(e):
             raise
         model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation="eager", **kwargs)
-    return model.to(device).eval()
+    if device_map is None:
+        return model.to(device).eval()
+    from sparsecal.capture.distributed import follow_layer_devices
+
+    if "disk" in {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}:
+        raise UserError("--max-memory leaves no room for part of the model (accelerate would put it on disk): "
+                        "raise the budgets, or add cpu=SIZE.")
+    follow_layer_devices(model)
+    return model.eval()

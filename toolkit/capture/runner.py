@@ -198,14 +198,16 @@ def pending(store, prompts) -> tuple[list, list]:
     return records, [(r, p) for r, p in records if r["id"] not in finished]
 
 
-def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto") -> dict:
-    """Capture every prompt not finished yet into ``store``. ``progress(done, total, record, secs)``
+def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto", plan: bool = True) -> dict:
+    """Capture every prompt not finished yet into ``store`` (``plan``: first add them to its manifest;
+    the ranks of a distributed capture leave that to rank 0). ``progress(done, total, record, secs)``
     is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b}."""
     from sparsecal.formats.geometry import block_counts
 
     backend = resolve_backend(backend, model.device, model_head_dim(model))
     records, todo = pending(store, prompts)
-    store.plan([r for r, _ in records])
+    if plan:
+        store.plan([r for r, _ in records])
     total_start = time.perf_counter()
     for n_done, (rec, prompt) in enumerate(todo, 1):
         start = time.perf_counter()

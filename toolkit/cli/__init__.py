@@ -61,6 +61,39 @@ def _float_list(text: str, name: str) -> list[float]:
     return _list(text, name, float, "numbers", "0.5,0.7")
 
 
+GPUS_HELP = ("Ranks of a data-parallel run on this host, started through torchrun: one per GPU with --device "
+             "cuda, or N processes with --device cpu (README: Several GPUs).")
+DEVICE_MAP_HELP = "'auto': spread one model over the GPUs (accelerate), for a model larger than one GPU."
+MAX_MEMORY_HELP = "Budgets of --device-map auto per GPU (and cpu), e.g. 0=20GiB,1=20GiB,cpu=64GiB."
+
+
+def _launch_ranks(ctx: typer.Context, gpus: int, device: str, device_map: Optional[str],
+                  max_memory: Optional[str]) -> None:
+    """--gpus N > 1: run this very command (less --gpus) on N torchrun ranks, and exit with their code."""
+    if gpus < 2:
+        return
+    from sparsecal.capture.distributed import check_placement, launch
+
+    check_placement(device_map, max_memory, device, gpus)
+    raise typer.Exit(launch(gpus, _rank_args(ctx), device))
+
+
+def _rank_args(ctx: typer.Context) -> list[str]:
+    """The subcommand's arguments as given, less --gpus: what each rank runs."""
+    args, options = [ctx.command.name], []
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name)
+        if p.name == "gpus" or value is None:
+            continue
+        if p.param_type_name == "argument":
+            args += [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+        elif p.is_flag:
+            options += [p.opts[0]] if value else p.secondary_opts[:1]
+        else:
+            options += [x for v in (value if p.multiple else [value]) for x in (p.opts[0], str(v))]
+    return args + options
+
+
 @app.callback()
 def main():
     """sparsecal: capture attention statistics, fit thresholds, browse and export them."""
@@ -91,6 +124,9 @@ def capture(
                              "more lengths); its fit and export are then stale."),
     layers: Optional[str] = typer.Option(None, help="Capture only these layers, e.g. 0,3,8-11 (the rest run dense); "
                                          "default: every full-attention layer."),
+    gpus: int = typer.Option(1, min=1, help=GPUS_HELP),
+    device_map: Optional[str] = typer.Option(None, help=DEVICE_MAP_HELP),
+    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
     engine: Optional[str] = typer.Option(None, help="Capture at a serving engine's skip-softmax tiles (sets BM x BN): "
                                          "trtllm (trtllm-gen: TensorRT-LLM on Blackwell, SGLang, vLLM; 128x128), "
                                          "trtllm-hopper (fmha_v2: 64 x 256/128/64 by head_dim), modelopt (128x128), "
@@ -104,13 +140,15 @@ def capture(
 
         block_m, block_n = engine_blocks(ctx, engine, model, block_m, block_n)
 
+    _launch_ranks(ctx, gpus, device, device_map, max_memory)
     tasks = task.split(",") if task else ([] if prompts_file else ["niah_single"])
     req = CaptureRequest(out=out, model=model, tasks=[t.strip() for t in tasks if t.strip()],
                          lengths=_int_list(lengths, "lengths"), samples=samples, seed=seed,
                          prompts_file=prompts_file, block_m=block_m, block_n=block_n,
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
                          orders=[o.strip() for o in orders.split(",") if o.strip()],
-                         dtype=dtype, device=device, backend=backend, add=add, layers=layers)
+                         dtype=dtype, device=device, backend=backend, add=add, layers=layers,
+                         device_map=device_map, max_memory=max_memory)
     capture_command(req)
 
 
@@ -240,6 +278,7 @@ def doctor(run: Path = typer.Argument(..., help="Run directory made by `sparseca
 @app.command(name="eval")
 @_user_errors
 def eval_(
+    ctx: typer.Context,
     export: Path = typer.Argument(..., help="Export directory (thresholds.safetensors/.bsfa.pt, blasst.json)."),
     out: Path = typer.Option(..., "--out", help="Evaluation directory (created, or resumed if it holds the same request)."),
     model: Optional[str] = typer.Option(None, help="'smollm2' or a local HF checkpoint directory (default: smollm2)."),
@@ -254,17 +293,22 @@ def eval_(
     calibration: Optional[Path] = typer.Option(None, help="The calibration run (default: the one recorded in the export, or its parent directory)."),
     held_out_tasks_only: bool = typer.Option(False, "--held-out-tasks-only", help="Refuse tasks the export was calibrated on."),
     bench: Optional[list[Path]] = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
+    gpus: int = typer.Option(1, min=1, help=GPUS_HELP),
+    device_map: Optional[str] = typer.Option(None, help=DEVICE_MAP_HELP),
+    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
 ):
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
     agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
     (options left out on a resumed OUT take the values it was started with)."""
     from sparsecal.evaluation.command import EvalRequest, eval_command
 
+    _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)
     req = EvalRequest(export=export, out=out, model=model,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
                       lengths=_int_list(lengths, "lengths") if lengths else None, samples=samples, seed=seed,
                       methods=methods, dtype=dtype, device=device, reuse_last_threshold=reuse_last_threshold,
-                      calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []))
+                      calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []),
+                      device_map=device_map, max_memory=max_memory)
     eval_command(req)
 
 

@@ -46,6 +46,8 @@ class EvalRequest:
     calibration: Path | None = None
     held_out_tasks_only: bool = False
     bench: list = field(default_factory=list)
+    device_map: str | None = None   # placement only, not recorded: "auto" spreads the model over the GPUs
+    max_memory: str | None = None   # budgets of --device-map auto ("0=20GiB,cpu=64GiB")
 
 
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
@@ -155,54 +157,118 @@ def _manifest(req: EvalRequest, plan: Plan, prompts=None) -> dict:
     return json.loads(json.dumps(man))
 
 
+@dataclass
+class EvalJob:
+    """What rank 0 hands every rank after the checks (all of it for one process)."""
+
+    req: EvalRequest  # with the options a resumed evaluation recorded
+    plan: Plan
+    todo: list        # (prompt, [methods it lacks]) in prompt order
+
+
 def eval_command(req: EvalRequest) -> dict:
-    """Run (or resume) the evaluation; write the summary, results and, with bench files, curves."""
+    """Run (or resume) the evaluation; write the summary, results and, with bench files, curves.
+    One process, or one rank of ``torchrun ... -m sparsecal.cli eval`` (capture/distributed.py):
+    rank 0 checks and plans while the others wait, every rank evaluates its share of the prompts
+    into its own row file, and rank 0 merges the rows and writes the summary."""
+    from sparsecal.capture import distributed
+    from sparsecal.evaluation.store import EvalStore
+
+    ranks = distributed.start()
+    job = ranks.lead(lambda: _prepare(req, ranks))
+    if job.todo:
+        _run(job, ranks)
+    if not ranks.main:
+        return {}
+    store = EvalStore.open(job.req.out)
+    store.merge_parts()
+    return finish(store, job.req.bench)
+
+
+def _prepare(req: EvalRequest, ranks) -> EvalJob:
+    """Every check, then the evaluation directory created or resumed, and what is left to run."""
+    from sparsecal.capture.distributed import check_placement
     from sparsecal.evaluation.store import EvalStore
 
     req = resolve(req)
+    check_placement(req.device_map, req.max_memory, req.device)
     plan = _check(req)
     if plan.cal.manifest is None:
         console.print("[yellow]warning:[/] no calibration run found next to the export; prompts are not "
                       "checked against calibration prompts (pass --calibration RUN)")
-    store, tok, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None, None
+    store, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None
     if store is None:
-        tok, prompts = _prompts(req, plan)
+        prompts = _prompts(req, plan)[1]
         store = EvalStore.create(req.out, _manifest(req, plan, prompts))
+    store.merge_parts()  # rows a stopped rank of an earlier run left in its own file
     labels = [m.label for m in plan.methods]
     pending = store.pending(labels)
     console.print(f"[bold]sparsecal eval[/] {plan.ms.spec} on {plan.export.path} -> {req.out}: "
                   f"{len(store.manifest['prompts'])} prompts x {len(labels)} methods, "
-                  f"{sum(map(len, pending.values()))} rows to compute, {len(store.rows)} finished")
-    if pending:
-        if prompts is None:
-            tok, prompts = _prompts(req, plan)
-            if [_sid(p) for p in prompts] != [p["id"] for p in store.manifest["prompts"]]:
-                raise UserError(f"{req.out} was planned with other prompt tokens (another tokenizer?); "
-                                "evaluate again into a new --out directory.")
-        by_label = {m.label: m for m in plan.methods}
-        todo = [(p, [by_label[x] for x in pending[_sid(p)]]) for p in prompts if _sid(p) in pending]
-        _run(store, req, plan, tok, todo)
-    return finish(store, req.bench)
+                  f"{sum(map(len, pending.values()))} rows to compute, {len(store.rows)} finished"
+                  + (f", on {ranks.world} ranks" if ranks.several else ""))
+    if not pending:
+        return EvalJob(req, plan, [])
+    if prompts is None:
+        prompts = _prompts(req, plan)[1]
+        if [_sid(p) for p in prompts] != [p["id"] for p in store.manifest["prompts"]]:
+            raise UserError(f"{req.out} was planned with other prompt tokens (another tokenizer?); "
+                            "evaluate again into a new --out directory.")
+    by_label = {m.label: m for m in plan.methods}
+    return EvalJob(req, plan, [(p, [by_label[x] for x in pending[_sid(p)]]) for p in prompts if _sid(p) in pending])
 
 
-def _run(store, req: EvalRequest, plan: Plan, tok, todo) -> None:
+def _run(job: EvalJob, ranks) -> None:
+    """Evaluate this rank's share of the pending prompts (each rank into its own row file)."""
+    from sparsecal.capture import distributed
     from sparsecal.capture.models import load_model
+    from sparsecal.evaluation.store import EvalStore
+
+    req, plan = job.req, job.plan
+    store = EvalStore.open(req.out)
+    if ranks.several:
+        store.own_rows(ranks.rank)
+    mine = ranks.share(job.todo, weight=lambda item: item[0].length * len(item[1]))
+    tok = _tokenizer(plan.ms)
+    device = ranks.device(req.device)
+    memory = distributed.check_placement(req.device_map, req.max_memory, req.device)
+    t0 = time.perf_counter()
+    model = load_model(plan.ms, req.dtype, device, device_map=req.device_map, max_memory=memory)
+    where = distributed.placement(model) if req.device_map else device
+    console.print(f"{ranks.tag}model loaded in {time.perf_counter() - t0:.1f} s ({where})", soft_wrap=True)
+    rows = _rows(model, tok, store, plan, mine)
+    if ranks.several:
+        for row in rows:
+            store.add_row(row)
+            console.print(f"{ranks.tag}{row['sample_id']} {row['label']}: score {row['score']:.2f}, "
+                          f"top-1 {row['top1']:.3f}, KL {row['kl']:.2e}", soft_wrap=True)
+    else:
+        _with_bars(store, plan, rows)
+    peaks = ranks.gather(distributed.peak_memory(model, device))  # every rank is done
+    if ranks.main and distributed.memory_line(peaks):
+        console.print(distributed.memory_line(peaks), soft_wrap=True)
+
+
+def _rows(model, tok, store, plan: Plan, todo):
+    """Every row of ``todo``'s prompts, each yielded when finished."""
     from sparsecal.evaluation.model import eos_ids
 
-    t0 = time.perf_counter()
-    model = load_model(plan.ms, req.dtype, req.device)
-    console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
     stop = eos_ids(model, tok)
+    for prompt, pending in todo:
+        yield from run_sample(model, tok, prompt, plan.methods, pending, plan.export.path, store.manifest, stop)
+
+
+def _with_bars(store, plan: Plan, rows) -> None:
+    """Record each row, with one progress bar per method."""
     total = len(store.manifest["prompts"])
     with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[acc]}"), TimeElapsedColumn(), console=console) as bar:
         jobs = {m.label: bar.add_task(m.label, total=total, acc="") for m in plan.methods}
         for label, job in jobs.items():
             bar.update(job, completed=sum(r["label"] == label for r in store.rows), acc=_so_far(store, label))
-        for prompt, pending in todo:
-            for row in run_sample(model, tok, prompt, plan.methods, pending, plan.export.path, store.manifest, stop):
-                store.add_row(row)
-                bar.update(jobs[row["label"]], advance=1, acc=_so_far(store, row["label"]))
+        for row in rows:
+            store.add_row(row)
+            bar.update(jobs[row["label"]], advance=1, acc=_so_far(store, row["label"]))
 
 
 def _sid(p) -> str:

@@ -9,6 +9,9 @@ that an interrupted evaluation resumes where it stopped.
                                identity, calibration run (tasks, sample count), the planned prompts
                                (id, task, length, index, seed, answer, held-out task), versions
       data/rows.parquet        one row per finished (sample, method); rewritten whole, atomically
+      data/rows.part-<r>.parquet  rank r's rows of a distributed evaluation (its own file, rewritten
+                               whole, atomically); rank 0 merges them into rows.parquet at the end,
+                               or at the start of the next run after a rank stopped
       data/summary.parquet     every metric per method, config, length and task
 
 Only the dashboard's result files sit at the top: `sparsecal dashboard RUN --results EVAL` reads
@@ -30,6 +33,7 @@ EVAL_KIND = "sparsecal-eval-run"
 DATA = "data"
 MANIFEST = Path(DATA) / "manifest.json"
 ROWS = Path(DATA) / "rows.parquet"
+PARTS = "rows.part-*.parquet"  # under DATA: one rank's rows each
 SUMMARY = Path(DATA) / "summary.parquet"
 RESULTS = "results.json"
 CURVES = "curves.parquet"
@@ -52,6 +56,8 @@ class EvalStore:
     root: Path
     manifest: dict
     rows: list = field(default_factory=list)
+    part: Path | None = None  # this writer's own row file (a rank of a distributed evaluation)
+    mine: list = field(default_factory=list)  # the rows it wrote there
 
     @staticmethod
     def read_manifest(root: Path) -> dict | None:
@@ -96,6 +102,13 @@ class EvalStore:
         store.save_manifest()
         return store
 
+    @classmethod
+    def open(cls, root: Path) -> "EvalStore":
+        """An existing evaluation with its rows, touching nothing (what every rank reads)."""
+        store = cls(Path(root), cls.read_manifest(root))
+        store.rows = store._read_rows()
+        return store
+
     def save_manifest(self) -> None:
         from sparsecal.formats.files import atomic_write_text
 
@@ -103,15 +116,41 @@ class EvalStore:
         atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
 
     def _read_rows(self) -> list[dict]:
+        """The rows of rows.parquet and of every rank's file, each (sample, method) once."""
         import polars as pl
 
-        path = self.root / ROWS
-        if not path.is_file():
-            return []
-        try:
-            return pl.read_parquet(path).to_dicts()
-        except Exception as e:  # noqa: BLE001 - a damaged table is one line
-            raise UserError(f"{path} is not readable ({type(e).__name__}); remove it to evaluate again.")
+        rows, seen = [], set()
+        for path in [self.root / ROWS, *self._parts()]:
+            if not path.is_file():
+                continue
+            try:
+                found = pl.read_parquet(path).to_dicts()
+            except Exception as e:  # noqa: BLE001 - a damaged table is one line
+                raise UserError(f"{path} is not readable ({type(e).__name__}); remove it to evaluate again.")
+            for r in found:
+                if (r["sample_id"], r["label"]) not in seen:
+                    seen.add((r["sample_id"], r["label"]))
+                    rows.append(r)
+        return rows
+
+    def _parts(self) -> list[Path]:
+        return sorted((self.root / DATA).glob(PARTS))
+
+    def own_rows(self, rank: int) -> None:
+        """Write this process's rows to its own file (rank ``rank`` of a distributed evaluation)."""
+        self.part, self.mine = self.root / DATA / PARTS.replace("*", str(rank)), []
+
+    def merge_parts(self) -> None:
+        """Fold the ranks' row files into rows.parquet (atomically, then remove them); no-op without."""
+        import polars as pl
+
+        parts = self._parts()
+        if not parts:
+            return
+        self.rows = self._read_rows()
+        write_parquet(self.root / ROWS, pl.DataFrame(self.rows, infer_schema_length=None))
+        for path in parts:  # a crash before this leaves rows in both files, read once (deduplicated)
+            path.unlink(missing_ok=True)
 
     def done(self) -> set[tuple[str, str]]:
         """(sample id, method label) of every finished row."""
@@ -124,11 +163,16 @@ class EvalStore:
         return {sid: missing for sid, missing in out.items() if missing}
 
     def add_row(self, row: dict) -> None:
-        """Record one finished (sample, method) row and rewrite the row table atomically."""
+        """Record one finished (sample, method) row and rewrite the row table (or this rank's own
+        file) atomically."""
         import polars as pl
 
         self.rows.append(row)
-        write_parquet(self.root / ROWS, pl.DataFrame(self.rows, infer_schema_length=None))
+        if self.part is None:
+            write_parquet(self.root / ROWS, pl.DataFrame(self.rows, infer_schema_length=None))
+        else:
+            self.mine.append(row)
+            write_parquet(self.part, pl.DataFrame(self.mine, infer_schema_length=None))
 
 
 def _first_difference(have: dict, want: dict) -> str:
