@@ -218,7 +218,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     if not ranks.main:
         return
     seconds, done = time.perf_counter() - t0, sum(r["done"] for r in results)
-    console.print(f"captured {done} samples, skipped {job.total - len(job.todo)} already finished, in "
+    console.print(f"captured {done} samples, skipped {job.total - done} already finished, in "
                   f"{seconds:.1f} s" + (f" on {ranks.world} ranks" if ranks.several else "") +
                   f" ({done / max(seconds, 1e-9):.3g} samples/s)", soft_wrap=True)
     peaks = distributed.memory_line([r["peak"] for r in results])

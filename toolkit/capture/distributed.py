@@ -186,6 +186,7 @@ def launch(n: int, args: list[str], device: str) -> int:
             raise UserError(f"--gpus {n} --device {device}: give --device cuda; rank r uses cuda:r.")
         if n > torch.cuda.device_count():
             raise UserError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA device(s) here.")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -196,6 +197,8 @@ def launch(n: int, args: list[str], device: str) -> int:
         run(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(n), "-m", "sparsecal.cli", *args]))
     except ChildFailedError as e:
         return _failure(e.failures)
+    except SignalException as e:  # Ctrl-C or SIGTERM: torchrun has stopped the ranks
+        raise KeyboardInterrupt from e  # the CLI's resume hint, exit code 130
     return 0
 
 
@@ -290,7 +293,7 @@ def placement(model) -> str:
         text = f"layers {_ranges(layers)}" if layers else ""
         text += (" + " if layers and others else "") + (f"{len(others)} other modules" if others else "")
         parts.append(f"{dev} {text}")
-    return "; ".join(parts) or "one device"
+    return "; ".join(parts) or str(next(model.parameters()).device)
 
 
 def _ranges(ids: list[int]) -> str:
