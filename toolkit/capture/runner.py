@@ -59,6 +59,11 @@ def resolve_backend(requested: str, device, head_dim: int | None = None) -> str:
         raise UserError(f"Unknown device '{device}'; use cpu, cuda or cuda:N.")
     dim_ok = head_dim is None or head_dim in TRITON_HEAD_DIMS
     if requested == "auto":
+        if on_cuda and not dim_ok:
+            import sys
+
+            print(f"note: head dim {head_dim} has no Triton capture kernel; capturing with the plain-torch reference.",
+                  file=sys.stderr)
         return "triton" if on_cuda and dim_ok and _triton_importable() else "reference"
     if requested == "reference":
         return "reference"
