@@ -20,7 +20,7 @@ from sparsecal.formats.stats_config import StatsConfig
 
 from helpers import ROOT, assert_user_error, cli, make_checkpoint, write_prompts
 
-EXAMPLE = ROOT / "data" / "exports" / "smollm2-engine"
+EXAMPLE = ROOT / "data" / "exports" / "smollm2-engine" / "export"
 ENGINE_CFG = StatsConfig(block_m=128, block_n=128, orders=("forward",))
 EXPECT = {"model": "synthetic-3x4", "num_layers": 3, "num_heads": 4, "block_m": 128, "block_n": 128}
 
