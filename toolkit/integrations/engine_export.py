@@ -98,8 +98,11 @@ def build(formats: list, tiles: dict, doc: dict, ctx: dict) -> dict:
         out["rows"] += simulate(ctx["held"], ctx["edges"], scalar, targets, np.ones_like(ctx["sparse"]),
                                 f"{'/'.join(scalar_fmts)}: factor, every layer")
     for fmt in scalar_fmts:
-        note = ("This engine applies the factor to every layer: " + (f"sparsecal would leave {len(ctx['ignored'])} "
-                "layer(s) dense (report.txt)." if ctx["ignored"] else "no layer is left dense."))
+        dense = (f"sparsecal would leave {len(ctx['ignored'])} layer(s) dense (report.txt)" if ctx["ignored"]
+                 else "no layer is left dense")
+        note = (f"This file applies the factor to every layer: {dense}." if fmt != "trtllm" else
+                f"This file applies the factor to every layer ({dense}); TensorRT-LLM leaves the layers of the "
+                "config.json block's `ignore` dense when the checkpoint carries it (`--patch-config`).")
         name = FORMATS[fmt][1]
         out["files"][name] = WRITERS[fmt](scalar, _header(tiles[fmt], ctx, f"{ENGINE_NAMES[fmt]}. {note}"))
         out["formats"][fmt] = {"file": name, "tiles": tiles[fmt].geometry(), "factors": scalar,
