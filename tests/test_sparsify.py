@@ -189,3 +189,20 @@ def test_registered_export_is_checked_against_the_model(tiny_model, tmp_path, rn
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparsecal_blasst").eval()
     with pytest.raises(UserError, match="num_heads 8, but it is applied to num_heads 4"), torch.no_grad():
         model(torch.randint(0, 300, (1, 100), generator=rng))
+
+
+def test_per_layer_factors_run_each_layer_at_its_own_lambda(tiny_model, tmp_path, seed):
+    """A --per-layer blasst.json: layer 0 at a no-op factor skips nothing, layer 1 at lambda >= 1
+    skips every candidate tile (reference backend)."""
+    _, model = tiny_model
+    out = _noop_export(tmp_path / "export")
+    doc = json.loads((out / "blasst.json").read_text())
+    doc["per_layer"] = {"prefill": {"0": NOOP_BLASST_FACTOR, "1": 1e9}}
+    write_blasst(out, doc)
+    sparsecal.sparsify(model, out, method="blasst", backend="reference")
+    ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(ids)
+    skipped = model.sparsecal_stats["skipped"].sum(dim=1)
+    cand = int(block_counts_torch(333, 128, 64)[0].sum()) * 4  # candidate tiles x heads
+    assert skipped.tolist() == [0, cand]

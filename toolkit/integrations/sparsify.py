@@ -41,6 +41,7 @@ class _State:
     previous: str = "sdpa"
     thresholds: torch.Tensor | None = None        # [L, H, P] (BSFA)
     factors: dict = field(default_factory=dict)   # mode -> a (BLASST)
+    layer_factors: dict = field(default_factory=dict)  # mode -> [a per model layer] (BLASST --per-layer)
     order: str = "forward"
     window: int | None = None                      # candidate blocks kept (window)
     backend: str = "auto"
@@ -99,6 +100,7 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
+                  layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
                   order=doc.get("scan_order", "forward"), backend=backend,
                   layers=_sparse_layers(doc.get("sparse_layers")))
 
@@ -154,6 +156,15 @@ def _attention_modules(model):
         raise UserError(f"found {len(mods)} attention modules for {_geometry(model.config)['num_layers']} layers; "
                         "sparsify supports decoder-only models with one attention per layer.")
     return mods
+
+
+def _layer_factors(doc: dict, target: float, mode: str) -> list | None:
+    """Per-layer factors of a ``--per-layer`` export (None otherwise: one factor for every layer)."""
+    from sparsecal.formats.exports import blasst_layer_factors
+
+    if not any(e.get("per_layer") for e in [doc, *doc.get("targets", [])]):
+        return None
+    return blasst_layer_factors(doc, mode, target)
 
 
 def _factor(doc: dict, target: float, mode: str) -> float | None:
@@ -318,7 +329,8 @@ def method_args(state: _State, layer: int, mode: str, length: int, device) -> di
         return {"window": state.window}
     if state.method == "bsfa":
         return {"thresholds": state.thresholds_on(device)[layer]}
-    a = state.factors.get(mode)
+    per_layer = state.layer_factors.get(mode)
+    a = per_layer[layer] if per_layer else state.factors.get(mode)
     return {"log_lambda": -math.inf if not a else math.log(a / length)}
 
 
