@@ -2,13 +2,20 @@
 
 Host side: ``LOG2E``, ``log2_lambda`` (ln lambda in the kernels' log2 units), ``interpreting``,
 ``next_pow2``, ``dot_flags`` (exact fp32 products; bf16 upcast in the CPU interpreter),
-``check_inputs`` (q [B, H, N, D], k/v [B, Hkv, N, D]) and ``LAST_COMPILED`` (the last launch's
-compiled kernel per name, for register/spill reports).
+``softcap_args`` (the SOFTCAP flag and cap of a launch), ``check_inputs`` (q [B, H, N, D], k/v
+[B, Hkv, N, D]), ``check_fp32_tile`` (32-bit query tiles a GPU cannot hold) and
+``LAST_COMPILED`` (the last launch's compiled kernel per name, for register/spill reports).
 
-Device side (``@triton.jit``): ``dot``, ``query_block`` (one query block's rows and Q tile),
-``tile_qk`` (one key tile's scaled scores, masked), ``load_v``, ``softmax_update`` (one online
-softmax step), ``attend_range`` (a run of key tiles with optional statistics stores) and
-``max_fn`` (a reduction combiner).
+Device side (``@triton.jit``): ``dot``, ``soft_cap`` (Gemma 2's logit soft-capping, the one place
+every kernel caps its scores), ``query_block`` (one query block's rows and Q tile), ``tile_qk``
+(one key tile's scaled scores, masked), ``load_v``, ``softmax_update`` (one online softmax step),
+``attend_range`` (a run of key tiles with optional statistics stores) and ``max_fn`` (a
+reduction combiner).
+
+Soft-capping: kernels take ``SOFTCAP: tl.constexpr`` and a runtime ``softcap`` (the cap in their
+log2 units, ``softcap_args``). SOFTCAP off compiles exactly the uncapped kernel; on, every score
+is capped elementwise right after the scale (before any mask, max, exponential or statistic), so
+the unmasked tiles, which otherwise fold the scale into the exponent, hand on scaled scores.
 
 Shape legend
     B batch    H query heads    Hkv key/value heads (H % Hkv == 0)    N sequence length
@@ -22,6 +29,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from sparsecal.kernels.softcap import check_softcap
 
 LOG2E = 1.4426950408889634
 
@@ -46,6 +55,33 @@ def dot_flags(dtype: torch.dtype) -> tuple:
     interpreter multiplies bf16 tiles wrongly, so there they are upcast (same values)."""
     prec = "ieee" if dtype == torch.float32 else None
     return prec, interpreting() and dtype == torch.bfloat16
+
+
+def softcap_args(softcap) -> tuple[bool, float]:
+    """(SOFTCAP, softcap) launch arguments for a cap c on the natural-log scores (0 / None: off):
+    c * tanh(s / c) in natural units is (c * log2 e) * tanh(s2 / (c * log2 e)) in the kernels' log2
+    units s2 = s * log2 e, so the kernels get the cap times log2 e (0.0 when off)."""
+    cap = check_softcap(softcap)
+    return cap > 0.0, cap * LOG2E
+
+
+FP32_QBLOCK_LIMIT = 128 * 128  # query-block rows x head dim of 32-bit inputs the GPU kernels hold
+
+
+def fp32_tile_too_large(dtype: torch.dtype, device_type: str, block_m: int, d: int) -> bool:
+    """True when 32-bit inputs make a BLOCK_M x D query tile too large for a GPU kernel's shared
+    memory (compiled for sm_90: 128 x 256 f32 needs about 256 KiB, an H100 has 227 KiB). Only on a
+    CUDA device: the CPU interpreter has no such limit."""
+    return dtype == torch.float32 and device_type == "cuda" and next_pow2(block_m) * d > FP32_QBLOCK_LIMIT
+
+
+def check_fp32_tile(q: torch.Tensor, block_m: int, what: str) -> None:
+    """ValueError where ``fp32_tile_too_large`` (q [..., D]; the kernel's query blocks of block_m rows)."""
+    d = q.shape[-1]
+    if fp32_tile_too_large(q.dtype, q.device.type, block_m, d):
+        raise ValueError(f"{what}: float32 inputs with head dim {d} and {block_m}-row query blocks need more "
+                         f"shared memory than the GPU has; pass bfloat16/float16 inputs or use the plain-torch "
+                         f"reference")
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -77,6 +113,17 @@ def dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), elementwise, in x's units (cap in the same units; > 0).
+
+    tanh y = 1 - 2 / (exp(2y) + 1), with exp through exp2 (portable: the GPU, Triton's CPU
+    interpreter, every Triton version): exp2 overflowing to +inf gives +cap and underflowing to
+    0 gives -cap, no inf / nan. Near 0 the absolute error is a few ulps of cap. Cap before masking:
+    -inf maps to -cap."""
+    return cap - (2.0 * cap) / (tl.math.exp2(x * (2.8853900817779268 / cap)) + 1.0)
+
+
+@triton.jit
 def query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BLOCK_M: tl.constexpr):
     """The query block of a grid (P, H) program (heaviest blocks first): (i, h, hk, rows [BLOCK_M],
@@ -94,24 +141,33 @@ def query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM: tl.constexpr, BM: tl.cons
 
 
 @triton.jit
-def tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, softcap, BN: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Key block j against the query block: (qk [BLOCK_M, BLOCK_N], m_ij [BLOCK_M], keys, kmask
     [BLOCK_N]). MASKED (diagonal or ragged blocks): qk scaled (log2 units) and -inf where a key is
-    past the block, the sequence or the row (m_ij -inf where a row sees nothing); otherwise qk is
-    unscaled (the exponent folds the scale in) and every key is visible. m_ij is always scaled."""
+    past the block, the sequence or the row (m_ij -inf where a row sees nothing); otherwise every
+    key is visible and qk is unscaled (the exponent folds the scale in), unless SOFTCAP. SOFTCAP:
+    qk scaled and capped (soft_cap, cap ``softcap`` in log2 units) in every tile. So qk is scaled
+    exactly when MASKED or SOFTCAP (what softmax_update's SCALED says); m_ij is always scaled."""
     offs_n = tl.arange(0, BLOCK_N)
     keys = j * BN + offs_n
     kmask = (offs_n < BN) & (keys < n_ctx)
     if MASKED:
         kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
         qk = dot(q, kt, None, PREC, UPCAST)
-        qk = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), qk * qk_scale, float("-inf"))
+        s = qk * qk_scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
+        qk = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), s, float("-inf"))
         m_ij = tl.max(qk, 1)
     else:
         kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
         qk = dot(q, kt, None, PREC, UPCAST)
-        m_ij = tl.max(qk, 1) * qk_scale
+        if SOFTCAP:
+            qk = soft_cap(qk * qk_scale, softcap)
+            m_ij = tl.max(qk, 1)
+        else:
+            m_ij = tl.max(qk, 1) * qk_scale
     return qk, m_ij, keys, kmask
 
 
@@ -124,12 +180,13 @@ def load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED: tl.constexpr):
 
 
 @triton.jit
-def softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED: tl.constexpr, PREC: tl.constexpr,
+def softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, SCALED: tl.constexpr, PREC: tl.constexpr,
                     UPCAST: tl.constexpr):
     """Online-softmax step of one key tile: (acc, l_i) rescaled to the new running max m_new and
     the tile's P.V added. qk [BLOCK_M, BLOCK_N] are scaled scores (log2 units, -inf where masked)
-    when MASKED, else unscaled; a MASKED tile may leave a row with nothing seen (m_new = -inf)."""
-    if MASKED:
+    when SCALED (tile_qk's MASKED or SOFTCAP), else unscaled; a SCALED tile may leave a row with
+    nothing seen (m_new = -inf)."""
+    if SCALED:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_ref[:, None])
     else:
@@ -143,15 +200,16 @@ def softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED: tl.constexpr, 
 
 @triton.jit
 def attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, offs_d, j_lo, j_hi,
-                  n_ctx, qk_scale, xy_ptr,
+                  n_ctx, qk_scale, softcap, xy_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, STATS: tl.constexpr,
-                  EVICT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  EVICT: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online-softmax update of one query block over key blocks j_lo .. j_hi-1, ascending.
 
     acc [BLOCK_M, D] f32 unnormalized output; l_i, m_i [BLOCK_M] f32 running sum and max (log2
     units); q [BLOCK_M, D]; rows [BLOCK_M] query row indices; key block j covers keys j*BN + [0, BN).
     MASKED: apply the causal, length and block-width mask (diagonal or ragged blocks); otherwise
     every key of the block is visible to every row and nothing is checked.
+    SOFTCAP: every scaled score capped (soft_cap, ``softcap`` in log2 units) before anything else.
     STATS: store each row's block max and block log-sum-exp (log2 units, -inf where the row sees
     nothing) as a pair at xy_ptr + j*2*BLOCK_M (xy_ptr [BLOCK_M, 2] pointers: row r, then 0 for
     the max, 1 for the log-sum-exp). One paired store costs one layout change through shared
@@ -166,7 +224,10 @@ def attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, off
             v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :], mask=kmask[:, None], other=0.0)
             qk = dot(q, kt, None, PREC, UPCAST)
             vis = kmask[None, :] & (keys[None, :] <= rows[:, None])
-            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+            s = qk * qk_scale
+            if SOFTCAP:
+                s = soft_cap(s, softcap)
+            qk = tl.where(vis, s, float("-inf"))
             m_ij = tl.max(qk, 1)
             m_new = tl.maximum(m_i, m_ij)
             p = tl.math.exp2(qk - m_new[:, None])
@@ -174,9 +235,15 @@ def attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, off
             kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
             v = tl.load(v_ptr + keys[:, None] * stride_vn + offs_d[None, :])
             qk = dot(q, kt, None, PREC, UPCAST)
-            m_ij = tl.max(qk, 1) * qk_scale
-            m_new = tl.maximum(m_i, m_ij)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            if SOFTCAP:  # capped elementwise: the scale cannot be folded into the exponent
+                qk = soft_cap(qk * qk_scale, softcap)
+                m_ij = tl.max(qk, 1)
+                m_new = tl.maximum(m_i, m_ij)
+                p = tl.math.exp2(qk - m_new[:, None])
+            else:
+                m_ij = tl.max(qk, 1) * qk_scale
+                m_new = tl.maximum(m_i, m_ij)
+                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_ij = tl.sum(p, 1)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + l_ij

@@ -1,6 +1,7 @@
 """The single-pass instrumented forward (kernels/capture/forward_stats.py) against the plain-torch
 reference, under TRITON_INTERPRET=1 on tiny shapes: output, LSE, and for each scan order bmax,
-gap, t* (step and where, exact away from near-ties) and the q-init error."""
+gap, t* (step and where, exact away from near-ties) and the q-init error; uncapped and
+soft-capped, D 64/128/256, GQA 1-16 and MQA."""
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.reference import instrumented_attention
 from sparsecal.kernels.dense import attention_dense
 
+from bruteforce import near_tie_rows as capped_near_ties
 from helpers import INTERPRETER_WARNINGS, OUT_RTOL, OUT_TOL, assert_same_floats, make_qkv, near_tie_rows
 
 pytestmark = INTERPRETER_WARNINGS
@@ -51,6 +53,37 @@ def test_forward_stats_match_reference(case, seed):
         got = instrumented_forward_triton(q, k, v, scale, cfg, order)
         check_order(got, ref_out, r, o, ties, dtype)
         torch.testing.assert_close(got[1], lse_dense, atol=1e-4, rtol=1e-5)
+
+
+SOFTCAP_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, softcap)
+    (50, 1, 4, 64, 32, 16, torch.bfloat16, 3.0),    # GQA 4 on one KV head (MQA)
+    (40, 1, 16, 256, 32, 16, torch.float32, 2.0),   # D = 256, MQA with 16 query heads
+    (45, 2, 2, 256, 32, 16, torch.float16, 0.0),    # D = 256 uncapped
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES,
+                         ids=lambda c: f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{str(c[6])[6:]}-cap{c[7]}")
+def test_softcap_matches_reference(case, seed):
+    """Soft-capped scores in every order: the statistics of the capped reference, the LSE of the
+    capped dense kernel; a cap that bites changes every statistic."""
+    n, hkv, group, d, bm, bn, dtype, cap = case
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=ALL, decode_rows=1)
+    q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    ref_out, r = instrumented_attention(q, k, v, scale, cfg, softcap=cap)
+    ties = capped_near_ties(q, k, scale, bn, cap)
+    assert ties.float().mean() < 0.05
+    lse_dense = attention_dense(q, k, v, scale, softcap=cap)[1][0]
+    for o, order in enumerate(ALL):
+        got = instrumented_forward_triton(q, k, v, scale, cfg, order, softcap=cap)
+        check_order(got, ref_out, r, o, ties, dtype)
+        torch.testing.assert_close(got[1], lse_dense, atol=1e-4, rtol=1e-5)
+    if cap:  # the kernels agree with the capped reference, far from the uncapped one
+        plain_out, plain = instrumented_attention(q, k, v, scale, cfg)
+        fin = torch.isfinite(plain.bmax)
+        assert float((plain.bmax[fin] - r.bmax[fin]).abs().max()) > 0.1
+        assert float((plain_out.double() - ref_out.double()).abs().max()) > 10 * OUT_TOL[dtype]
 
 
 def test_rejects_unknown_order(seed):

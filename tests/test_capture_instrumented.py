@@ -1,6 +1,7 @@
 """The Triton instrumented attention (kernels/capture/instrumented.py) against the plain-torch
 reference, under TRITON_INTERPRET=1 on tiny shapes with fresh random inputs: every TileStats field
-and every reduction, and a whole CLI capture with --backend triton against --backend reference."""
+and every reduction (uncapped and soft-capped; D 64/128/256, GQA 1-16, MQA), and a whole CLI
+capture with --backend triton against --backend reference."""
 import json
 import math
 
@@ -16,14 +17,17 @@ from sparsecal.kernels.capture.instrumented import (
     instrumented_capture_triton,
     instrumented_forward,
 )
+from sparsecal.kernels.capture.pipeline import capture_triton
 from sparsecal.kernels.capture.reduce_reference import reduce_tiles
 from sparsecal.kernels.capture.reference import instrumented_attention
 
+from bruteforce import near_tie_rows as capped_near_ties
 from helpers import (
     INTERPRETER_WARNINGS,
     OUT_RTOL,
     OUT_TOL,
     as_torch,
+    assert_reduced_match,
     assert_reductions_match,
     assert_same_floats,
     assert_tiles_match,
@@ -61,6 +65,42 @@ def test_triton_matches_reference(case, seed):
     assert ties.float().mean() < 0.05
     assert_tiles_match(t, r, ties, orders)
     assert_reductions_match(t, r, n, cfg, ties)
+
+
+SOFTCAP_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, orders, softcap; 0 = off)
+    (70, 1, 4, 64, 32, 16, torch.bfloat16, ALL, 3.0),               # GQA 4 on one KV head (MQA)
+    (40, 1, 16, 256, 32, 16, torch.float32, ("forward", "reverse"), 2.0),  # D = 256, MQA, group 16
+    (40, 1, 2, 256, 32, 16, torch.float16, ALL, 0.0),               # D = 256 uncapped
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES,
+                         ids=lambda c: f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{str(c[6])[6:]}-{len(c[7])}o-cap{c[8]}")
+def test_softcap_matches_reference(case, seed):
+    """Soft-capped scores (cap applied before every max, softmax and statistic): the TileStats of
+    instrumented_attention_triton against the capped reference, and (first case) the capture
+    path's fused reductions (capture_triton, two-pass for two or three orders); a cap that bites
+    changes the answer."""
+    n, hkv, group, d, bm, bn, dtype, orders, cap = case
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=orders, k_values=(1, 2, 4), decode_rows=20, raw=True)
+    q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out, t = instrumented_attention_triton(q, k, v, scale, cfg, softcap=cap)
+    ref_out, r = instrumented_attention(q, k, v, scale, cfg, softcap=cap)
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=OUT_RTOL[dtype])
+    ties = capped_near_ties(q, k, scale, bn, cap)
+    assert ties.float().mean() < 0.05
+    assert_tiles_match(t, r, ties, orders)
+    assert_reductions_match(t, r, n, cfg, ties)
+    if case == SOFTCAP_CASES[0]:  # the fused path: the same pass 1, histograms counted in pass 2
+        out2, got = capture_triton(q, k, v, scale, cfg, softcap=cap)
+        assert torch.equal(out, out2)
+        assert_reduced_match(got, r, n, cfg, ties)
+    if cap:
+        plain_out, plain = instrumented_attention(q, k, v, scale, cfg)
+        assert float((plain_out.double() - ref_out.double()).abs().max()) > 10 * OUT_TOL[dtype]
+        fin = torch.isfinite(plain.bmax)
+        assert float(t.bmax[fin].max()) < cap < float(plain.bmax[fin].max())
 
 
 @pytest.mark.parametrize("case", [(1, 1, 1, 64, 32, 16, torch.float32, ALL, True),

@@ -2,7 +2,8 @@
 plain-torch reference, under TRITON_INTERPRET=1 on tiny shapes with fresh random inputs: the mass
 pass (kernels/capture/mass.py), the capture's reductions for each scan order (reduce_tiles of the
 reference's TileStats), the torch.topk BSFA reduction against a full sort with ties, and a CLI
-capture with --orders and --backend triton against --backend reference."""
+capture with --orders and --backend triton against --backend reference. Soft-capped cases run the
+mass pass and the single-order capture on capped scores (D 64/256, MQA with group 16)."""
 import math
 
 import pytest
@@ -16,6 +17,8 @@ from sparsecal.kernels.capture.pipeline import capture_triton
 from sparsecal.kernels.capture.reduce_reference import bsfa_reduce
 from sparsecal.kernels.capture.reference import instrumented_attention
 
+from bruteforce import capped
+from bruteforce import near_tie_rows as capped_near_ties
 from helpers import (
     INTERPRETER_WARNINGS,
     OUT_RTOL,
@@ -47,10 +50,16 @@ CAPTURE_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, order)
 ]
 
 
-def reference_lse(q, k, scale):
-    """[H, N] float64 log-sum-exp of each row's causal scores."""
+SOFTCAP_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, order, softcap)
+    (70, 1, 4, 64, 32, 16, torch.bfloat16, "reverse", 3.0),        # GQA 4 on one KV head (MQA)
+    (40, 1, 16, 256, 32, 16, torch.float16, "sink_local", 2.0),    # D = 256, MQA, group 16
+]
+
+
+def reference_lse(q, k, scale, softcap=0.0):
+    """[H, N] float64 log-sum-exp of each row's causal (capped) scores."""
     group = q.shape[1] // k.shape[1]
-    s = scale * q[0].double() @ k[0].double().repeat_interleave(group, 0).transpose(1, 2)
+    s = capped(scale * q[0].double() @ k[0].double().repeat_interleave(group, 0).transpose(1, 2), softcap)
     n = s.shape[-1]
     return s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf")).logsumexp(-1)
 
@@ -86,6 +95,39 @@ def test_single_order_capture_matches_reference(case, seed):
     ties = near_tie_rows(q, k, scale, bn)
     assert ties.float().mean() < 0.05
     assert_reduced_match(got, r, n, cfg, ties)
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"N{c[0]}-g{c[2]}-D{c[3]}-{c[7]}-cap{c[8]}")
+def test_softcap_single_order_matches_reference(case, seed):
+    """Soft-capped scores: the mass pass (from the capped log-sum-exp) and the single-order
+    capture's reductions against the capped reference; a cap that bites changes the mass."""
+    n, hkv, group, d, bm, bn, dtype, order, cap = case
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=(order,), k_values=(1, 2, 4), decode_rows=20, raw=True)
+    q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    ref_out, r = instrumented_attention(q, k, v, scale, cfg, softcap=cap)
+    mass = block_mass_triton(q, k, reference_lse(q, k, scale, cap).float(), scale, cfg, softcap=cap)
+    torch.testing.assert_close(mass, r.mass, atol=1e-5, rtol=1e-4)
+    plain = instrumented_attention(q, k, v, scale, cfg)[1].mass  # the kernel is far from the uncapped mass
+    assert float((plain - mass).abs().max()) > 0.01
+    out, got = capture_triton(q, k, v, scale, cfg, softcap=cap)
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=OUT_RTOL[dtype])
+    ties = capped_near_ties(q, k, scale, bn, cap)
+    assert ties.float().mean() < 0.05
+    assert_reduced_match(got, r, n, cfg, ties)
+
+
+def test_softcap_errors(seed):
+    """A negative or non-finite cap is refused by every Triton capture entry point."""
+    q, k, v = make_qkv(seed, 8, 1, 1, 64, torch.float32)
+    cfg = StatsConfig(block_m=32, block_n=16)
+    one = StatsConfig(block_m=32, block_n=16, orders=("forward",))
+    for fn in (lambda c: capture_triton(q, k, v, 0.125, cfg, softcap=c),
+               lambda c: capture_triton(q, k, v, 0.125, one, softcap=c),
+               lambda c: block_mass_triton(q, k, torch.zeros(1, 8), 0.125, cfg, softcap=c)):
+        for bad in (-2.0, float("nan")):
+            with pytest.raises(ValueError, match="softcap"):
+                fn(bad)
 
 
 def test_single_pass_needs_one_order(seed):

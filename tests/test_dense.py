@@ -1,5 +1,6 @@
 """The dense Triton flash forward (kernels/dense.py) against plain causal softmax attention
-in float64, under TRITON_INTERPRET=1 on tiny shapes with fresh random inputs."""
+in float64 (kernels/dense_reference.py), under TRITON_INTERPRET=1 on tiny shapes with fresh random
+inputs: uncapped and soft-capped, D 64/128/256, GQA 1-16 and MQA."""
 import math
 
 import pytest
@@ -14,6 +15,12 @@ CASES = [  # (B, N, KV heads, GQA group, D, dtype, (BLOCK_M, BLOCK_N, warps, sta
     (2, 200, 2, 1, 128, torch.float16, None),
     (1, 333, 1, 4, 128, torch.float32, (64, 32, 4, 1)),
     (1, 200, 1, 1, 64, torch.bfloat16, (128, 64, 4, 1)),
+]
+SOFTCAP_CASES = [  # (B, N, KV heads, GQA group, D, dtype, softcap)
+    (2, 100, 2, 2, 64, torch.float32, 3.0),
+    (1, 70, 1, 16, 256, torch.bfloat16, 2.0),   # D = 256, MQA with 16 query heads
+    (1, 130, 1, 4, 128, torch.float16, 5.0),
+    (1, 40, 1, 2, 256, torch.float32, 0.0),     # D = 256 uncapped
 ]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -37,6 +44,47 @@ def test_dense_matches_softmax_attention(case, seed):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES,
+                         ids=lambda c: f"B{c[0]}-N{c[1]}-kv{c[2]}-g{c[3]}-D{c[4]}-{str(c[5])[6:]}-cap{c[6]}")
+def test_softcap_matches_reference(case, seed):
+    """cap * tanh(s / cap) of the scaled scores before the softmax: output and LSE of the capped
+    reference; with scores well past the cap, far from the uncapped answer."""
+    b, n, hkv, group, d, dtype, cap = case
+    q, k, v = random_qkv(seed, b, n, hkv, group, d, dtype)
+    scale = 1 / math.sqrt(d)
+    out, lse = attention_dense(q, k, v, scale, softcap=cap)
+    ref, ref_lse = attention_reference(q, k, v, scale, softcap=cap)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    if cap:
+        plain, plain_lse = attention_reference(q, k, v, scale)
+        assert float((plain - ref).abs().max()) > 10 * TOL[dtype]
+        assert float((plain_lse - ref_lse).abs().max()) > 0.1
+
+
+def test_softcap_off_and_errors(seed):
+    q, k, v = random_qkv(seed, 1, 40, 1, 2, 64, torch.float32)
+    out, lse = attention_dense(q, k, v, 0.125)
+    for off in (0.0, None):
+        o2, l2 = attention_dense(q, k, v, 0.125, softcap=off)
+        assert torch.equal(out, o2) and torch.equal(lse, l2)
+    for fn in (attention_dense, attention_reference):
+        with pytest.raises(ValueError, match="softcap"):
+            fn(q, k, v, 0.125, softcap=-1.0)
+
+
+def test_dense_configs_fit_head_dims():
+    """Every supported head dim has a GPU launch config: D = 256 explicitly, with 32-bit inputs
+    on smaller tiles and fewer stages (shared memory)."""
+    from sparsecal.kernels import dense
+
+    for d in (64, 128, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            bm, bn, warps, stages = dense.gpu_config(d, dtype)
+            assert bm >= 16 and bn >= 16 and warps in (4, 8) and stages >= 1
+    assert dense.gpu_config(256, torch.float32)[:2] <= dense.gpu_config(256, torch.bfloat16)[:2]
 
 
 def test_dense_strided_inputs_and_output_buffer(seed):

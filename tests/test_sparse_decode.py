@@ -1,5 +1,6 @@
 """The Triton split-K sparse decode kernel against the plain-torch sparse decode reference
-(TRITON_INTERPRET=1): outputs and per-head skip counts for BSFA, BLASST, window and dense."""
+(TRITON_INTERPRET=1): outputs and per-head skip counts for BSFA, BLASST, window and dense;
+uncapped and soft-capped (thresholds cut from the capped tile maxima), D 64/128/256, GQA 1-16, MQA."""
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from sparsecal.kernels.sparse.decode import SCHEDULES, sparse_decode_triton
 from sparsecal.kernels.sparse.reference import sparse_decode
 
+from bruteforce import capped
 from helpers import TOL, blasst_cut_log_lambda, cut_point, decode_tiles, sparse_inputs
 
 # The interpreter's cost grows with the programs (B * Hkv * splits), then the tiles: each case is
@@ -21,6 +23,13 @@ CASES = [  # (B, L, H, Hkv, D, BM, BN, dtype)
 ]
 
 
+SOFTCAP_CASES = [  # (B, L, H, Hkv, D, BM, BN, dtype, softcap; 0 = off)
+    (2, 141, 4, 1, 64, 32, 16, torch.float32, 4.0),      # GQA 4 on one KV head (MQA)
+    (1, 150, 16, 1, 256, 64, 16, torch.bfloat16, 3.0),   # D = 256, MQA with 16 query heads
+    (1, 130, 16, 1, 256, 32, 16, torch.float16, 0.0),    # the same shape uncapped
+]
+
+
 def _decode_inputs(seed, case):
     """The last row of helpers.sparse_inputs as the decode query, and the planted far candidate
     tiles of that row [B, H, Kb] (every far block lies before the row's own block)."""
@@ -30,12 +39,29 @@ def _decode_inputs(seed, case):
     return q[:, :, -1:].contiguous(), k, v, far.repeat_interleave(h // hkv, dim=1) & cand
 
 
-def _thresholds(q, k, far, case):
-    """BSFA thresholds [H, Pt] from the row's own tile maxima, one position short: the row reads the
-    last one (min(r // BM, Pt - 1)), a cut that skips the far tiles and part of the others with no
-    tile max near it (helpers.cut_point). The positions the row must not read skip everything."""
-    _, length, h, _, _, bm, bn, _ = case
-    tmax, _ = decode_tiles(q, k, bn)
+def _capped_tiles(q, k, bn, order="forward", softcap=0.0):
+    """helpers.decode_tiles on soft-capped scores: (tile max, gap in ``order``) [B, H, Kb]."""
+    if not softcap:
+        return decode_tiles(q, k, bn, order)
+    from sparsecal.formats.geometry import scan_order
+    from sparsecal.kernels.capture.reference import scan_rows
+
+    b, h, _, d = q.shape
+    length = k.shape[2]
+    kb, r = -(-length // bn), length - 1
+    s = capped((q.double() * d ** -0.5) @ k.double().repeat_interleave(h // k.shape[1], dim=1).transpose(-1, -2),
+               softcap).float()
+    tmax = torch.nn.functional.pad(s, (0, kb * bn - length), value=-math.inf).view(b * h, 1, kb, bn).amax(-1)
+    gap, _ = scan_rows(tmax, scan_order(order, r // bn, kb), tmax.amax(-1))
+    return tmax.view(b, h, kb), gap.view(b, h, kb)
+
+
+def _thresholds(q, k, far, case, softcap=0.0):
+    """BSFA thresholds [H, Pt] from the row's own (capped) tile maxima, one position short: the row
+    reads the last one (min(r // BM, Pt - 1)), a cut that skips the far tiles and part of the others
+    with no tile max near it (helpers.cut_point). The positions the row must not read skip everything."""
+    _, length, h, _, _, bm, bn, _ = case[:8]
+    tmax, _ = _capped_tiles(q, k, bn, softcap=softcap)
     cand = torch.arange(tmax.shape[-1]) < (length - 1) // bn
     thr = torch.full((h, max(1, (length - 1) // bm)), math.inf)
     for hh in range(h):
@@ -44,10 +70,11 @@ def _thresholds(q, k, far, case):
     return thr
 
 
-def _log_lambda(q, k, far, case, order="forward"):
-    """ln(lambda) from the row's own tile gaps in ``order``: skips the far tiles and part of the others."""
-    _, length, _, _, _, _, bn, _ = case
-    _, gap = decode_tiles(q, k, bn, order)
+def _log_lambda(q, k, far, case, order="forward", softcap=0.0):
+    """ln(lambda) from the row's own (capped) tile gaps in ``order``: skips the far tiles and part
+    of the others."""
+    _, length, _, _, _, _, bn, _ = case[:8]
+    _, gap = _capped_tiles(q, k, bn, order, softcap)
     return blasst_cut_log_lambda(gap, far, torch.arange(gap.shape[-1]) < (length - 1) // bn)
 
 
@@ -75,6 +102,31 @@ def test_methods_match_reference(case, splits, seed):
     _check(case, inputs, splits, far, thresholds=_thresholds(q, k, far, case))
     _check(case, inputs, splits, far, log_lambda=_log_lambda(q, k, far, case))
     _check(case, inputs, splits, window=3)
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"H{c[2]}-kv{c[3]}-D{c[4]}-{str(c[7])[6:]}-cap{c[8]}")
+def test_softcap_matches_reference(case, seed):
+    """Soft-capped scores: BSFA thresholds and BLASST ln(lambda) (forward: decided in the kernels;
+    reverse: the torch mask) cut from the capped tile maxima; outputs and skip counts of the capped
+    reference in both schedules. A cap that bites changes the output."""
+    cap = case[8]
+    inputs = _decode_inputs(seed, case[:8])
+    q, k, v, far = inputs
+    _check(case[:8], inputs, 2, far, softcap=cap, thresholds=_thresholds(q, k, far, case, cap))
+    for order in ("forward", "reverse"):
+        _check(case[:8], inputs, 2, far, softcap=cap, order=order, log_lambda=_log_lambda(q, k, far, case, order, cap))
+    if cap:
+        scale = q.shape[-1] ** -0.5
+        plain, _ = sparse_decode(q, k, v, scale, case[5], case[6], log_lambda=-math.inf)
+        got, _ = sparse_decode_triton(q, k, v, scale, case[5], case[6], dense=True, softcap=cap)
+        assert float((plain.float() - got.float()).abs().max()) > 10 * TOL[case[7]][0]
+
+
+def test_softcap_errors(seed):
+    q, k, v, _ = _decode_inputs(seed, CASES[0])
+    for fn in (sparse_decode, sparse_decode_triton):
+        with pytest.raises(ValueError, match="softcap"):
+            fn(q, k, v, 0.125, 32, 16, log_lambda=-1.0, softcap=-3.0)
 
 
 @pytest.mark.parametrize("case", CASES[:2])

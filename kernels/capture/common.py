@@ -1,6 +1,7 @@
 """Pieces shared by the Triton capture paths (two-pass ``instrumented``, ``single_order``, ``decode_rows``).
 
-``qinit_max`` (jit): VFA's Q-init estimate of a row, the max over reachable key blocks of q . krep.
+``qinit_max`` (jit): VFA's Q-init estimate of a row, the max over reachable key blocks of q . krep
+(soft-capped like the scores when SOFTCAP).
 ``tile_offsets``: where each query block's tiles start in the packed per-row scratch.
 ``edge_args``: the gap and Q-init bin edges on the device, with (lo, 1/step, count).
 ``pick``: [H, 3, ...] in geometry.ORDERS -> [H, O, ...] in the configured orders.
@@ -20,7 +21,7 @@ import triton.language as tl
 from sparsecal.formats.geometry import ORDERS, block_counts
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.tilestats import HistLayout
-from sparsecal.kernels.jit import dot
+from sparsecal.kernels.jit import dot, soft_cap
 
 NEG_INF = float("-inf")
 
@@ -29,10 +30,12 @@ QINIT_CHUNK = 64  # key representatives per product in the q-init prologue
 
 
 @triton.jit
-def qinit_max(q, r_ptr, stride_rj, offs_d, n_reach, qk_scale,
-               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """[BLOCK_M] max over key blocks j < n_reach of q_r . krep_j * qk_scale (log2 units).
-    r_ptr: this KV head's representatives [Kb, D], row stride stride_rj."""
+def qinit_max(q, r_ptr, stride_rj, offs_d, n_reach, qk_scale, softcap,
+               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """[BLOCK_M] max over key blocks j < n_reach of q_r . krep_j * qk_scale (log2 units), capped
+    (soft_cap, ``softcap`` in log2 units) when SOFTCAP: tanh is monotone, so capping the max is
+    capping every product. r_ptr: this KV head's representatives [Kb, D], row stride stride_rj."""
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     offs_r = tl.arange(0, BLOCK_R)
     for c in range(0, n_reach, BLOCK_R):
@@ -41,6 +44,8 @@ def qinit_max(q, r_ptr, stride_rj, offs_d, n_reach, qk_scale,
         kr = tl.load(r_ptr + jr[None, :] * stride_rj + offs_d[:, None], mask=ok[None, :], other=0.0)
         s = tl.where(ok[None, :], dot(q, kr, None, PREC, UPCAST) * qk_scale, float("-inf"))
         best = tl.maximum(best, tl.max(s, 1))
+    if SOFTCAP:  # n_reach >= 1: best is finite
+        best = soft_cap(best, softcap)
     return best
 
 

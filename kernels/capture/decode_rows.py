@@ -2,7 +2,7 @@
 
 ``decode_forward`` runs ``_decode_kernel`` (each row's max score and mass in every key block) and
 ``tilestats.decode_stats_kernel`` (the three orders' gaps and, fused, their histograms), as
-``reference.decode_tiles`` defines them.
+``reference.decode_tiles`` defines them (``softcap``: on the capped scores).
 
 Shape legend
     H query heads   Hkv KV heads   N length   D head dim   R decode rows   Kb = ceil(N/BN)
@@ -17,17 +17,18 @@ from sparsecal.formats.geometry import cdiv
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.common import NEG_INF, edge_args
 from sparsecal.kernels.capture.tilestats import HistLayout, decode_stats_kernel
-from sparsecal.kernels.jit import LOG2E, dot, dot_flags, next_pow2
+from sparsecal.kernels.jit import LOG2E, dot, dot_flags, next_pow2, soft_cap, softcap_args
 
 DECODE_LAUNCH = (4, 1)
 
 
 @triton.jit
-def _decode_kernel(Q, K, LSE, DX, DM, sq_h, sq_n, sk_h, sk_n, n_ctx, r_first, n_dec, group, qk_scale, n_kb,
+def _decode_kernel(Q, K, LSE, DX, DM, sq_h, sq_n, sk_h, sk_n, n_ctx, r_first, n_dec, group, qk_scale, softcap, n_kb,
                    HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Decode rows. Grid (Kb, ceil(R / BLOCK_R), H). DX [H, R, Kb] f32 each row's max score in key
-    block j (natural units, -inf where the row sees none of it); DM [H, R, Kb] its softmax mass."""
+    block j (natural units, -inf where the row sees none of it); DM [H, R, Kb] its softmax mass.
+    SOFTCAP: scores capped at ``softcap`` (log2 units) first."""
     j = tl.program_id(0)
     h = tl.program_id(2).to(tl.int64)
     hk = (tl.program_id(2) // group).to(tl.int64)
@@ -41,6 +42,8 @@ def _decode_kernel(Q, K, LSE, DX, DM, sq_h, sq_n, sk_h, sk_n, n_ctx, r_first, n_
     kmask = (offs_n < BN) & (keys < n_ctx)
     kt = tl.load(K + hk * sk_h + keys[None, :] * sk_n + offs_d[:, None], mask=kmask[None, :], other=0.0)
     s = dot(q, kt, None, PREC, UPCAST) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
     s = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), s, float("-inf"))
     lse2 = tl.load(LSE + h * n_ctx + rows, mask=r_ok, other=0.0) * 1.4426950408889634
     out = (h * n_dec + offs_r) * n_kb + j
@@ -49,14 +52,16 @@ def _decode_kernel(Q, K, LSE, DX, DM, sq_h, sq_n, sk_h, sk_n, n_ctx, r_first, n_
 
 
 def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, launch: dict | None = None,
-                   fused: bool = False):
+                   fused: bool = False, *, softcap: float = 0.0):
     """Decode-mode statistics of the last R = min(cfg.decode_rows, N) rows, each its own block.
 
-    q [1, H, N, D], k [1, Hkv, N, D], lse [H, N] (natural log, from pass 1). Returns (rows [R],
+    q [1, H, N, D], k [1, Hkv, N, D], lse [H, N] (natural log, from pass 1 with the same softcap:
+    the cap c of c * tanh(s / c) on every scaled score, 0 or None off). Returns (rows [R],
     gap [H, 3, R, Kb] in geometry.ORDERS, mass [H, R, Kb], and with fused the candidate tiles' gap
     histograms [H, W] (HistLayout), else None) as reference.decode_tiles defines them.
     """
     _, h, n, d = q.shape
+    cap_on, cap = softcap_args(softcap)
     bn, dev = cfg.block_n, q.device
     kb = cdiv(n, bn)
     r_first = max(n - cfg.decode_rows, 0)
@@ -73,8 +78,8 @@ def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, laun
         warps, stages = (launch or {}).get("decode", DECODE_LAUNCH)
         _decode_kernel[(kb, cdiv(n_dec, block_r), h)](
             q, k, lse, rmax, mass, q.stride(1), q.stride(2), k.stride(1), k.stride(2), n, r_first, n_dec,
-            h // k.shape[1], scale * LOG2E, kb, HEAD_DIM=d, BN=bn, BLOCK_N=next_pow2(bn), BLOCK_R=block_r,
-            PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
+            h // k.shape[1], scale * LOG2E, cap, kb, HEAD_DIM=d, BN=bn, BLOCK_N=next_pow2(bn), BLOCK_R=block_r,
+            SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
         ge, _, g_lo, g_inv, n_ge = edge_args(cfg, dev)[:5]
         decode_stats_kernel[(cdiv(n_dec, 16), h)](
             rmax, mass, gap, part if fused else gap, ge, r_first, n_dec, kb, g_lo, g_inv, n_ge,

@@ -22,7 +22,8 @@ candidate blocks (every row sees every key: no mask) and diagonal blocks (causal
     sink_local  block 0, diagonal max(A,1)..R-1 up, candidates 1..A-1 up
 
 Semantics are those of reference.instrumented_attention for one order (TileStats.bmax,
-gap[:, o], tstar_step/where[:, o], qinit_err).
+gap[:, o], tstar_step/where[:, o], qinit_err), with ``softcap`` on the capped scores (jit.soft_cap
+in every tile and on the q-init estimate; SOFTCAP off compiles the uncapped kernel).
 
 Shape legend
     H query heads   Hkv KV heads   N length   D head dim   P = ceil(N/BM)   Kb = ceil(N/BN)
@@ -41,18 +42,22 @@ from sparsecal.kernels.capture.reference import pad_blocks, signed_absmax_keys
 from sparsecal.kernels.jit import (
     LAST_COMPILED,
     LOG2E,
+    check_fp32_tile,
     check_inputs,
     dot_flags,
     load_v,
     next_pow2,
     query_block,
+    softcap_args,
     softmax_update,
     tile_qk,
 )
 
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
 # sparsecal.bench.capture_forward_stats (data/bench/NOTES.md); the interpreter ignores them.
-LAUNCH = {64: (4, 3), 128: (8, 3)}
+# D = 256 (not yet swept): one stage, as instrumented.PASS1_LAUNCH (up to three loops, each with
+# its own buffers on Triton 3.6, K and V tiles of 32 KiB, Q 64 KiB).
+LAUNCH = {64: (4, 3), 128: (8, 3), 256: (8, 1)}
 
 
 @triton.jit
@@ -70,8 +75,8 @@ def _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr):
 
 @triton.jit
 def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok,
-                  offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, bmax_ptr, gap_ptr,
-                  BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, softcap, bmax_ptr, gap_ptr,
+                  BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                   PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
     """Online softmax over key blocks j_first + t*j_dir (t < count, scan steps step0 + t), with
     per-tile bmax/gap stores (bmax_ptr/gap_ptr + j, natural units) and per-row t* tracking.
@@ -79,15 +84,16 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
     acc [BLOCK_M, D] f32; l_i, m_i [BLOCK_M] f32 (log2 units); t_step [BLOCK_M] i32, t_where
     [BLOCK_M] i32; rows, row_ok [BLOCK_M]. MASKED as in jit.attend_range; a masked tile
     may leave a row with nothing seen yet (m_new = -inf), which the exponentials guard against.
+    SOFTCAP: scores capped at ``softcap`` (log2 units), as in jit.tile_qk.
     STATS off: the plain scan (no bmax/gap/t*), only to measure what the statistics cost.
     """
     for t in range(0, count):
         j = j_first + t * j_dir
-        qk, m_ij, keys, kmask = tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN, BLOCK_N, MASKED,
-                                         PREC, UPCAST)
+        qk, m_ij, keys, kmask = tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, softcap, BN, BLOCK_N,
+                                         MASKED, SOFTCAP, PREC, UPCAST)
         v = load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
         m_new = tl.maximum(m_i, m_ij)
-        acc, l_i = softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
+        acc, l_i = softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED or SOFTCAP, PREC, UPCAST)
         if STATS:
             row_b = tl.where(row_ok, m_ij, float("-inf"))
             gap = tl.where(m_ij >= m_new, 0.0, m_ij - m_new)  # exactly 0 where the max rises (no fma rounding)
@@ -112,19 +118,20 @@ def _store_rows(LSE, QERR, TSTEP, TWHERE, offs, row_ok, l_i, m_i, m_init, t_step
 @triton.jit
 def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
                       sq_h, sq_n, sk_h, sk_n, sv_h, sv_n, sr_h, sr_j, so_h, so_n,
-                      n_ctx, group, n_qb, n_kb, qk_scale,
+                      n_ctx, group, n_qb, n_kb, qk_scale, softcap,
                       ORDER: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                      EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                      EVEN_N: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                       STATS: tl.constexpr):
     """Grid (P, H); query block i (heaviest first) of head program_id(1). ORDER 0 forward, 1
     reverse, 2 sink_local. O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 natural log;
-    TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written)."""
+    TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written).
+    SOFTCAP: scores and the q-init estimate capped at ``softcap`` (log2 units)."""
     i, h, hk, rows, row_ok, offs_d, q, n_cand, n_reach = query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM, BM,
                                                                       BN, BLOCK_M)
-    m_init = qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, BLOCK_M, BLOCK_R, PREC, UPCAST)
-    k_ptr = K + hk * sk_h
-    v_ptr = V + hk * sv_h
+    m_init = qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, softcap, BLOCK_M, BLOCK_R, SOFTCAP,
+                       PREC, UPCAST)
+    k_ptr, v_ptr = K + hk * sk_h, V + hk * sv_h
     tile = (h * n_qb + i) * n_kb
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,47 +139,52 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
     t_step = tl.zeros([BLOCK_M], tl.int32)
     t_where = tl.zeros([BLOCK_M], tl.int32)
     n_diag = n_reach - n_cand
-    bp = BMAX + tile
-    gp = GAP + tile
+    bp, gp = BMAX + tile, GAP + tile
     # segments (first block, direction, count, first step, masked); see the module docstring
     if ORDER == 0:
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST, STATS)
+            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, not EVEN_N, SOFTCAP, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
+            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
     elif ORDER == 1:
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
+            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N, PREC, UPCAST,
-            STATS)
+            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, not EVEN_N, SOFTCAP, PREC, UPCAST, STATS)
     else:
         d0 = tl.maximum(n_cand, 1)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, 1, 0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
+            0, 1, 1, 0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, True, PREC, UPCAST, STATS)
+            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
         acc, l_i, m_i, t_step, t_where = _scan_segment(
             acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, bp, gp, BN, BLOCK_N, not EVEN_N,
-            PREC, UPCAST, STATS)
+            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+            BN, BLOCK_N, not EVEN_N, SOFTCAP, PREC, UPCAST, STATS)
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
     _store_rows(LSE, QERR, TSTEP, TWHERE, h * n_ctx + rows, row_ok, l_i, m_i, m_init, t_step, t_where)
 
 
 def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: str, launch: tuple | None = None,
-                                stats: bool = True):
+                                stats: bool = True, *, softcap: float = 0.0):
     """One launch: causal attention plus one scan order's tile statistics.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (fp16/bf16; fp32 accepted); order one of geometry.ORDERS;
-    launch (num_warps, num_stages) overrides LAUNCH. Returns (out [1, H, N, D] in q.dtype,
+    launch (num_warps, num_stages) overrides LAUNCH; softcap: the cap c of c * tanh(s / c) on every
+    scaled score (0 or None: off). Returns (out [1, H, N, D] in q.dtype,
     lse [H, N] f32 natural log, bmax [H, P, Kb] f32, gap [H, P, Kb] f32 (-inf where unreachable),
     tstar_step [H, N] i32, tstar_where [H, N] i8, qinit_err [H, N] f32), equal to
     reference.instrumented_attention's bmax, gap[:, o], tstar_step/where[:, o], qinit_err.
@@ -183,6 +195,8 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
         raise ValueError("instrumented attention takes one sequence at a time (batch size 1)")
     if order not in ORDERS:
         raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
+    check_fp32_tile(q, cfg.block_m, "the Triton capture")
+    cap_on, cap = softcap_args(softcap)
     bm, bn, dev = cfg.block_m, cfg.block_n, q.device
     p, kb = cdiv(n, bm), cdiv(n, bn)
     krep = signed_absmax_keys(pad_blocks(k[0], bn), bn)  # [Hkv, Kb, D]
@@ -197,8 +211,8 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     qs, ks, vs, os_ = q[0].stride(), k[0].stride(), v[0].stride(), out[0].stride()
     LAST_COMPILED["forward_stats"] = _fwd_stats_kernel[(p, h)](
         q, k, v, krep, out, lse, bmax, gap, tstep, twhere, qerr, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
-        krep.stride(0), krep.stride(1), os_[0], os_[1], n, h // hkv, p, kb, scale * LOG2E,
+        krep.stride(0), krep.stride(1), os_[0], os_[1], n, h // hkv, p, kb, scale * LOG2E, cap,
         ORDER=ORDERS.index(order), HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=next_pow2(bm), BLOCK_N=next_pow2(bn),
-        BLOCK_R=QINIT_CHUNK, EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast,
+        BLOCK_R=QINIT_CHUNK, EVEN_N=bn == next_pow2(bn), SOFTCAP=cap_on, PREC=prec, UPCAST=upcast,
         STATS=stats, num_warps=warps, num_stages=stages)
     return out, lse, bmax, gap, tstep, twhere, qerr

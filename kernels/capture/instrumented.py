@@ -19,7 +19,8 @@ decode  ``_decode_kernel`` (grid Kb x row chunks x H): each of the last R rows' 
 returns what kernels/capture/reduce_reference.py's ``reduce_tiles`` would make of them (same keys, shapes, dtypes)
 with the histograms counted in the kernels, so long captures skip the [H, O, N] t* tensors and the
 torch histogram passes. The scratch holds 2 * BM * (reachable tiles) f32 per head; heads run in
-chunks that fit ``scratch_bytes``, so memory stays bounded at any length.
+chunks that fit ``scratch_bytes``, so memory stays bounded at any length. ``softcap`` caps every
+score in pass 1 and the decode kernel (jit.soft_cap); pass 2 reads the capped per-row values.
 
 Shape legend
     H query heads   Hkv KV heads   N length   D head dim   P = ceil(N/BM)   Kb = ceil(N/BN)
@@ -40,11 +41,23 @@ from sparsecal.kernels.capture.decode_rows import decode_forward
 from sparsecal.kernels.capture.reduce import capture_reduce
 from sparsecal.kernels.capture.reference import TileStats, pad_blocks, signed_absmax_keys
 from sparsecal.kernels.capture.tilestats import HistLayout, tile_stats_kernel
-from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, attend_range, check_inputs, dot_flags, next_pow2
+from sparsecal.kernels.jit import (
+    LAST_COMPILED,
+    LOG2E,
+    attend_range,
+    check_fp32_tile,
+    check_inputs,
+    dot_flags,
+    next_pow2,
+    softcap_args,
+)
 
 TILE_CHUNK = 16  # tiles per chunk in the statistics pass
 # (num_warps, num_stages) of pass 1 per head dim, and of the statistics / decode kernels.
-PASS1_LAUNCH = {64: (8, 2), 128: (8, 3)}  # tuned on an H100 (data/bench/NOTES.md)
+# D = 256 (not yet swept): BM = 128 rows of Q are 64 KiB (16-bit) and each K, V tile 32 KiB; Triton
+# 3.6 gives every pipelined loop its own buffers, so one stage (no multi-buffering) keeps the two
+# attend loops and the q-init loop inside an H100's 227 KiB of shared memory.
+PASS1_LAUNCH = {64: (8, 2), 128: (8, 3), 256: (8, 1)}  # 64/128 tuned on an H100 (data/bench/NOTES.md)
 STATS_LAUNCH = (4, 1)
 EVICT_FIRST = False  # pass-1 scratch stores marked evict-first (launch={"evict_first": ...} overrides)
 
@@ -52,16 +65,16 @@ EVICT_FIRST = False  # pass-1 scratch stores marked evict-first (launch={"evict_
 @triton.jit
 def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, XY, TOFF,
                       sq_h, sq_n, sk_h, sk_n, sv_h, sv_n, sr_h, sr_j, so_h, so_n,
-                      n_ctx, head0, group, num_tiles, qk_scale,
+                      n_ctx, head0, group, num_tiles, qk_scale, softcap,
                       HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                      EVEN_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                      EVEN_N: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                       QINIT: tl.constexpr, STORE: tl.constexpr, EVICT: tl.constexpr):
     """Pass 1. Grid (P, heads of this chunk). Query block i = rows [i*BM, i*BM + BM) of head
     head0 + program_id(1). O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 (natural log);
     XY [chunk heads, T, BLOCK_M, 2] f32 scratch (row block max, block log-sum-exp), tile (i, j) at
-    TOFF[i] + j. QINIT / STORE off only
-    to measure what the q-init prologue and the scratch stores cost."""
+    TOFF[i] + j. SOFTCAP: every score (and the q-init estimate) capped at ``softcap`` (log2
+    units). QINIT / STORE off only to measure what the q-init prologue and the scratch stores cost."""
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
     hl = tl.program_id(1)
     h = (head0 + hl).to(tl.int64)
@@ -74,7 +87,8 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, XY, TOFF,
     n_cand = (i * BM) // BN
     n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
     if QINIT:
-        m_init = qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, BLOCK_M, BLOCK_R, PREC, UPCAST)
+        m_init = qinit_max(q, KREP + hk * sr_h, sr_j, offs_d, n_reach, qk_scale, softcap, BLOCK_M, BLOCK_R, SOFTCAP,
+                           PREC, UPCAST)
     tile0 = (hl.to(tl.int64) * num_tiles + tl.load(TOFF + i)) * (2 * BLOCK_M)
     xy_ptr = XY + tile0 + offs_m[:, None] * 2 + tl.arange(0, 2)[None, :]
     k_ptr = K + hk * sk_h
@@ -83,9 +97,11 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, XY, TOFF,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, 0, n_cand,
-                                  n_ctx, qk_scale, xy_ptr, BN, BLOCK_N, not EVEN_N, STORE, EVICT, PREC, UPCAST)
+                                  n_ctx, qk_scale, softcap, xy_ptr, BN, BLOCK_N, not EVEN_N, STORE, EVICT, SOFTCAP,
+                                  PREC, UPCAST)
     acc, l_i, m_i = attend_range(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows, offs_d, n_cand, n_reach,
-                                  n_ctx, qk_scale, xy_ptr, BN, BLOCK_N, True, STORE, EVICT, PREC, UPCAST)
+                                  n_ctx, qk_scale, softcap, xy_ptr, BN, BLOCK_N, True, STORE, EVICT, SOFTCAP,
+                                  PREC, UPCAST)
     out = acc / l_i[:, None]
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + h * n_ctx + rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
@@ -163,8 +179,10 @@ def _tile_stats(res: ForwardResult, xy, toff, qerr, cfg, geom: dict, launch, fus
 
 def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = True,
                          scratch_bytes: int | None = None, launch: dict | None = None,
-                         fused: bool = False, parts: tuple = ("qinit", "scratch")) -> ForwardResult:
-    """Passes 1 and 2 (pass 1 alone with stats=False). q [1, H, N, D], k/v [1, Hkv, N, D].
+                         fused: bool = False, parts: tuple = ("qinit", "scratch"), *,
+                         softcap: float = 0.0) -> ForwardResult:
+    """Passes 1 and 2 (pass 1 alone with stats=False). q [1, H, N, D], k/v [1, Hkv, N, D];
+    softcap: the cap c of c * tanh(s / c) on every scaled score (0 or None: off).
 
     fused: pass 2 counts the run's histograms (ForwardResult.part) instead of storing t*.
     ``launch`` overrides (num_warps, num_stages) per kernel, {"pass1": (w, s), "stats": (w, s)},
@@ -175,6 +193,8 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
     _, h, hkv, n, d = check_inputs(q, k, v)
     if q.shape[0] != 1:
         raise ValueError("instrumented attention takes one sequence at a time (batch size 1)")
+    check_fp32_tile(q, cfg.block_m, "the Triton capture")
+    cap_on, cap = softcap_args(softcap)
     bm, bn, dev = cfg.block_m, cfg.block_n, q.device
     p, kb = cdiv(n, bm), cdiv(n, bn)
     block_m = next_pow2(bm)
@@ -195,9 +215,9 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
         heads = min(chunk, h - h0)
         LAST_COMPILED["pass1"] = _instr_fwd_kernel[(p, heads)](
             q, k, v, krep, out, lse, qerr, xy, toff, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
-            krep.stride(0), krep.stride(1), os_[0], os_[1], n, h0, h // hkv, num_tiles, scale * LOG2E,
+            krep.stride(0), krep.stride(1), os_[0], os_[1], n, h0, h // hkv, num_tiles, scale * LOG2E, cap,
             HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=block_m, BLOCK_N=next_pow2(bn), BLOCK_R=QINIT_CHUNK,
-            EVEN_N=bn == next_pow2(bn), PREC=prec, UPCAST=upcast, QINIT="qinit" in parts,
+            EVEN_N=bn == next_pow2(bn), SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, QINIT="qinit" in parts,
             STORE="scratch" in parts, EVICT=(launch or {}).get("evict_first", EVICT_FIRST),
             num_warps=warps, num_stages=stages)
         if stats:
@@ -207,14 +227,15 @@ def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = 
 
 
 def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
-                                  launch: dict | None = None):
+                                  launch: dict | None = None, *, softcap: float = 0.0):
     """Drop-in for ``reference.instrumented_attention`` on the Triton kernels.
 
-    q [1, H, N, D], k/v [1, Hkv, N, D] (fp16/bf16; fp32 accepted). Returns (out [1, H, N, D] in
-    q.dtype, TileStats with the reference's fields, shapes and dtypes, orders as cfg.orders).
+    q [1, H, N, D], k/v [1, Hkv, N, D] (fp16/bf16; fp32 accepted); softcap as the reference's.
+    Returns (out [1, H, N, D] in q.dtype, TileStats with the reference's fields, shapes and dtypes,
+    orders as cfg.orders).
     """
-    res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch)
-    rows, dec_gap, dec_mass, _ = decode_forward(q, k, res.lse, scale, cfg, launch)
+    res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, softcap=softcap)
+    rows, dec_gap, dec_mass, _ = decode_forward(q, k, res.lse, scale, cfg, launch, softcap=softcap)
     stats = TileStats(res.bmax, pick(res.gap, cfg), res.mass, pick(res.tstar_step, cfg),
                       pick(res.tstar_where, cfg), pick(res.tstar_norm, cfg), res.qinit_err,
                       pick(dec_gap, cfg), dec_mass, rows)
@@ -236,11 +257,11 @@ def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) ->
 
 
 def instrumented_capture_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
-                                launch: dict | None = None):
+                                launch: dict | None = None, *, softcap: float = 0.0):
     """The two-pass capture path: (out [1, H, N, D], the per-sample reductions of one call) with the
     histograms counted in the kernels; equal to reduce_tiles(instrumented_attention_triton(...)).
     All three orders are computed at once (``pipeline.capture_triton`` picks this path for two or
-    three configured orders)."""
-    res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, fused=True)
-    decode = decode_forward(q, k, res.lse, scale, cfg, launch, fused=True)
+    three configured orders). softcap as in instrumented_forward."""
+    res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, fused=True, softcap=softcap)
+    decode = decode_forward(q, k, res.lse, scale, cfg, launch, fused=True, softcap=softcap)
     return res.out, fused_reduce(res, decode, q.shape[2], cfg)

@@ -27,30 +27,34 @@ from sparsecal.kernels.capture.reduce import capture_reduce
 from sparsecal.kernels.capture.tilestats import HistLayout
 
 
-def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch: dict | None = None):
+def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch: dict | None = None, *,
+                                softcap: float = 0.0):
     """(out [1, H, N, D] in q.dtype, the per-sample reductions of one call) for cfg.orders of
     length one. q [1, H, N, D], k/v [1, Hkv, N, D]. ``launch`` may hold (num_warps, num_stages)
-    under "forward_stats", "mass" and "decode"."""
+    under "forward_stats", "mass" and "decode". softcap: the cap c of c * tanh(s / c) on every
+    scaled score (0 or None: off)."""
     if len(cfg.orders) != 1:
         raise ValueError(f"the single-order capture takes one scan order, got {list(cfg.orders)}")
     order = cfg.orders[0]
     launch = launch or {}
     out, lse, bmax, gap, tstep, twhere, qerr = instrumented_forward_triton(
-        q, k, v, scale, cfg, order, launch.get("forward_stats"))
-    mass = block_mass_triton(q, k, lse, scale, cfg, launch.get("mass"))
-    return out, single_order_reductions(q, k, (lse, bmax, gap, tstep, twhere, qerr), mass, scale, cfg, launch)
+        q, k, v, scale, cfg, order, launch.get("forward_stats"), softcap=softcap)
+    mass = block_mass_triton(q, k, lse, scale, cfg, launch.get("mass"), softcap=softcap)
+    return out, single_order_reductions(q, k, (lse, bmax, gap, tstep, twhere, qerr), mass, scale, cfg, launch,
+                                        softcap=softcap)
 
 
 def single_order_reductions(q, k, fwd: tuple, mass: torch.Tensor, scale: float, cfg: StatsConfig,
-                            launch: dict | None = None) -> dict:
+                            launch: dict | None = None, *, softcap: float = 0.0) -> dict:
     """Decode rows and the device reductions after the two passes. fwd = (lse, bmax, gap, tstep,
-    twhere, qerr) of instrumented_forward_triton for cfg.orders[0]; mass [H, P, Kb]."""
+    twhere, qerr) of instrumented_forward_triton for cfg.orders[0] (with the same softcap); mass
+    [H, P, Kb]."""
     lse, bmax, gap, tstep, twhere, qerr = fwd
     dev, h, n = q.device, q.shape[1], q.shape[2]
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
     part = torch.zeros((h, HistLayout.of(cfg).offsets["width"]), dtype=torch.float32, device=dev)
     red = capture_reduce(bmax, mass, cand, cfg, edge_args(cfg, dev), cfg.orders[0], gap, tstep, twhere, qerr, part)
-    decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True)
+    decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True, softcap=softcap)
     red.update(hist_keys(part, decode[3], cfg))
     if cfg.raw:
         red["raw_bmax"] = bmax.half()

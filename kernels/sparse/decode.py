@@ -32,6 +32,10 @@ shared; FSA's point: small groups skip more V loads), heads that keep a tile rea
 and each program leaves a partial (acc, max, sum).
 merge   ``_decode_merge_kernel`` (grid B*H) combines the splits.
 
+Soft-capping (``softcap``, Gemma 2): the scores phase caps every scaled score (jit.soft_cap)
+before it stores the scores and tile maxima, so every later phase (decisions, the torch mask of
+``decode_skip_mask``, the attend passes) reads capped values and needs nothing of the cap.
+
 Memory traffic: K once, the scores (4 * group bytes per key and head, vs 2 * D for K) written and
 read once, V only for kept tiles. ``method="dense"`` (no decision, no mask) is the same kernels with
 skipping off, the fair baseline.
@@ -47,7 +51,17 @@ import triton
 import triton.language as tl
 
 from sparsecal.formats.geometry import ORDERS, scan_order
-from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, max_fn, next_pow2
+from sparsecal.kernels.jit import (
+    LAST_COMPILED,
+    LOG2E,
+    dot,
+    dot_flags,
+    log2_lambda,
+    max_fn,
+    next_pow2,
+    soft_cap,
+    softcap_args,
+)
 
 DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
 
@@ -66,11 +80,12 @@ def _group_program(num_heads, group, GP: tl.constexpr):
 
 @triton.jit
 def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n_kb, tiles_per_split,
-                          num_heads, group, qk_scale,
+                          num_heads, group, qk_scale, softcap,
                           HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
-                          PREC: tl.constexpr, UPCAST: tl.constexpr):
+                          SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (S, B * Hkv). Q [B, H, D] (strides sq_b, sq_h); K [B, Hkv, L, D]; S [B, H, Kb * BN] f32
-    scaled scores (log2 units, -inf past L); TMAX [B, H, Kb] f32 each head's tile max."""
+    scaled scores (log2 units, -inf past L; capped at ``softcap``, log2 units, when SOFTCAP); TMAX
+    [B, H, Kb] f32 each head's tile max."""
     split, bk, b, hk, offs_g, g_ok, heads = _group_program(num_heads, group, GP)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -85,6 +100,8 @@ def _decode_scores_kernel(Q, K, S, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, length, n
         kmask = (offs_n < BN) & (keys < length)
         kt = tl.load(k_ptr + keys[None, :] * sk_n + offs_d[:, None], mask=kmask[None, :], other=0.0)
         s = dot(q, kt, None, PREC, UPCAST) * qk_scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(kmask[None, :], s, float("-inf"))
         tl.store(s_row[:, None] + keys[None, :], s, mask=g_ok[:, None] & (offs_n < BN)[None, :])
         tl.store(t_row + j, tl.max(s, 1), mask=g_ok)
@@ -321,13 +338,14 @@ DECIDE_CHUNK = 64  # key tiles per step of the decide kernel
 def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                          log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                          dense: bool = False, schedule: str = "gather", splits: int | None = None,
-                         launch: tuple | None = None):
+                         launch: tuple | None = None, softcap: float = 0.0):
     """One decode step; the Triton twin of ``reference.sparse_decode``.
 
     q [B, H, 1, D], k/v [B, Hkv, L, D] (the row sits at L - 1; fp16/bf16, fp32 accepted); exactly
     one of thresholds [H, Pt], log_lambda, window, or dense=True. schedule: "gather" (the decision
     made in torch from the tile maxima, the attend pass walks the list of kept tiles; skipped counted
     from that decision) or "inline" (decided tile by tile in the attend pass, counted there).
+    softcap: the cap c of c * tanh(s / c) on every scaled score (0 or None: off).
     Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles skipped).
     """
     from sparsecal.kernels.sparse.prefill import method_code
@@ -340,6 +358,7 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
         raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown decode schedule '{schedule}'. Available: {', '.join(SCHEDULES)}.")
+    cap_on, cap = softcap_args(softcap)
     hkv, length = k.shape[1], k.shape[2]
     kb = triton.cdiv(length, block_n)
     n_split = splits or num_splits(b * hkv, kb, q.device)
@@ -355,7 +374,7 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
     q2 = q[:, :, 0]
     LAST_COMPILED["decode_scores"] = _decode_scores_kernel[(n_split, b * hkv)](
         q2, k, s, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2), length, kb, tps,
-        h, h // hkv, scale * LOG2E, **common)
+        h, h // hkv, scale * LOG2E, cap, SOFTCAP=cap_on, **common)
     part = (torch.empty((b, h, n_split, d), dtype=f32, device=q.device),
             torch.empty((b, h, n_split), dtype=f32, device=q.device), torch.empty((b, h, n_split), dtype=f32, device=q.device))
     dec = _decision(tmax, method, dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order),

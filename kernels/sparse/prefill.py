@@ -17,7 +17,9 @@ skipping off (the fair "skipping off" baseline at the run geometry).
 
 Block geometry is the export's (BM x BN, default 128 x 64): thresholds and skip decisions are per
 BM x BN tile. GQA is native (query head h reads KV head h // (H / Hkv)); any N (ragged blocks
-masked); fp16/bf16 (fp32 accepted).
+masked); fp16/bf16 (fp32 accepted). ``softcap`` (Gemma 2): every scaled score s is replaced by
+c * tanh(s / c) (jit.soft_cap) before the decision and the softmax, so thresholds and ln(lambda)
+apply to the capped tile maxima and gaps; SOFTCAP off compiles the uncapped kernel.
 
 Shape legend
     B batch   H query heads   Hkv KV heads   N tokens   D head dim   P = ceil(N/BM) query blocks
@@ -35,12 +37,14 @@ from sparsecal.formats.geometry import ORDERS, block_counts, cdiv
 from sparsecal.kernels.jit import (
     LAST_COMPILED,
     LOG2E,
+    check_fp32_tile,
     check_inputs,
     dot_flags,
     interpreting,
     load_v,
     log2_lambda,
     next_pow2,
+    softcap_args,
     softmax_update,
     tile_qk,
 )
@@ -48,14 +52,20 @@ from sparsecal.kernels.sparse.reference import check_method
 
 SPARSE_METHODS = ("dense", "bsfa", "blasst", "window")
 # (num_warps, num_stages) per head dim on a CUDA GPU; the interpreter ignores them.
-LAUNCH = {64: (8, 3), 128: (8, 3)}  # the launch sweeps of sparse-h100-d{64,128}.json (16K, G=4)
+# D = 256 (not yet swept): the query block is BM = 128 rows (the export's geometry, not a choice),
+# so Q alone is 64 KiB (16-bit) and K, V tiles 32 KiB each; Triton 3.6 gives each of up to three
+# loops its own buffers, so one stage (no multi-buffering) stays inside an H100's 227 KiB; 8 warps
+# for the [128, 256] f32 accumulator.
+# 64/128: the launch sweeps of sparse-h100-d{64,128}.json (16K, G=4).
+LAUNCH = {64: (8, 3), 128: (8, 3), 256: (8, 1)}
 
 
 @triton.jit
 def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok, offs_d,
-                    j_first, j_dir, count, n_ctx, qk_scale, thr,
+                    j_first, j_dir, count, n_ctx, qk_scale, softcap, thr,
                     BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, METHOD: tl.constexpr,
-                    GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                    GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
     """Online softmax over key blocks j_first + t * j_dir (t < count), skipping per METHOD.
 
     acc [BLOCK_M, D] f32; l_i, m_i [BLOCK_M] f32 (log2 units); n_skip i32 tiles skipped so far;
@@ -63,11 +73,12 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
     METHOD 0 computes every tile (dense, or diagonal blocks); 1 BSFA; 2 BLASST (candidates only).
     MASKED: causal/length/block-width mask (diagonal or ragged blocks). DO_SKIP False (count_only):
     the decision is made and counted but every tile is computed (the decision's cost, measured).
+    SOFTCAP: scores capped at ``softcap`` (log2 units), as in jit.tile_qk.
     """
     for t in range(0, count):
         j = j_first + t * j_dir
-        qk, m_ij, keys, kmask = tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, BN, BLOCK_N, MASKED,
-                                         PREC, UPCAST)
+        qk, m_ij, keys, kmask = tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, softcap, BN, BLOCK_N,
+                                         MASKED, SOFTCAP, PREC, UPCAST)
         if not GATE_V:
             v = load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
         m_new = tl.maximum(m_i, m_ij)
@@ -84,12 +95,12 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
                 n_skip += 1 - keep.to(tl.int32)
             if GATE_V:
                 v = load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
-            acc, l_i = softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
+            acc, l_i = softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED or SOFTCAP, PREC, UPCAST)
             m_i = m_new
         elif keep:
             if GATE_V:
                 v = load_v(v_ptr, keys, kmask, stride_vn, offs_d, MASKED)
-            acc, l_i = softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED, PREC, UPCAST)
+            acc, l_i = softmax_update(acc, l_i, m_i, m_new, qk, v, qk_scale, MASKED or SOFTCAP, PREC, UPCAST)
             m_i = m_new
         else:
             n_skip += 1
@@ -99,15 +110,15 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
 @triton.jit
 def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
-                       n_ctx, num_heads, group, n_thr, qk_scale, log_lambda2, window,
+                       n_ctx, num_heads, group, n_thr, qk_scale, softcap, log_lambda2, window,
                        METHOD: tl.constexpr, ORDER: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, PREC: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, SOFTCAP: tl.constexpr,
+                       PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST, 3 window;
     ORDER (BLASST) 0 forward, 1 reverse, 2 sink_local. THR [H, n_thr] f32 natural units (BSFA);
     log_lambda2 = ln(lambda) * log2(e) (BLASST); window = W (window). O [B, H, N, D] by strides;
-    SKIP [B * H, P] i32 tiles skipped by each program."""
+    SKIP [B * H, P] i32 tiles skipped by each program. SOFTCAP: scores capped (``softcap``, log2)."""
     i = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
@@ -136,21 +147,21 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
     if METHOD == 2 and ORDER == 1:  # reverse: diagonal blocks down, then candidates down
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_reach - 1, -1, n_diag,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand - 1, -1, n_cand,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
     elif METHOD == 2 and ORDER == 2:  # sink_local: block 0, diagonal up, candidates 1.. up
         d0 = tl.maximum(n_cand, 1)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, 0, 1, 1,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, d0, 1, n_reach - d0,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, 1, 1, n_cand - 1,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, not EVEN_N, 2, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
     else:  # forward: candidates up (the window starts at A - W), then the diagonal blocks up
         j_lo = 0
         if METHOD == 3:
@@ -158,10 +169,10 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
             n_skip += j_lo
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, j_lo, 1, n_cand - j_lo,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, not EVEN_N, CAND, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, not EVEN_N, CAND, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand, 1, n_diag,
-            n_ctx, qk_scale, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, PREC, UPCAST)
+            n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
     o_ptr = O + b * so_b + h.to(tl.int64) * so_h + rows[:, None] * so_n + offs_d[None, :]
     tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(SKIP + bh.to(tl.int64) * tl.num_programs(0) + i, n_skip)
@@ -177,21 +188,11 @@ def method_code(thresholds, log_lambda, window, dense: bool) -> int:
     return 1 if thresholds is not None else 2 if log_lambda is not None else 3
 
 
-def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
-                            log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                            dense: bool = False, gate_v: bool = True, count_only: bool = False,
-                            out: torch.Tensor | None = None, launch: tuple | None = None):
-    """Block-sparse causal attention; the Triton twin of ``reference.sparse_attention``.
-
-    q [B, H, N, D], k/v [B, Hkv, N, D]; exactly one of thresholds [H, Pt] (BSFA, natural units of
-    the scaled scores), log_lambda (BLASST, scan ``order``), window (blocks), or dense=True.
-    gate_v: load V only for computed tiles (else V is prefetched with K). count_only: decide and
-    count as the method does but compute every tile (dense output; what deciding costs, measured
-    without the skip). out: optional [B, H, N, D]
-    buffer (any strides, last axis contiguous). launch: (num_warps, num_stages).
-    Returns (out [B, H, N, D] in q.dtype, skipped [B, H] int64 candidate tiles skipped).
-    """
+def _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense, count_only) -> tuple:
+    """(B, H, Hkv, N, D, method code, thresholds [H, Pt] f32 on q's device or a [1, 1] placeholder)
+    after the argument checks of sparse_attention_triton."""
     b, h, hkv, n, d = check_inputs(q, k, v)
+    check_fp32_tile(q, block_m, "the Triton sparse prefill")
     method = method_code(thresholds, log_lambda, window, dense)
     if order not in ORDERS:
         raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
@@ -203,6 +204,27 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
         thr = thresholds.to(device=q.device, dtype=torch.float32).contiguous()
     else:
         thr = torch.zeros((1, 1), dtype=torch.float32, device=q.device)
+    return b, h, hkv, n, d, method, thr
+
+
+def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                            log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                            dense: bool = False, gate_v: bool = True, count_only: bool = False,
+                            out: torch.Tensor | None = None, launch: tuple | None = None, softcap: float = 0.0):
+    """Block-sparse causal attention; the Triton twin of ``reference.sparse_attention``.
+
+    q [B, H, N, D], k/v [B, Hkv, N, D]; exactly one of thresholds [H, Pt] (BSFA, natural units of
+    the scaled (capped) scores), log_lambda (BLASST, scan ``order``), window (blocks), or dense=True.
+    gate_v: load V only for computed tiles (else V is prefetched with K). count_only: decide and
+    count as the method does but compute every tile (dense output; what deciding costs, measured
+    without the skip). out: optional [B, H, N, D] buffer (any strides, last axis contiguous).
+    launch: (num_warps, num_stages). softcap: the cap c of c * tanh(s / c) on every scaled score
+    (0 or None: off). Returns (out [B, H, N, D] in q.dtype, skipped [B, H] int64 candidate tiles
+    skipped).
+    """
+    b, h, hkv, n, d, method, thr = _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense,
+                                               count_only)
+    cap_on, cap = softcap_args(softcap)
     ll2 = 0.0 if log_lambda is None else log2_lambda(log_lambda)
     p = cdiv(n, block_m)
     if out is None:
@@ -212,10 +234,11 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
     warps, stages = launch or LAUNCH.get(d, (4, 2))
     LAST_COMPILED["sparse"] = _sparse_fwd_kernel[(p, b * h)](
         q, k, v, out, thr, skip, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        n, h, h // hkv, thr.shape[1], scale * LOG2E, ll2, 0 if window is None else int(window),
+        n, h, h // hkv, thr.shape[1], scale * LOG2E, cap, ll2, 0 if window is None else int(window),
         METHOD=method, ORDER=ORDERS.index(order) if method == 2 else 0, HEAD_DIM=d, BM=block_m, BN=block_n,
         BLOCK_M=next_pow2(block_m), BLOCK_N=next_pow2(block_n), EVEN_N=block_n == next_pow2(block_n),
-        GATE_V=gate_v, DO_SKIP=not count_only, PREC=prec, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        GATE_V=gate_v, DO_SKIP=not count_only, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=warps,
+        num_stages=stages)
     return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
 
 
