@@ -155,10 +155,11 @@ def tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, softcap, BN: 
     if MASKED:
         kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None], mask=kmask[None, :], other=0.0)
         qk = dot(q, kt, None, PREC, UPCAST)
+        vis = kmask[None, :] & (keys[None, :] <= rows[:, None])
         s = qk * qk_scale
         if SOFTCAP:
             s = soft_cap(s, softcap)
-        qk = tl.where(kmask[None, :] & (keys[None, :] <= rows[:, None]), s, float("-inf"))
+        qk = tl.where(vis, s, float("-inf"))
         m_ij = tl.max(qk, 1)
     else:
         kt = tl.load(k_ptr + keys[None, :] * stride_kn + offs_d[:, None])
