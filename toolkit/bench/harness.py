@@ -33,6 +33,9 @@ CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
     (513, 1, 2, 64, 64, 32, torch.bfloat16),
     (300, 1, 2, 128, 80, 48, torch.bfloat16),
     (640, 1, 2, 64, 128, 64, torch.float32),
+    (1000, 1, 16, 256, 128, 64, torch.bfloat16),  # D = 256, MQA with 16 query heads
+    (600, 2, 8, 256, 64, 32, torch.float16),      # D = 256, GQA 8
+    (700, 1, 16, 64, 128, 64, torch.bfloat16),    # MQA with 16 query heads at D = 64
 ]
 
 
