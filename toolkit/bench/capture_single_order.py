@@ -58,9 +58,17 @@ def one_order(r: TileStats, o: int) -> TileStats:
                      r.qinit_err, cut(r.dec_gap), r.dec_mass, r.dec_rows)
 
 
+FLOAT_TOL = 1e-3
+
+
 def reduced_errors(got: dict, want: dict) -> dict:
     """Per key: max abs error of floats (finite entries) and -inf pattern equality, or the share of
-    counts that moved bin; plus dtype/shape agreement."""
+    counts that moved bin; plus dtype/shape agreement and ``within`` (the key's tolerance met).
+
+    Tolerances: FLOAT_TOL, except raw_* (stored in fp16: one storage step at the largest value) and
+    the *gap_mass histograms, whose bins move with their counts: a row whose gap sits on a bin edge
+    (a near tie, allowed by moved_share < 1%) carries its whole mass to the next bin, so there the
+    mass summed over the bins must agree instead."""
     out = {}
     for key, w in want.items():
         g = got[key]
@@ -70,8 +78,16 @@ def reduced_errors(got: dict, want: dict) -> dict:
             fin = torch.isfinite(w)
             e["max_abs_err"] = float((g[fin].double() - w[fin].double()).abs().max()) if fin.any() else 0.0
             e["inf_equal"] = bool(torch.equal(torch.isinf(g), torch.isinf(w)))
+            tol = FLOAT_TOL
+            if key.startswith("raw_") and fin.any():
+                tol = max(tol, float(w[fin].abs().max()) * 2.0 ** -10)
+            e["within"] = e["max_abs_err"] < tol
+            if key.endswith("gap_mass") and e["same_shape"]:
+                e["bin_total_abs_err"] = float((g.double().sum(-1) - w.double().sum(-1)).abs().max())
+                e["within"] = e["within"] or e["bin_total_abs_err"] < FLOAT_TOL
         else:
             e["moved_share"] = float((g - w).abs().sum() / max(1, 2 * int(w.abs().sum())))
+            e["within"] = e["moved_share"] < 0.01
         out[key] = e
     return out
 
@@ -97,7 +113,7 @@ def check_single(case) -> dict:
         ks = e["keys"]
         e["ok"] = bool(list(got) == list(ks) and e["out_max_abs_err"] < tol_out
                        and all(x["same_shape"] and x["same_dtype"] and x.get("inf_equal", True) for x in ks.values())
-                       and all(x.get("max_abs_err", 0) < 1e-3 for x in ks.values())
+                       and all(x["within"] for x in ks.values())
                        and ks["bsfa_kept"]["moved_share"] == 0
                        and all(x.get("moved_share", 0) < 0.01 for x in ks.values()))
         ok &= e["ok"]
