@@ -162,3 +162,17 @@ def test_layer_kinds_of_configs_without_layer_types(name, kw, kinds):
     specs = layer_specs(cfg)
     assert {s.kind for s in specs} == kinds and len(specs) == 3
     assert all((s.window == WINDOW) == (s.kind == "sliding_attention") for s in specs)
+
+
+def test_geometries_without_a_triton_kernel_fall_back_to_the_reference_in_one_line(capsys):
+    """Decided from the geometry alone (no GPU needed): auto falls back with a note, triton is refused."""
+    from sparsecal.capture.runner import resolve_backend
+
+    assert resolve_backend("auto", "cuda", 256, "bfloat16", 128) == "triton"
+    assert resolve_backend("auto", "cuda", 256, "float32", 64) == "triton"
+    assert resolve_backend("auto", "cuda", 256, "float32", 128) == "reference"
+    assert resolve_backend("auto", "cuda", 96, "bfloat16", 128) == "reference"
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln]
+    assert len(notes) == 2 and "float32 query tiles of 128 x 256" in notes[0] and "head dim 96" in notes[1]
+    with pytest.raises(UserError, match="--dtype bfloat16"):
+        resolve_backend("triton", "cuda", 256, "float32", 128)

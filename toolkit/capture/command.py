@@ -171,7 +171,7 @@ def prepare(req: CaptureRequest, ranks) -> CaptureJob:
     ms = resolve_model(req.model)
     hf_cfg = load_config(ms)
     info = model_info(ms, hf_cfg)
-    backend = resolve_backend(req.backend, req.device, info["head_dim"])
+    backend = resolve_backend(req.backend, req.device, info["head_dim"], req.dtype, cfg.block_m)
     exists = RunStore.check_target(req.out, info, cfg.to_dict(), req.dtype)  # before any heavy work
     prompts = build_prompts(req, ms, info["max_context"], info["vocab_size"])
     if not prompts:

@@ -45,9 +45,11 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(requested: str, device, head_dim: int | None = None) -> str:
+def resolve_backend(requested: str, device, head_dim: int | None = None, dtype: str | None = None,
+                    block_m: int | None = None, quiet: bool = False) -> str:
     """The backend that runs: ``auto`` -> triton on a CUDA device (triton installed, head dim
-    supported), else reference; ``triton`` and ``reference`` are taken as asked, or refused with a
+    supported, the query tile of ``dtype`` / ``block_m`` fits the GPU), else reference, said in one
+    line unless ``quiet``; ``triton`` and ``reference`` are taken as asked, or refused with a
     one-line UserError when triton cannot run here."""
     from sparsecal.formats.errors import unknown
 
@@ -57,27 +59,37 @@ def resolve_backend(requested: str, device, head_dim: int | None = None) -> str:
         on_cuda = torch.device(device).type == "cuda"
     except RuntimeError:
         raise UserError(f"Unknown device '{device}'; use cpu, cuda or cuda:N.")
-    dim_ok = head_dim is None or head_dim in TRITON_HEAD_DIMS
+    why = _no_triton_kernel(on_cuda, head_dim, dtype, block_m)
     if requested == "auto":
-        if on_cuda and not dim_ok:
+        if on_cuda and why and not quiet:
             import sys
 
-            print(f"note: head dim {head_dim} has no Triton capture kernel; capturing with the plain-torch reference.",
-                  file=sys.stderr)
-        return "triton" if on_cuda and dim_ok and _triton_importable() else "reference"
+            print(f"note: {why}; capturing with the plain-torch reference.", file=sys.stderr)
+        return "triton" if on_cuda and not why and _triton_importable() else "reference"
     if requested == "reference":
         return "reference"
     if not _triton_importable():
         raise UserError("--backend triton needs the triton package (pip install triton); or use --backend reference.")
-    if not dim_ok:
-        raise UserError(f"--backend triton supports head dims {', '.join(map(str, TRITON_HEAD_DIMS))}, not "
-                        f"{head_dim}; use --backend reference.")
+    if why:
+        raise UserError(f"--backend triton: {why}; use --backend reference (or --dtype bfloat16).")
     from sparsecal.kernels.jit import interpreting
 
     if not on_cuda and not interpreting():
         raise UserError("--backend triton needs --device cuda, or TRITON_INTERPRET=1 to run the kernels in "
                         "Triton's (slow) CPU interpreter; or use --backend reference.")
     return "triton"
+
+
+def _no_triton_kernel(on_cuda: bool, head_dim, dtype, block_m) -> str | None:
+    """Why the Triton capture cannot take this geometry (None: it can)."""
+    if head_dim is not None and head_dim not in TRITON_HEAD_DIMS:
+        return f"head dim {head_dim} has no Triton capture kernel (head dims {', '.join(map(str, TRITON_HEAD_DIMS))})"
+    if dtype and head_dim and block_m:
+        from sparsecal.kernels.jit import fp32_tile_too_large
+
+        if fp32_tile_too_large(getattr(torch, dtype), "cuda" if on_cuda else "cpu", block_m, head_dim):
+            return f"float32 query tiles of {block_m} x {head_dim} do not fit the GPU's shared memory"
+    return None
 
 
 def model_head_dim(model) -> int:
@@ -159,7 +171,8 @@ def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, ba
     at this length). ``backend``: auto | triton | reference (see ``resolve_backend``)."""
     from sparsecal.formats.layers import layer_specs, plan_layers
 
-    backend = resolve_backend(backend, model.device, model_head_dim(model))
+    backend = resolve_backend(backend, model.device, model_head_dim(model), str(model.dtype).removeprefix("torch."),
+                              cfg.block_m, quiet=True)
     specs = layer_specs(model.config)
     if layers is None:
         layers = plan_layers(specs, None, len(input_ids), model.config.model_type)[0]
@@ -209,7 +222,8 @@ def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto"
     is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b}."""
     from sparsecal.formats.geometry import block_counts
 
-    backend = resolve_backend(backend, model.device, model_head_dim(model))
+    backend = resolve_backend(backend, model.device, model_head_dim(model), str(model.dtype).removeprefix("torch."),
+                              cfg.block_m, quiet=True)
     records, todo = pending(store, prompts)
     if plan:
         store.plan([r for r, _ in records])

@@ -256,7 +256,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     kw = method_args(state, layer, mode, nk, query.device)
     if kwargs.get("softcap"):
         kw["softcap"] = kwargs["softcap"]
-    if _use_triton(state, query):
+    if _use_triton(state, query, mode):
         out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
     else:
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
@@ -277,18 +277,24 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def _use_triton(state: _State, query) -> bool:
-    """Triton when asked (or on CUDA for auto) and the head dim has a kernel; otherwise the reference,
-    said once per state."""
+def _use_triton(state: _State, query, mode: str) -> bool:
+    """Triton when asked (or on CUDA for auto) and the kernels take this head dim and query tile;
+    otherwise the reference, said once per state."""
+    from sparsecal.kernels.jit import fp32_tile_too_large
+
     if state.backend == "reference" or not (state.backend == "triton" or query.is_cuda):
         return False
-    if query.shape[-1] in TRITON_HEAD_DIMS:
+    d = query.shape[-1]
+    if d not in TRITON_HEAD_DIMS:
+        why = f"head dim {d} has no Triton sparse kernel"
+    elif mode == "prefill" and fp32_tile_too_large(query.dtype, query.device.type, state.block_m, d):
+        why = f"float32 query tiles of {state.block_m} x {d} do not fit the GPU's shared memory"
+    else:
         return True
     if not state.said_fallback:
         import sys
 
-        print(f"note: head dim {query.shape[-1]} has no Triton sparse kernel; running the plain-torch reference.",
-              file=sys.stderr)
+        print(f"note: {why}; running the plain-torch reference.", file=sys.stderr)
         state.said_fallback = True
     return False
 
