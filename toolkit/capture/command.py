@@ -196,7 +196,6 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     """Load the model on this rank's device(s) and capture this rank's share of the unfinished
     samples; rank 0 then prints the totals, the peak GPU memory and the summary."""
     from sparsecal.capture import distributed
-    from sparsecal.capture.models import load_model
     from sparsecal.formats.run import RunStore
 
     try:
@@ -206,11 +205,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
                         "several hosts, --out must be on a filesystem they share.") from None
     mine = ranks.share(job.todo, weight=lambda pair: pair[0]["length"])
     device = ranks.device(req.device)
-    memory = distributed.check_placement(req.device_map, req.max_memory, req.device)
-    t0 = time.perf_counter()
-    model = load_model(job.ms, req.dtype, device, device_map=req.device_map, max_memory=memory)
-    where = distributed.placement(model) if req.device_map else device
-    console.print(f"{ranks.tag}model loaded in {time.perf_counter() - t0:.1f} s ({where})", soft_wrap=True)
+    model = distributed.load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
     ranks.gather(None)  # the ranks start together: the time below is the capture's own
     t0 = time.perf_counter()
     result = _capture(store, model, [p for _, p in mine], job, ranks)

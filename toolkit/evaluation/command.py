@@ -13,7 +13,6 @@ evaluation run again only rewrites the summary (and joins new ``--bench`` files)
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -221,7 +220,6 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
 def _run(job: EvalJob, ranks) -> None:
     """Evaluate this rank's share of the pending prompts (each rank into its own row file)."""
     from sparsecal.capture import distributed
-    from sparsecal.capture.models import load_model
     from sparsecal.evaluation.store import EvalStore
 
     req, plan = job.req, job.plan
@@ -231,11 +229,7 @@ def _run(job: EvalJob, ranks) -> None:
     mine = ranks.share(job.todo, weight=lambda item: item[0].length * len(item[1]))
     tok = _tokenizer(plan.ms)
     device = ranks.device(req.device)
-    memory = distributed.check_placement(req.device_map, req.max_memory, req.device)
-    t0 = time.perf_counter()
-    model = load_model(plan.ms, req.dtype, device, device_map=req.device_map, max_memory=memory)
-    where = distributed.placement(model) if req.device_map else device
-    console.print(f"{ranks.tag}model loaded in {time.perf_counter() - t0:.1f} s ({where})", soft_wrap=True)
+    model = distributed.load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
     rows = _rows(model, tok, store, plan, mine)
     if ranks.several:
         for row in rows:
