@@ -69,13 +69,13 @@ def _dense_fwd_kernel(Q, K, V, O, LSE,
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim on a CUDA GPU; tuned on an H100 by
 # sparsecal.bench.capture_instrumented (see data/bench/NOTES.md). The interpreter ignores warps/stages.
-# D = 256 (not yet tuned): K and V tiles of 64 x 256 16-bit values are 32 KiB each, so two stages
-# (128 KiB) plus the Q tile (32 KiB) stay well inside an H100's 227 KiB of shared memory; 8 warps
-# halve the [64, 256] f32 accumulator's registers per thread.
+# D = 256 (not yet timed): K and V tiles of 64 x 256 16-bit values are 32 KiB each; two stages take
+# 160 KiB of shared memory (compiled for sm_90 with Triton 3.6; an H100 has 227 KiB); 8 warps halve
+# the [64, 256] f32 accumulator's registers per thread.
 DENSE_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 8, 2)}
 # 32-bit inputs double every tile (and fp32's FMA products need more layout scratch): the 16-bit
-# D = 128 config needs about 384 KiB with them (compiled for sm_90 with Triton 3.9), so D >= 128
-# takes smaller tiles; D = 256 one stage (Q, K, V: 3 x 32 KiB).
+# D = 128 config needs 384 KiB with them (compiled for sm_90 with Triton 3.6 and 3.9), so D >= 128
+# takes smaller tiles: 112 KiB at D = 128, 96 KiB at D = 256 (one stage).
 DENSE_CONFIGS_32BIT = {128: (64, 64, 4, 2), 256: (32, 32, 4, 1)}
 
 

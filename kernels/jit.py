@@ -70,8 +70,9 @@ FP32_QBLOCK_LIMIT = 128 * 128  # query-block rows x head dim of 32-bit inputs th
 
 def fp32_tile_too_large(dtype: torch.dtype, device_type: str, block_m: int, d: int) -> bool:
     """True when 32-bit inputs make a BLOCK_M x D query tile too large for a GPU kernel's shared
-    memory (compiled for sm_90: 128 x 256 f32 needs about 256 KiB, an H100 has 227 KiB). Only on a
-    CUDA device: the CPU interpreter has no such limit."""
+    memory (compiled for sm_90 with Triton 3.6, the instrumented pass 1 needs 289 KiB at 128 x 256
+    f32, an H100 has 227 KiB; 64 x 256 and 128 x 128 fit). Only on a CUDA device: the CPU
+    interpreter has no such limit."""
     return dtype == torch.float32 and device_type == "cuda" and next_pow2(block_m) * d > FP32_QBLOCK_LIMIT
 
 

@@ -55,8 +55,9 @@ from sparsecal.kernels.jit import (
 
 # (num_warps, num_stages) per head dim on a CUDA GPU, from the H100 sweep of
 # sparsecal.bench.capture_forward_stats (data/bench/NOTES.md); the interpreter ignores them.
-# D = 256 (not yet swept): one stage, as instrumented.PASS1_LAUNCH (up to three loops, each with
-# its own buffers on Triton 3.6, K and V tiles of 32 KiB, Q 64 KiB).
+# D = 256 (not yet timed): up to three loops, each with its own buffers on Triton 3.6 (K and V tiles
+# of 32 KiB, Q 64 KiB); compiled for sm_90 with Triton 3.6, sink_local takes 96 KiB of shared
+# memory with one stage and 257 KiB with two (over an H100's 227 KiB).
 LAUNCH = {64: (4, 3), 128: (8, 3), 256: (8, 1)}
 
 

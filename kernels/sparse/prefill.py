@@ -52,10 +52,11 @@ from sparsecal.kernels.sparse.reference import check_method
 
 SPARSE_METHODS = ("dense", "bsfa", "blasst", "window")
 # (num_warps, num_stages) per head dim on a CUDA GPU; the interpreter ignores them.
-# D = 256 (not yet swept): the query block is BM = 128 rows (the export's geometry, not a choice),
+# D = 256 (not yet timed): the query block is BM = 128 rows (the export's geometry, not a choice),
 # so Q alone is 64 KiB (16-bit) and K, V tiles 32 KiB each; Triton 3.6 gives each of up to three
-# loops its own buffers, so one stage (no multi-buffering) stays inside an H100's 227 KiB; 8 warps
-# for the [128, 256] f32 accumulator.
+# loops its own buffers: compiled for sm_90 with Triton 3.6, sink_local takes 96 KiB of shared
+# memory with one stage and 256 KiB with two (over an H100's 227 KiB). 8 warps for the [128, 256]
+# f32 accumulator.
 # 64/128: the launch sweeps of sparse-h100-d{64,128}.json (16K, G=4).
 LAUNCH = {64: (8, 3), 128: (8, 3), 256: (8, 1)}
 
