@@ -54,10 +54,11 @@ from sparsecal.kernels.jit import (
 
 TILE_CHUNK = 16  # tiles per chunk in the statistics pass
 # (num_warps, num_stages) of pass 1 per head dim, and of the statistics / decode kernels.
-# D = 256 (not yet timed): BM = 128 rows of Q are 64 KiB (16-bit), each K, V tile 32 KiB, and Triton
-# 3.6 gives every pipelined loop its own buffers. Compiled for sm_90 with Triton 3.6: 2 stages take
-# 193 KiB of shared memory, 3 stages 257 KiB (over an H100's 227 KiB).
-PASS1_LAUNCH = {64: (8, 2), 128: (8, 3), 256: (8, 2)}  # 64/128 tuned on an H100 (data/bench/NOTES.md)
+# D = 256 (not yet timed; (8, 1) passed bench.check on an H100): BM = 128 rows of Q are 64 KiB
+# (16-bit), each K, V tile 32 KiB, and Triton 3.6 gives every pipelined loop its own buffers.
+# Compiled for sm_90 with Triton 3.6: 1 stage takes 128 KiB of shared memory, 2 stages 193 KiB (a
+# candidate for a timing sweep), 3 stages 257 KiB (over an H100's 227 KiB).
+PASS1_LAUNCH = {64: (8, 2), 128: (8, 3), 256: (8, 1)}  # 64/128 tuned on an H100 (data/bench/NOTES.md)
 STATS_LAUNCH = (4, 1)
 EVICT_FIRST = False  # pass-1 scratch stores marked evict-first (launch={"evict_first": ...} overrides)
 
