@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from sparsecal.kernels.softcap import soft_cap_
+
 ROWS = 1024  # query rows per chunk of the explicit (softcap / sinks) path
 
 
@@ -53,9 +55,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     out = torch.empty(b, h, nq, d, dtype=q.dtype, device=q.device)
     for r0 in range(0, nq, ROWS):
         r1 = min(nq, r0 + ROWS)
-        s = scale * q[:, :, r0:r1].float() @ kr.transpose(-1, -2)
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
+        s = soft_cap_(scale * q[:, :, r0:r1].float() @ kr.transpose(-1, -2), softcap)
         ok = visible(nq, nk, window, chunk, q.device)[r0:r1]
         s = s.masked_fill(~ok, float("-inf"))
         if sinks is not None:
