@@ -196,6 +196,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     """Load the model on this rank's device(s) and capture this rank's share of the unfinished
     samples; rank 0 then prints the totals, the peak GPU memory and the summary."""
     from sparsecal.capture import distributed
+    from sparsecal.capture.models import load_for_rank
     from sparsecal.formats.run import RunStore
 
     try:
@@ -205,7 +206,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
                         "several hosts, --out must be on a filesystem they share.") from None
     mine = ranks.share(job.todo, weight=lambda pair: pair[0]["length"])
     device = ranks.device(req.device)
-    model = distributed.load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+    model = load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
     ranks.gather(None)  # the ranks start together: the time below is the capture's own
     t0 = time.perf_counter()
     result = _capture(store, model, [p for _, p in mine], job, ranks)

@@ -280,23 +280,6 @@ def _execution_device(hook):
     return None
 
 
-def load_for_rank(ranks: Ranks, ms, dtype: str, device: str, device_map: str | None, max_memory: str | None,
-                  console):
-    """The model on this rank's device (or spread by ``device_map``), with its one 'model loaded'
-    line (capture and eval)."""
-    import time
-
-    from sparsecal.capture.models import load_model
-
-    dev = ranks.device(device)
-    memory = check_placement(device_map, max_memory, device)
-    t0 = time.perf_counter()
-    model = load_model(ms, dtype, dev, device_map=device_map, max_memory=memory)
-    where = placement(model) if device_map else dev
-    console.print(f"{ranks.tag}model loaded in {time.perf_counter() - t0:.1f} s ({where})", soft_wrap=True)
-    return model
-
-
 def placement(model) -> str:
     """Where accelerate put the model: 'cuda:0 layers 0-13 (+3 modules); cuda:1 layers 14-31 (+2)'."""
     where: dict = {}

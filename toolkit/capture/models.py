@@ -155,3 +155,20 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
                         "raise the budgets, or add cpu=SIZE.")
     follow_layer_devices(model)
     return model.eval()
+
+
+def load_for_rank(ranks, ms, dtype: str, device: str, device_map: str | None, max_memory: str | None,
+                  console):
+    """The model on this rank's device (``ranks``: capture.distributed.Ranks) or spread by
+    ``device_map``, with its one 'model loaded' line (capture and eval)."""
+    import time
+
+    from sparsecal.capture.distributed import check_placement, placement
+
+    dev = ranks.device(device)
+    memory = check_placement(device_map, max_memory, device)
+    t0 = time.perf_counter()
+    model = load_model(ms, dtype, dev, device_map=device_map, max_memory=memory)
+    where = placement(model) if device_map else dev
+    console.print(f"{ranks.tag}model loaded in {time.perf_counter() - t0:.1f} s ({where})", soft_wrap=True)
+    return model

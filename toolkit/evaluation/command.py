@@ -220,6 +220,7 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
 def _run(job: EvalJob, ranks) -> None:
     """Evaluate this rank's share of the pending prompts (each rank into its own row file)."""
     from sparsecal.capture import distributed
+    from sparsecal.capture.models import load_for_rank
     from sparsecal.evaluation.store import EvalStore
 
     req, plan = job.req, job.plan
@@ -229,7 +230,7 @@ def _run(job: EvalJob, ranks) -> None:
     mine = ranks.share(job.todo, weight=lambda item: item[0].length * len(item[1]))
     tok = _tokenizer(plan.ms)
     device = ranks.device(req.device)
-    model = distributed.load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+    model = load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
     rows = _rows(model, tok, store, plan, mine)
     if ranks.several:
         for row in rows:
