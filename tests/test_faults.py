@@ -340,3 +340,28 @@ def test_demo_checks_its_port_before_any_work(tmp_path):
         _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and err.strip().startswith("error: port") and "in use" in err, err
     assert not (tmp_path / "demo").exists()
+
+
+def test_temp_sample_folders_of_other_hosts_are_kept_until_stale(tmp_path):
+    """Ranks on several hosts share one run directory: a writer cannot see another host's process,
+    so that host's temp folder is kept (removed once a day old); this host's dead writers' go."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from sparsecal.formats.run import FOREIGN_TMP_AGE_S, HOST, RunStore
+
+    info = {"id": "m", "num_layers": 1, "num_heads": 1}
+    RunStore.create_or_resume(tmp_path / "run", info, {"block_m": 16}, "float32", "reference")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    samples = tmp_path / "run" / "samples"
+    mine, live_there, stale_there = (samples / f".tmp-{n}" for n in (f"a~{HOST}~{dead.pid}", "b~other-host~1",
+                                                                       "c~other-host~2"))
+    for d in (mine, live_there, stale_there):
+        d.mkdir()
+    old = time.time() - FOREIGN_TMP_AGE_S - 60
+    os.utime(stale_there, (old, old))
+    RunStore.create_or_resume(tmp_path / "run", info, {"block_m": 16}, "float32", "reference")
+    assert sorted(p.name for p in samples.glob(".tmp-*")) == [live_there.name]

@@ -8,8 +8,10 @@
                                  layers (manifest "layers", every layer when absent) + input_ids [N]
       samples/<id>/raw.safetensors     raw tiles (only with --raw)
 
-A sample folder is built under samples/.tmp-<id>-<pid>/ and renamed into place, so a crash or
-Ctrl-C never leaves half a sample; leftovers of interrupted writes are removed on the next open.
+A sample folder is built under samples/.tmp-<id>~<host>~<pid>/ and renamed into place, so a crash
+or Ctrl-C never leaves half a sample; leftovers of interrupted writes are removed on the next open
+(a writer on another host sharing the run directory keeps its folder: it is removed only once it
+is a day old).
 Sample ids hash the token ids, so re-running the same command skips exactly the finished samples.
 
 Several writers (two captures into one --out, the ranks of a distributed capture) are safe: the
@@ -155,11 +157,20 @@ class RunStore:
         atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
 
     def _clean_tmp(self) -> None:
-        """Remove leftovers of interrupted sample writes (of this or a dead process; a live
-        writer's own temp folder is recreated by its next write)."""
+        """Remove leftovers of interrupted sample writes: of this process, of a dead process on this
+        host, and of another host's writer once a day old (its liveness cannot be seen from here)."""
+        import time
+
         for tmp in (self.root / SAMPLES).glob(".tmp-*"):
-            pid = tmp.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            host, pid = _tmp_owner(tmp.name)
+            if host not in (None, HOST):
+                try:
+                    stale = time.time() - tmp.stat().st_mtime > FOREIGN_TMP_AGE_S
+                except OSError:
+                    continue
+                if not stale:
+                    continue
+            elif pid is not None and pid != os.getpid() and _alive(pid):
                 continue
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -246,7 +257,7 @@ class RunStore:
     def write_sample(self, record: dict, stats: dict, raw: dict | None = None) -> Path:
         """Write one finished sample atomically: build it in a temp folder, then rename."""
         final = self.root / SAMPLES / record["id"]
-        tmp = self.root / SAMPLES / f".tmp-{record['id']}-{os.getpid()}"
+        tmp = self.root / SAMPLES / f".tmp-{record['id']}~{HOST}~{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
@@ -317,6 +328,20 @@ def _locked(root: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+HOST = platform.node().replace("~", "-") or "localhost"
+FOREIGN_TMP_AGE_S = 24 * 3600
+
+
+def _tmp_owner(name: str) -> tuple[str | None, int | None]:
+    """(host, pid) of a temp sample folder's name: .tmp-<id>~<host>~<pid>, or the older
+    .tmp-<id>-<pid> (this host)."""
+    parts = name.rsplit("~", 2)
+    if len(parts) == 3:
+        return parts[1], int(parts[2]) if parts[2].isdigit() else None
+    pid = name.rsplit("-", 1)[-1]
+    return None, int(pid) if pid.isdigit() else None
 
 
 def _alive(pid: int) -> bool:
