@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsecal.formats.geometry import TRITON_HEAD_DIMS
 from sparsecal.kernels.softcap import check_softcap
 
 LOG2E = 1.4426950408889634
@@ -94,7 +95,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int
         raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (causal self-attention)")
     if h % k.shape[1]:
         raise ValueError(f"{h} query heads are not a multiple of {k.shape[1]} KV heads")
-    if d not in (16, 32, 64, 128, 256):
+    if d not in TRITON_HEAD_DIMS:
         raise ValueError(f"head dim {d} is not supported by the Triton kernels (powers of two 16..256)")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")

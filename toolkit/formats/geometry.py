@@ -14,6 +14,7 @@ import numpy as np
 
 ORDERS = ("forward", "reverse", "sink_local")
 WHERE = ("sink", "diagonal", "middle")  # where the running max stabilizes (t* categories)
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # head dims the Triton kernels compile for
 
 
 def cdiv(a: int, b: int) -> int:

@@ -89,29 +89,20 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
             raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
         exp = load_bsfa(export_dir, expect)
         return _State("bsfa", exp.q_block_size, exp.k_block_size, thresholds=exp.for_k(k), backend=backend,
-                      layers=_sparse_layers((exp.meta or {}).get("sparse_layers")))
+                      layers=frozenset(exp.sparse_layers))
     if method == "window":
         if blocks is None or blocks < 0:
             raise UserError("window needs blocks >= 0: sparsify(model, EXPORT_DIR, method='window', blocks=32).")
         exp = load_bsfa(export_dir, expect)
         return _State("window", exp.q_block_size, exp.k_block_size, window=int(blocks), backend=backend,
-                      layers=_sparse_layers((exp.meta or {}).get("sparse_layers")))
+                      layers=frozenset(exp.sparse_layers))
     doc = load_blasst(export_dir, expect)
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
                   layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
                   order=doc.get("scan_order", "forward"), backend=backend,
-                  layers=_sparse_layers(doc.get("sparse_layers")))
-
-
-def _sparse_layers(layers) -> frozenset | None:
-    """The export's sparse layers (a list, or its JSON text in safetensors metadata); None: all."""
-    if isinstance(layers, str):
-        import json
-
-        layers = json.loads(layers)
-    return None if layers is None else frozenset(int(i) for i in layers)
+                  layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]))
 
 
 def _check_layers(state: _State, config) -> None:
@@ -231,7 +222,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     Layers the export leaves alone, and sliding or chunked layers whose window binds at this
     length, run their exact dense attention (kernels/layer_dense.py) and count nothing."""
     state = _module_state(module)
-    b, h, nq, d = query.shape
+    _, h, nq, d = query.shape
     nk = key.shape[2]
     scale = scaling if scaling is not None else d ** -0.5
     layer = module.layer_idx
@@ -274,12 +265,10 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
     return spec is None or spec.kind in ("full_attention", "sliding_attention") or not spec.binds(length)
 
 
-TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
 def _use_triton(state: _State, query, mode: str) -> bool:
     """Triton when asked (or on CUDA for auto) and the kernels take this head dim and query tile;
     otherwise the reference, said once per state."""
+    from sparsecal.formats.geometry import TRITON_HEAD_DIMS
     from sparsecal.kernels.jit import fp32_tile_too_large
 
     if state.backend == "reference" or not (state.backend == "triton" or query.is_cuda):
