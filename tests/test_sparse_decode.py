@@ -165,3 +165,71 @@ def test_gather_decisions_across_chunks(case, seed, monkeypatch):
                {"log_lambda": _log_lambda(q, k, far, case, "reverse"), "order": "reverse"}):
         _check(case, inputs, 3, far, schedules=("gather",), **kw)
     _check(case, inputs, 3, schedules=("gather",), window=5)
+
+
+TOPK_CASES = [  # (B, L, H, Hkv, D, BM, BN, dtype): GQA groups 1, 4, 8; D 64 / 128; every L ragged
+    (2, 141, 2, 2, 64, 32, 16, torch.float32),    # group 1, two different sequences
+    (2, 150, 8, 2, 64, 64, 16, torch.bfloat16),   # group 4
+    (1, 200, 8, 1, 128, 32, 16, torch.float16),   # group 8 (MQA), D = 128
+]
+
+
+@pytest.mark.parametrize("case", TOPK_CASES, ids=lambda c: f"B{c[0]}-H{c[2]}-kv{c[3]}-D{c[4]}-{str(c[7])[6:]}")
+def test_topk_matches_reference(case, seed):
+    """Decode top-k: outputs and skip counts of both schedules equal the reference's at several k,
+    including k = 0 (only the last block), k >= A (nothing skipped) and the planted far tiles
+    (skipped at a k below the ordinary candidates)."""
+    inputs = _decode_inputs(seed, case)
+    q, k, _, far = inputs
+    a = (case[1] - 1) // case[6]
+    n_far = int(far.sum(-1).max())                  # the far tiles are every head's lowest tile maxima
+    for kk in (0, 3, a - n_far, a, a + 5):
+        skipped = _check(case, inputs, 2, far if 0 < kk <= a - n_far else None, topk=kk)
+        assert (skipped == max(a - kk, 0)).all()    # random draws: no ties, exactly k candidates kept
+
+
+def _tie_inputs(b, length, h, hkv, d, bn, dtype, seed):
+    """Integer-valued q and k (every score exact in fp32, fp16 and bf16 at scale 1/8) whose
+    candidate key block 2 is copied into blocks 4 and 6 of every sequence: three candidates with the
+    same tile max in every head."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (b, h, 1, d), generator=g).float()
+    k = torch.randint(-3, 4, (b, hkv, length, d), generator=g).float()
+    v = torch.randn(b, hkv, length, d, generator=g)
+    for j in (4, 6):
+        k[:, :, j * bn:(j + 1) * bn] = k[:, :, 2 * bn:3 * bn]
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_topk_ties_are_kept(dtype, seed):
+    """A tie built on purpose: k set so that the k-th largest candidate tile max is the value three
+    candidate blocks share; every one of them is kept (k + 2 candidates where that head's tie sits at
+    the k-th place), in both schedules, equal to the reference."""
+    b, length, h, hkv, d, bm, bn = 2, 149, 4, 1, 64, 32, 16
+    q, k, v = _tie_inputs(b, length, h, hkv, d, bn, dtype, seed)
+    scale, a = 0.125, (length - 1) // bn
+    s = (q.float() * scale) @ k.float().repeat_interleave(h // hkv, 1).transpose(-1, -2)
+    tmax = torch.nn.functional.pad(s, (0, -length % bn), value=-math.inf).view(b, h, -1, bn).amax(-1)[..., :a]
+    tied = tmax[..., 2]                                              # [B, H] the shared value
+    assert torch.equal(tmax[..., 4], tied) and torch.equal(tmax[..., 6], tied)
+    kk = int((tmax[0, 0] > tied[0, 0]).sum()) + 1                   # the tie is the k-th largest of (0, 0)
+    want, counts = sparse_decode(q, k, v, scale, bm, bn, topk=kk)
+    kept = a - (tmax < tmax.topk(kk, dim=-1).values[..., -1:]).sum(-1)
+    assert kept[0, 0] == kk + 2
+    assert torch.equal(counts.skipped, (a - kept).sum(0))
+    for schedule in SCHEDULES:
+        got, skipped = sparse_decode_triton(q, k, v, scale, bm, bn, topk=kk, splits=3, schedule=schedule)
+        assert torch.equal(skipped, a - kept), schedule
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_topk_argument_errors(seed):
+    q, k, v, _ = _decode_inputs(seed, CASES[0])
+    for fn in (sparse_decode, sparse_decode_triton):
+        with pytest.raises(ValueError, match="exactly one"):
+            fn(q, k, v, 0.125, 32, 16, topk=2, window=1)
+        with pytest.raises(ValueError, match="topk"):
+            fn(q, k, v, 0.125, 32, 16, topk=-1)
+    with pytest.raises(ValueError, match="dense"):
+        sparse_decode_triton(q, k, v, 0.125, 32, 16, topk=2, dense=True)

@@ -8,6 +8,8 @@ a candidate is skipped when
     BSFA     the tile's max score < thresholds[h, min(r // BM, Pt - 1)]
     BLASST   the tile's max score - the running max after it (in scan order) < ln(lambda)
     window   j < A - W
+    topk     the tile's max score < the k-th largest candidate tile max of the head (ties kept;
+             A <= k skips nothing): reference.topk_skip_mask on the tile maxima, a torch mask
 
 The BLASST running max runs over all key blocks in scan order, across splits, so the kernel works
 in phases (plus a merge):
@@ -18,7 +20,7 @@ scores  ``_decode_scores_kernel`` (grid splits x B*Hkv): each program reads its 
 Then one of two schedules (``schedule=``), the same decisions and counts:
 gather  (default) ``_decode_decide_kernel`` (grid B*Hkv) decides every tile of the group from the
         tile maxima (BSFA: against the threshold; BLASST forward: the running max; window: the
-        index; BLASST reverse / sink_local: a mask made in torch, ``decode_skip_mask``), counts
+        index; BLASST reverse / sink_local and topk: a mask made in torch, ``decode_skip_mask``), counts
         each head's skipped tiles and writes the list of tiles some head keeps (a prefix sum);
         ``_decode_gather_kernel`` (grid splits x B*Hkv) then walks its even share of that list:
         no decision in the loop, so the pipeliner runs the index, score and V loads ahead.
@@ -51,6 +53,7 @@ import triton
 import triton.language as tl
 
 from sparsecal.formats.geometry import ORDERS, scan_order
+from sparsecal.kernels.sparse.reference import check_method, topk_skip_mask
 from sparsecal.kernels.jit import (
     LAST_COMPILED,
     LOG2E,
@@ -311,11 +314,13 @@ def num_splits(batch_kv: int, n_kb: int, device) -> int:
 
 
 def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int, *, thresholds=None,
-                     log_lambda=None, window=None, order: str = "forward") -> torch.Tensor:
+                     log_lambda=None, window=None, order: str = "forward", topk: int | None = None) -> torch.Tensor:
     """Which key tiles each head skips. tmax [B, H, Kb] f32 tile maxima (log2 units) -> [B, H, Kb] bool."""
     _, h, kb = tmax.shape
     r = length - 1
     a = r // block_n
+    if topk is not None:  # log2 units rank like natural ones: the reference's decision exactly
+        return topk_skip_mask(tmax, a, int(topk))
     cand = torch.arange(kb, device=tmax.device) < a
     if window is not None:
         return (torch.arange(kb, device=tmax.device) < a - window).expand_as(tmax).clone()
@@ -332,17 +337,19 @@ def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int
 
 
 SCHEDULES = ("gather", "inline")
+TOPK = 4  # method code of decode top-k (prefill.method_code: 0 dense, 1 BSFA, 2 BLASST, 3 window)
 DECIDE_CHUNK = 64  # key tiles per step of the decide kernel
 
 
 def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                          log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                          dense: bool = False, schedule: str = "gather", splits: int | None = None,
-                         launch: tuple | None = None, softcap: float = 0.0):
+                         launch: tuple | None = None, softcap: float = 0.0, topk: int | None = None):
     """One decode step; the Triton twin of ``reference.sparse_decode``.
 
     q [B, H, 1, D], k/v [B, Hkv, L, D] (the row sits at L - 1; fp16/bf16, fp32 accepted); exactly
-    one of thresholds [H, Pt], log_lambda, window, or dense=True. schedule: "gather" (the decision
+    one of thresholds [H, Pt], log_lambda, window, topk (the k largest tile maxima per head, ties
+    kept; decided in torch from the tile maxima, DECIDE=1), or dense=True. schedule: "gather" (the decision
     made in torch from the tile maxima, the attend pass walks the list of kept tiles; skipped counted
     from that decision) or "inline" (decided tile by tile in the attend pass, counted there).
     softcap: the cap c of c * tanh(s / c) on every scaled score (0 or None: off).
@@ -350,7 +357,11 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
     """
     from sparsecal.kernels.sparse.prefill import method_code
 
-    method = method_code(thresholds, log_lambda, window, dense)
+    if topk is not None:
+        check_method(thresholds, log_lambda, window, topk)
+        if dense:
+            raise ValueError("method 'dense' takes no topk")
+    method = TOPK if topk is not None else method_code(thresholds, log_lambda, window, dense)
     b, h, one, d = q.shape
     if one != 1 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or h % k.shape[1] or k.shape[3] != d:
         raise ValueError(f"decode takes q [B,H,1,D] and k, v [B,Hkv,L,D], got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -377,8 +388,8 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
         h, h // hkv, scale * LOG2E, cap, SOFTCAP=cap_on, **common)
     part = (torch.empty((b, h, n_split, d), dtype=f32, device=q.device),
             torch.empty((b, h, n_split), dtype=f32, device=q.device), torch.empty((b, h, n_split), dtype=f32, device=q.device))
-    dec = _decision(tmax, method, dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order),
-                    length, block_m, block_n)
+    dec = _decision(tmax, method, dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order,
+                                       topk=topk), length, block_m, block_n)
     run = _attend_gather if schedule == "gather" else _attend_inline
     skipped = run(s, v, tmax, part, dec, length, block_n, tps, common)
     out = torch.empty_like(q)
@@ -390,12 +401,12 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
 def _decision(tmax, method: int, kw: dict, length: int, block_m: int, block_n: int) -> dict:
     """What the decide / attend kernels read about the method: DECIDE (0 none, 1 torch mask, 2
     BSFA, 3 BLASST forward, 4 window), THR [H, Pt] f32, the torch mask [B, H, Kb] (BLASST reverse /
-    sink_local, else None) and the scalar arguments (placeholders where the kernel reads nothing)."""
+    sink_local and topk, else None) and the scalar arguments (placeholders where the kernel reads nothing)."""
     thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
-    decide = {0: 0, 1: 2, 3: 4}.get(method, 3 if order == "forward" else 1)
+    decide = {0: 0, 1: 2, 3: 4, TOPK: 1}.get(method, 3 if order == "forward" else 1)
     mask = None
     if decide == 1:
-        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order)
+        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order, topk=kw["topk"])
     thr = thresholds.to(device=tmax.device, dtype=torch.float32).contiguous() if decide == 2 else tmax
     return {"decide": decide, "thr": thr, "mask": mask, "n_thr": thr.shape[-1],
             "thr_pos": min((length - 1) // block_m, thr.shape[-1] - 1),

@@ -19,7 +19,11 @@ a capture with the same cap records).
 Decode (one new query row at position r = L - 1 against L cached keys): the row is its own block
 (BM = 1), so its candidates are the key blocks j with (j + 1) * BN <= r and the last reachable
 block is always computed; BSFA reads the threshold of the query block the row falls in,
-min(r // BM, Pt - 1).
+min(r // BM, Pt - 1) (prefill thresholds, or thresholds calibrated on single decode rows: the same
+layout). Decode also takes ``topk`` = k: per query head, keep the k candidates with the largest
+tile max (the row's block max) and skip the others; ties are kept: every candidate whose tile max
+is >= the k-th largest candidate tile max stays (``topk_skip_mask``), so more than k may stay. With
+A <= k candidates nothing is skipped.
 
 Shape legend: H query heads, Hkv KV heads, N tokens, D head dim, P = ceil(N/BM) query blocks,
 Pt threshold positions (an export's max_num_blocks), Kb = ceil(N/BN) key blocks.
@@ -44,12 +48,29 @@ class SkipCounts:
     reachable: int          # reachable tiles per head (sparsity = skipped / reachable)
 
 
-def check_method(thresholds, log_lambda, window) -> None:
-    """Exactly one of BSFA ``thresholds``, BLASST ``log_lambda`` or a ``window`` (>= 0 blocks)."""
-    if sum(x is not None for x in (thresholds, log_lambda, window)) != 1:
-        raise ValueError("give exactly one of thresholds (BSFA), log_lambda (BLASST) or window")
+def check_method(thresholds, log_lambda, window, topk=None) -> None:
+    """Exactly one of BSFA ``thresholds``, BLASST ``log_lambda``, a ``window`` (>= 0 blocks) or a
+    decode ``topk`` (>= 0 blocks kept per head)."""
+    if sum(x is not None for x in (thresholds, log_lambda, window, topk)) != 1:
+        raise ValueError("give exactly one of thresholds (BSFA), log_lambda (BLASST), window or topk (decode)")
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 key blocks, got {window}")
+    if topk is not None and (isinstance(topk, bool) or int(topk) != topk or topk < 0):
+        raise ValueError(f"topk must be an integer >= 0 key blocks, got {topk!r}")
+
+
+def topk_skip_mask(tmax: torch.Tensor, a: int, k: int) -> torch.Tensor:
+    """Decode top-k: which key blocks a row skips. tmax [..., Kb] tile maxima (any monotone units:
+    natural or log2) -> [..., Kb] bool. Only candidates j < a are skipped, those whose tile max is
+    strictly below the k-th largest candidate tile max (ties with it are kept); a <= k skips nothing."""
+    kb = tmax.shape[-1]
+    if a <= k:
+        return torch.zeros_like(tmax, dtype=torch.bool)
+    cand = torch.arange(kb, device=tmax.device) < a
+    if k == 0:
+        return cand.expand(tmax.shape).clone()
+    kth = tmax[..., :a].topk(k, dim=-1, sorted=True).values[..., -1:]
+    return cand & (tmax < kth)
 
 
 def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order: str,
@@ -106,13 +127,14 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
 
 def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                   log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                  softcap: float = 0.0):
+                  softcap: float = 0.0, topk: int | None = None):
     """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
 
-    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST) or window; softcap as in
+    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST), window or topk (keep the topk
+    candidates with the largest tile max per head, ties kept: topk_skip_mask); softcap as in
     sparse_attention. Returns (out [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
     """
-    check_method(thresholds, log_lambda, window)
+    check_method(thresholds, log_lambda, window, topk)
     softcap = check_softcap(softcap)
     b, h, one, d = q.shape
     if one != 1:
@@ -126,8 +148,11 @@ def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, threshol
         qi = q[s_i].float().reshape(hkv, group, d) * scale
         s = soft_cap_(torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)), softcap).view(h, 1, nr * bn)
         s[..., length:] = NEG_INF                                             # padding keys
-        skip = _skip_mask(s.view(h, 1, nr, bn).amax(dim=-1), r // block_m, a, thresholds, log_lambda, order,
-                          window)
+        tmax = s.view(h, 1, nr, bn).amax(dim=-1)                             # [H, 1, nr]
+        if topk is not None:
+            skip = topk_skip_mask(tmax[:, 0], a, int(topk))
+        else:
+            skip = _skip_mask(tmax, r // block_m, a, thresholds, log_lambda, order, window)
         s.view(h, 1, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))
