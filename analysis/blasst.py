@@ -6,6 +6,11 @@ A tile is skipped iff gap < ln(lambda). Gap histograms (kernels/capture/reduce_r
 is exact at every edge and linear between edges (bin 0 is spread over one bin width below e_0).
 Its inverse is solved exactly on that piecewise-linear curve: no grid search.
 
+Saturation (lambda >= 1), exactly as the kernels compare ``gap < ln(lambda)``: gaps are <= 0, so
+ln(lambda) = 0 skips the tiles with gap < 0 (every bin but the last, which holds gap == 0), and any
+ln(lambda) > 0 skips every candidate tile, gap == 0 ones included (the whole histogram). Nothing is
+clamped: x > 0 is not treated as "just under 1".
+
 Shape legend: counts [..., NB] with NB = len(edges) + 1; edges [E] ascending, last edge 0.
 """
 from __future__ import annotations
@@ -24,9 +29,14 @@ def _knots(counts: np.ndarray, edges: np.ndarray):
 
 
 def skipped(counts: np.ndarray, edges: np.ndarray, log_lambda: float) -> np.ndarray:
-    """Tiles with gap < log_lambda, per leading index. counts [..., NB] -> [...]."""
-    x, c = _knots(np.asarray(counts, np.float64), np.asarray(edges, np.float64))
-    xv = min(float(log_lambda), 0.0)
+    """Tiles with gap < log_lambda, per leading index. counts [..., NB] -> [...].
+
+    log_lambda > 0 counts every tile (the kernels skip every candidate there); 0 counts gap < 0."""
+    counts = np.asarray(counts, np.float64)
+    xv = float(log_lambda)
+    if xv > 0.0:
+        return counts.sum(-1)
+    x, c = _knots(counts, np.asarray(edges, np.float64))
     if xv <= x[0]:
         return np.zeros(c.shape[:-1])
     k = min(int(np.searchsorted(x, xv, side="right")) - 1, len(x) - 2)
@@ -35,7 +45,8 @@ def skipped(counts: np.ndarray, edges: np.ndarray, log_lambda: float) -> np.ndar
 
 
 def sparsity(counts, edges, reachable, log_lambda) -> np.ndarray:
-    """Skipped tiles over reachable tiles (diagonal tiles count as kept)."""
+    """Skipped tiles over reachable tiles (diagonal tiles count as kept). For the sparsity over
+    candidate tiles pass reachable = counts.sum(-1) (the histograms hold every candidate tile)."""
     return skipped(counts, edges, log_lambda) / np.asarray(reachable, np.float64)
 
 
@@ -74,6 +85,11 @@ def _law(lengths, lambdas, a, b) -> LawFit:
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float((res ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
     return LawFit(float(a), float(b), r2, tuple(float(r) for r in res))
+
+
+def law_at(lengths, lambdas, a: float, b: float) -> LawFit:
+    """A given law lambda = a * L^-b scored against (L, lambda) points: R^2 and residuals in ln(lambda)."""
+    return _law(np.asarray(lengths, np.float64), np.asarray(lambdas, np.float64), a, b)
 
 
 def fit_inverse_length(lengths, lambdas) -> LawFit:

@@ -1,6 +1,6 @@
 """BLASST calibration over a run: lambda_best per length, the lambda = a/L and power-law fits,
-held-out achieved sparsity (calibrated law vs a fixed lambda), per-layer a, per-head sparsity
-and sparsity(lambda) curves. Prefill and decode are fitted separately, each scan order on its own.
+per-layer a, per-head sparsity and sparsity(lambda) curves (the laws compared and the held-out
+rows: analysis/blasst_laws.py). Prefill and decode are fitted separately, each scan order on its own.
 
 Shape legend: L layers, H heads, O scan orders, NG gap bins. ``HistSum`` holds one length's gap
 histograms summed over samples; ``reach`` and ``npos`` are per (layer, head), so the totals over
@@ -114,34 +114,6 @@ def lambda_rows(cal: Calibration) -> list[dict]:
     return rows
 
 
-def fit_rows(cal: Calibration) -> list[dict]:
-    """blasst_fit table rows: a, b, R^2 of each law."""
-    rows = []
-    for name, f in (("a/L", cal.law), ("power", cal.power)):
-        if f is not None:
-            rows.append({"mode": cal.mode, "order": cal.order, "target": cal.target, "law": name,
-                         "a": f.a, "b": f.b, "r2": f.r2, "n_lengths": len(cal.in_fit),
-                         "fixed_length": cal.fixed_length})
-    return rows
-
-
-def eval_rows(cal: Calibration, samples: list[tuple[int, HistSum]], edges, o: int) -> list[dict]:
-    """Held-out achieved sparsity and retained mass per sample: calibrated a/L vs fixed lambda."""
-    if cal.law is None:
-        return []
-    rows = []
-    for n, s in samples:
-        total, pos = s.reach * s.heads(), s.npos * s.heads()
-        c, m = s.count[:, :, o].sum((0, 1)), s.mass[:, :, o].sum((0, 1))
-        for method, lam in (("a/L", float(cal.law.predict(n))), ("fixed", cal.fixed_lambda)):
-            x = math.log(lam)
-            rows.append({"mode": cal.mode, "order": cal.order, "target": cal.target, "length": n,
-                         "method": method, "lambda": lam,
-                         "achieved": float(skipped(c, edges, x) / total),
-                         "retained_mass": float(1.0 - skipped(m, edges, x) / pos)})
-    return rows
-
-
 def layer_rows(cal: Calibration, sums: dict[int, HistSum], edges, o: int) -> list[dict]:
     """Per-layer a of the a/L law (heads and samples pooled): the spread across layers."""
     n_layers, n_heads = next(iter(sums.values())).count.shape[:2]
@@ -176,7 +148,9 @@ def head_rows(cal: Calibration, sums: dict[int, HistSum], edges, o: int) -> list
 
 
 def curve_rows(mode: str, orders, sums: dict[int, HistSum], edges: np.ndarray) -> list[dict]:
-    """sparsity(lambda) and retained mass(lambda) per length and order, at every CURVE_STRIDE-th edge."""
+    """sparsity(lambda) (over reachable and over candidate tiles) and retained mass(lambda) per length
+    and order, at every CURVE_STRIDE-th edge up to ln(lambda) = 0. Any ln(lambda) > 0 skips every
+    candidate: sparsity = ``candidate_share`` (candidates / reachable), sparsity_candidates = 1."""
     rows = []
     pick = np.arange(len(edges) - 1, -1, -CURVE_STRIDE)[::-1]
     for n in sorted(sums):
@@ -187,5 +161,7 @@ def curve_rows(mode: str, orders, sums: dict[int, HistSum], edges: np.ndarray) -
             for e in pick:  # tiles with gap < edges[e] are bins 0..e
                 rows.append({"mode": mode, "order": order, "length": n, "log_lambda": float(edges[e]),
                              "sparsity": float(cc[e] / (s.reach * s.heads())),
+                             "sparsity_candidates": float(cc[e] / max(cc[-1], 1.0)),
+                             "candidate_share": float(cc[-1] / (s.reach * s.heads())),
                              "retained_mass": float(1.0 - cm[e] / (s.npos * s.heads()))})
     return rows

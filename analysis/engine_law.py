@@ -7,7 +7,9 @@
 - The engines' rule replayed on the run's own tiles: a tile is skipped iff its gap (the largest
   row max minus the running max over its rows) is below ln(lambda), lambda = factor / L. With the
   run captured at the engine's tile geometry this is the engine's decision tile for tile (up to
-  ties), so the achieved sparsity per length is the number the engine will show.
+  ties), so the achieved sparsity per length is the number the engine will show. Where factor > L,
+  ln(lambda) > 0 skips every candidate tile (every gap is <= 0) and is counted so: nothing is clamped.
+  sparsecal's own rows can apply the runtime policy instead (dense below the validated lengths).
 - Which captured layers skipping does not pay for: at the exported factor a layer skips almost
   none of its tiles at every calibrated length, while every tile still pays for the test.
 
@@ -24,6 +26,7 @@ import numpy as np
 from sparsecal.analysis.blasst import skipped
 from sparsecal.analysis.samples import decode_reachable, load_arrays
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import blasst_runtime_lambda
 
 MODES = ("prefill", "decode")
 PREFIX = {"prefill": "", "decode": "decode_"}
@@ -164,24 +167,42 @@ def _one(h: Hist, edges, log_lambda: float, sparse: np.ndarray) -> tuple[float, 
             float(1.0 - lost / (h.npos * layers * heads)))
 
 
-def simulate(held: dict, edges, factors: dict, targets: dict, sparse: np.ndarray, label: str) -> list[dict]:
+def simulate(held: dict, edges, factors: dict, targets: dict, sparse: np.ndarray, label: str,
+             min_lengths: dict | None = None) -> list[dict]:
     """Per (mode, length): achieved sparsity of the held-out samples under lambda = factor / L.
-    ``factors``/``targets``: {mode: value or None}; ``sparse``: [L'] bool, the layers that skip."""
+    ``factors``/``targets``: {mode: value or None}; ``sparse``: [L'] bool, the layers that skip.
+    ``min_lengths`` ({mode: n or None}) applies sparsify's runtime policy (formats.exports.
+    blasst_runtime_lambda: dense below n and where lambda > 1; rows say ``dense``); without it the
+    rule is applied at every length as engines do (ln(lambda) > 0 skips every candidate tile)."""
     rows = []
     for mode in MODES:
         if factors.get(mode) is None:
             continue
         by_len: dict[int, list] = {}
         for n, h in held[mode]:
-            by_len.setdefault(n, []).append(_one(h, edges, math.log(factors[mode] / n), sparse))
+            by_len.setdefault(n, []).append(_one(h, edges, _log_lambda(factors[mode], n, min_lengths, mode), sparse))
         for n in sorted(by_len):
             got = np.array(by_len[n])
+            x = _log_lambda(factors[mode], n, min_lengths, mode)
             rows.append({"factors": label, "mode": mode, "length": n, "samples": len(got),
                          "factor": factors[mode], "lambda": factors[mode] / n, "target": targets[mode],
+                         "dense": x == -math.inf, "saturated": x > 0.0,
                          "achieved": float(got[:, 0].mean()), "achieved_min": float(got[:, 0].min()),
                          "achieved_max": float(got[:, 0].max()), "achieved_sparse_layers": float(got[:, 1].mean()),
                          "retained_mass": float(got[:, 2].mean())})
     return rows
+
+
+def _log_lambda(factor: float, n: int, min_lengths: dict | None, mode: str) -> float:
+    """ln(factor / n), or -inf where the runtime policy runs dense (only with ``min_lengths``)."""
+    if min_lengths is None:
+        return math.log(factor / n)
+    lam = blasst_runtime_lambda(factor, n, min_lengths.get(mode))
+    return -math.inf if lam is None else math.log(lam)
+
+
+def _lambda_cell(r: dict) -> str:
+    return f"{r['lambda']:.3g}" + (" dense" if r.get("dense") else " >1" if r.get("saturated") else "")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -189,7 +210,7 @@ def format_table(rows: list[dict]) -> str:
     head = ("factors", "phase", "tokens", "samples", "factor", "lambda", "target", "achieved", "min-max",
             "sparse layers", "mass kept")
     body = [(r["factors"], r["mode"], str(r["length"]), str(r["samples"]), f"{r['factor']:.4g}",
-             f"{r['lambda']:.3g}", f"{r['target']:g}", f"{r['achieved']:.3f}",
+             _lambda_cell(r), f"{r['target']:g}", f"{r['achieved']:.3f}",
              f"{r['achieved_min']:.3f}-{r['achieved_max']:.3f}", f"{r['achieved_sparse_layers']:.3f}",
              f"{r['retained_mass']:.4f}") for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]

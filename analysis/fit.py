@@ -10,8 +10,8 @@
       bsfa_density.parquet          predicted vs measured density per k and length (Table 1)
       bsfa_heads.parquet            the same per layer and head
       blasst_lambda.parquet         lambda_best per length next to both laws
-      blasst_fit.parquet            a, b, R^2 of lambda = a/L and lambda = a L^-b
-      blasst_eval.parquet           held-out achieved sparsity: calibrated a/L vs fixed (Table 5)
+      blasst_fit.parquet            a, b, R^2 of lambda = a/L, a L^-b and A exp(B S)/L, their lengths
+      blasst_eval.parquet           held-out sparsity per law, fixed lambda and the deployed a/L (Table 5)
       blasst_layers.parquet         per-layer a (the spread across layers)
       blasst_heads.parquet          per layer x head sparsity at the calibrated lambda
       blasst_curves.parquet         sparsity(lambda) and retained mass(lambda) per length
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from sparsecal.analysis import blasst_fit as B
+from sparsecal.analysis import blasst_laws as BL
 from sparsecal.analysis import bsfa, stabilization
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 from sparsecal.formats.errors import UserError
@@ -192,12 +193,13 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
     tables.write_thresholds(out, thr, ks, store.manifest, split)
     tables.write_gap_cum(out, st.pooled, edges, cfg.orders, B.CURVE_STRIDE)
     label = "held-out" if split.test else "in-sample"
-    evals = {id(c): B.eval_rows(c, st.held[c.mode], edges, o) for o, c in cals}
+    laws = BL.fit_laws([c for _, c in cals])  # a/L, a L^-b, A exp(B S)/L: analysis/blasst_laws.py
+    evals = {id(c): BL.eval_rows(c, laws[id(c)], st.held[c.mode], edges, o) for o, c in cals}
     frames = {
         "bsfa_density": tables.bsfa_density_rows(st.bsfa_eval, ks, label),
         "bsfa_heads": tables.bsfa_head_rows(st.bsfa_eval, ks),
         "blasst_lambda": [r for _, c in cals for r in B.lambda_rows(c)],
-        "blasst_fit": [r for _, c in cals for r in B.fit_rows(c)],
+        "blasst_fit": BL.fit_rows([c for _, c in cals], laws, evals),
         "blasst_eval": [dict(r, split=label) for _, c in cals for r in evals[id(c)]],
         "blasst_layers": [r for o, c in cals for r in B.layer_rows(c, st.train[c.mode], edges, o)],
         "blasst_heads": [r for o, c in cals if c.order == req.order
@@ -217,7 +219,8 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
            "k_values": ks, "lengths": split.lengths, "validation": label,
            "layers": layers, "layer_notes": store.manifest.get("layer_notes", {}),
            "split": {"train": [r["id"] for r in split.train], "test": [r["id"] for r in split.test]},
-           "blasst": [_cal_doc(c, evals[id(c)]) for _, c in cals if c.order == req.order],
+           "blasst": [dict(_cal_doc(c, evals[id(c)]), **BL.doc_extra(c, laws[id(c)], evals[id(c)]))
+                      for _, c in cals if c.order == req.order],
            "warnings": warnings, "tables": sorted(frames)}
     tables.write_json(out / "fit.json", doc)
     return doc

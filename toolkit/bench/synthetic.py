@@ -7,6 +7,10 @@ Per sample of length n, every (layer, head):
 - candidate-tile gaps drawn so that the BLASST law holds: P(gap < ln(a / n)) over candidates is
   target * reachable / candidates, i.e. sparsity(lambda = a / n) = target at every length
   (decode rows the same with a_decode); each tile's mass is 1 / reachable of its block;
+- or, with ``law`` = (A, B, b), gaps uniform on [ln A - b ln n, ln A - b ln n + B * C / R] (C, R the
+  candidate and reachable tiles; above 0 counts as gap == 0) so that lambda_best(S, n) = A exp(B S) n^-b
+  exactly for every target S <= C / R, prefill and decode alike: the a/L, a L^-b and A exp(B S) / L
+  laws then have known parameters (b = 1: all three hold; b != 1: only the power law does);
 - stabilization and Q-init histograms: random counts (no known answer, shape only).
 
 Shape legend: L layers, H heads, P query blocks, K k values, T top maxima, O orders, NG gap bins.
@@ -31,11 +35,11 @@ def model_info(layers: int, heads: int) -> dict:
             "max_context": 1 << 20, "vocab_size": 1000}
 
 
-def _gap_hist(rng, n_tiles: np.ndarray, mass_per_tile: np.ndarray, shift: float, edges: np.ndarray,
+def _gap_hist(rng, n_tiles: np.ndarray, mass_per_tile: np.ndarray, cdf, edges: np.ndarray,
               shape: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """Counts and masses [*shape, NG] of gaps min(0, shift + N(0, 1)) over n_tiles.sum() tiles; the
-    mass of a bin is its count times the mean tile mass (tiles of block g weigh mass_per_tile[g])."""
-    probs = np.diff(np.concatenate([[0.0], norm.cdf(edges - shift), [1.0]]))  # last bin: gap == 0
+    """Counts and masses [*shape, NG] of gaps min(0, g), P(g < x) = cdf(x), over n_tiles.sum() tiles;
+    the mass of a bin is its count times the mean tile mass (tiles of block g weigh mass_per_tile[g])."""
+    probs = np.diff(np.concatenate([[0.0], cdf(edges), [1.0]]))  # last bin: gap == 0
     total = int(n_tiles.sum())
     count = rng.multinomial(total, probs, size=shape).astype(np.float64)
     mean_mass = float((n_tiles * mass_per_tile).sum() / max(total, 1))
@@ -55,7 +59,7 @@ def _top_normals(rng, cand: np.ndarray, t_len: int, lead: tuple) -> np.ndarray:
 
 
 def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: float, a_decode: float,
-                    target: float) -> dict[str, torch.Tensor]:
+                    target: float, law: tuple | None = None) -> dict[str, torch.Tensor]:
     """One sample's statistics in the run format (see the module docstring)."""
     cand, reach = block_counts(n, cfg.block_m, cfg.block_n)
     p, ks = len(cand), cfg.k_values
@@ -69,13 +73,12 @@ def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: f
     edges = cfg.gap_edges()
     out = {}
     rows = np.arange(max(n - cfg.decode_rows, 0), n)
-    for prefix, law, n_t, r_t, group_tiles, group_mass in (
+    for prefix, law_a, n_t, r_t, group_tiles, group_mass in (
             ("", a, cand.sum(), reach.sum(), cand, 1.0 / reach),
             ("decode_", a_decode, (rows // cfg.block_n).sum(), (rows // cfg.block_n + 1).sum(),
              rows // cfg.block_n, 1.0 / (rows // cfg.block_n + 1))):
-        share = min(target * r_t / max(n_t, 1), 0.999)
-        shift = math.log(law / n) - norm.ppf(share)
-        c, m = _gap_hist(rng, group_tiles, group_mass, shift, edges, (layers, heads))
+        c, m = _gap_hist(rng, group_tiles, group_mass, _gap_cdf(n, law_a, target, r_t / max(n_t, 1), law),
+                         edges, (layers, heads))
         out[f"{prefix}gap_count"] = torch.from_numpy(np.repeat(c[:, :, None], len(cfg.orders), 2)).int()
         out[f"{prefix}gap_mass"] = torch.from_numpy(np.repeat(m[:, :, None], len(cfg.orders), 2)).float()
     o = len(cfg.orders)
@@ -94,10 +97,21 @@ def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: f
     return out
 
 
+def _gap_cdf(n: int, a: float, target: float, ratio: float, law: tuple | None):
+    """P(gap < x) of the module docstring's two constructions; ratio = reachable / candidates."""
+    if law is None:
+        shift = math.log(a / n) - norm.ppf(min(target * ratio, 0.999))
+        return lambda x: norm.cdf(x - shift)
+    big_a, big_b, b = law
+    lo, width = math.log(big_a) - b * math.log(n), big_b / ratio
+    return lambda x: np.clip((x - lo) / width, 0.0, 1.0)
+
+
 def write_synthetic_run(root: Path, lengths, samples: int, layers: int = 2, heads: int = 2, a: float = 300.0,
                         a_decode: float = 30.0, target: float = 0.5, seed: int = 0,
-                        cfg: StatsConfig | None = None, progress=None):
-    """A run directory of ``samples`` synthetic samples per length; returns the RunStore."""
+                        cfg: StatsConfig | None = None, progress=None, law: tuple | None = None):
+    """A run directory of ``samples`` synthetic samples per length; returns the RunStore. ``law``:
+    (A, B, b) for gaps with lambda_best(S, n) = A exp(B S) n^-b (module docstring)."""
     from sparsecal.formats.run import RunStore
 
     cfg = cfg or StatsConfig()
@@ -111,7 +125,7 @@ def write_synthetic_run(root: Path, lengths, samples: int, layers: int = 2, head
             records.append(rec)
     store.plan(records)
     for i, rec in enumerate(records):
-        stats = synthetic_stats(rng, rec["length"], cfg, layers, heads, a, a_decode, target)
+        stats = synthetic_stats(rng, rec["length"], cfg, layers, heads, a, a_decode, target, law)
         store.write_sample(dict(rec, seconds=0.0, backend="synthetic"), stats)
         if progress:
             progress(i + 1, len(records))

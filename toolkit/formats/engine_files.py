@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import check_geometry
+from sparsecal.formats.exports import blasst_runtime_lambda, check_geometry, check_validity
 from sparsecal.formats.files import atomic_write_text, check_schema, read_json_manifest
 from sparsecal.formats.version import __version__
 
@@ -145,7 +145,18 @@ def load_engine_manifest(path, expect: dict | None = None) -> dict:
     for fmt, entry in doc["formats"].items():
         _check_factors(path, (entry or {}).get("factors"), f"formats.{fmt}.factors")
     _check_layers(path, doc, int(doc["model"].get("num_layers") or 0))
+    check_validity(path, doc.get("validity"), "engine.json")
     return doc
+
+
+def engine_lambda(man: dict, phase: str, kv_len: int, fmt: str | None = None) -> float | None:
+    """What a serving-side reader should use at ``kv_len`` under sparsecal's runtime policy, from a
+    checked engine.json: lambda = factor / kv_len (the format's factor, else ``factors``), or None
+    (serve dense) below the phase's validity min_length or where the lambda would exceed 1.
+    Exports written before ``validity`` existed give no length guard (only the lambda > 1 one)."""
+    factors = man["formats"][fmt]["factors"] if fmt else man["factors"]
+    v = (man.get("validity") or {}).get(phase)
+    return blasst_runtime_lambda(factors.get(phase), kv_len, v["min_length"] if v else None)
 
 
 def _sidecar(path: Path, fmt: str, expect: dict | None) -> dict:

@@ -261,6 +261,26 @@ def _check_entry(path, entry, where: str) -> None:
         if f is not None and (not _number(f) or f <= 0):
             raise UserError(f"{bad}.threshold_scale_factor.{mode} is {f!r}; it must be a finite positive number "
                             "(lambda = factor / length): export it again.")
+    check_validity(path, entry.get("validity"), where)
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def check_validity(path, validity, where: str) -> None:
+    """Optional ``validity``: {mode: {"law", "validated_lengths": [n, ...], "min_length", "max_length"}},
+    lengths positive integers ascending, min/max_length their ends (absent in older exports)."""
+    if validity is None:
+        return
+    ok = isinstance(validity, dict) and set(validity) <= {"prefill", "decode"}
+    for v in validity.values() if ok else ():
+        lens = v.get("validated_lengths") if isinstance(v, dict) else None
+        ok = ok and isinstance(lens, list) and bool(lens) and all(map(_positive_int, lens)) and lens == sorted(set(lens))
+        ok = ok and v.get("min_length") == lens[0] and v.get("max_length") == lens[-1]
+    if not ok:
+        raise UserError(f"{path}: {where}.validity must map prefill/decode to validated_lengths (ascending positive "
+                        "integers) with min_length and max_length their ends; export it again.")
 
 
 def validate_blasst(path, doc) -> None:
@@ -336,6 +356,43 @@ def blasst_layer_factors(doc: dict, mode: str = "prefill", target: float | None 
     own = (entry.get("per_layer") or {}).get(mode) or {}
     ignored = {int(k) for k in doc.get("ignored_layers", {})}
     return [None if layer in ignored else float(own.get(str(layer)) or default) for layer in range(doc["num_layers"])]
+
+
+def blasst_validity(doc: dict, mode: str = "prefill", target: float | None = None) -> dict | None:
+    """The lengths a target's ``mode`` law holds on, from a validated blasst.json: its ``validity``
+    entry ({"law", "validated_lengths", "min_length", "max_length"}); for an export written before
+    ``validity`` existed, the same derived from its ``per_length`` rows with ``in_fit`` (the lengths
+    where the target was reached); None when neither is there (no length guard)."""
+    entry = _blasst_entry(doc, target)
+    own = (entry.get("validity") or {}).get(mode)
+    if own is not None:
+        return own
+    lens = sorted({int(p["length"]) for p in entry.get("per_length", []) if isinstance(p, dict)
+                   and p.get("mode", mode) == mode and p.get("in_fit") and _positive_int(p.get("length"))})
+    return {"law": "a/L", "validated_lengths": lens, "min_length": lens[0], "max_length": lens[-1]} if lens else None
+
+
+def blasst_min_length(doc: dict, mode: str = "prefill", target: float | None = None) -> int | None:
+    """The shortest calibrated length at which ``target`` was reached in ``mode`` (None: no guard)."""
+    v = blasst_validity(doc, mode, target)
+    return None if v is None else int(v["min_length"])
+
+
+def blasst_runtime_lambda(factor: float | None, length: int, min_length: int | None = None) -> float | None:
+    """The runtime policy (docs/design.md "Applying thresholds"): lambda = factor / length, or None
+    (run dense: ln(lambda) = -inf, nothing skipped) when there is no factor, when ``length`` is below
+    ``min_length`` (the law was never validated that short: extrapolating it is a guess) or when
+    factor / length > 1 (ln(lambda) > 0 skips every candidate tile, since every gap is <= 0).
+    lambda = 1 exactly is kept: it skips the tiles with gap < 0 only."""
+    if factor is None or (min_length is not None and length < min_length):
+        return None
+    lam = float(factor) / float(length)
+    return None if lam > 1.0 else lam
+
+
+def blasst_dense_below(factor: float, min_length: int | None = None) -> int:
+    """The length below which ``blasst_runtime_lambda`` runs dense: max(min_length, ceil(factor))."""
+    return max(int(min_length or 0), math.ceil(float(factor)))
 
 
 EXPECT_KEYS = ("model", "num_layers", "num_heads", "block_m", "block_n")

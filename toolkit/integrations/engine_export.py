@@ -15,6 +15,7 @@ from sparsecal.analysis.engine_law import fit_exp_law, simulate
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.engines import FORMATS, SCALED_SCORES, check_format_geometry
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import blasst_dense_below
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
@@ -77,12 +78,28 @@ def laws(doc: dict, need: bool) -> dict:
     return out
 
 
+def validity(doc: dict) -> dict:
+    """engine.json ``validity``: per phase the exported target's validated lengths, min/max_length and
+    dense_below (max(min_length, ceil(factor)): below it the rule extrapolates, and below ceil(factor)
+    factor / kv_len > 1 skips every candidate tile)."""
+    return {m: dict(v, dense_below=blasst_dense_below(doc["threshold_scale_factor"][m], v["min_length"]))
+            for m, v in (doc.get("validity") or {}).items()}
+
+
+def _lengths_note(doc: dict) -> str:
+    parts = [f"{m} {v['min_length']}-{v['max_length']} tokens (below {v['dense_below']}: serve dense)"
+             for m, v in validity(doc).items()]
+    return ("Validated lengths: " + "; ".join(parts) + ". Engines apply factor / kv_len at every length; below "
+            "ceil(factor) lambda > 1 skips every candidate tile." if parts else "")
+
+
 def _header(tiles, ctx: dict, note: str) -> list[str]:
-    return [(f"sparsecal {__version__}: BLASST skip-softmax for {ctx['model']['id']} (run {ctx['run']['name']}), "
-             f"target sparsity {ctx['target']:g}; lambda = threshold_scale_factor / kv_len."),
-            (f"Calibrated on {tiles.block_m} x {tiles.block_n} tiles = {tiles.engine}: {tiles.kernel}; log base "
-             f"{tiles.log_base}; scores: {tiles.score_scale}."), note,
-            "Model, tiles, the exp law, ignored layers and the simulated sparsity: engine.json and report.txt here."]
+    lines = [(f"sparsecal {__version__}: BLASST skip-softmax for {ctx['model']['id']} (run {ctx['run']['name']}), "
+              f"target sparsity {ctx['target']:g}; lambda = threshold_scale_factor / kv_len."),
+             (f"Calibrated on {tiles.block_m} x {tiles.block_n} tiles = {tiles.engine}: {tiles.kernel}; log base "
+              f"{tiles.log_base}; scores: {tiles.score_scale}."), note, ctx.get("lengths_note", ""),
+             "Model, tiles, the exp law, ignored layers and the simulated sparsity: engine.json and report.txt here."]
+    return [x for x in lines if x]
 
 
 def build(formats: list, tiles: dict, doc: dict, ctx: dict) -> dict:
@@ -90,6 +107,7 @@ def build(formats: list, tiles: dict, doc: dict, ctx: dict) -> dict:
     target, config, sparse mask [L'] (bool), ignored {layer: reason}, module names, classes, held hists,
     edges, validation. Returns {"files": {name: text}, "block", "formats": {...}, "laws", "rows"}."""
     law = laws(doc, need="modelopt" in formats)
+    ctx = dict(ctx, validity=validity(doc), lengths_note=_lengths_note(doc))
     scalar = {m: doc["threshold_scale_factor"].get(m) for m in F.PHASES}
     targets = {m: ctx["target"] for m in F.PHASES}
     out = {"files": {}, "block": None, "formats": {}, "laws": {m: v.to_dict() for m, v in law.items()}, "rows": []}
@@ -126,6 +144,7 @@ def modelopt_block(law: dict, tiles, ctx: dict) -> dict:
                                        "vocab_size", "layer_types") if model.get(k) is not None}
     cal = {"kind": F.ENGINE_KIND, "schema_version": SCHEMA_VERSION, "model": ident, "run": ctx["run"],
            "geometry": tiles.geometry(), "law": {m: v.to_dict() for m, v in law.items()},
+           "validity": ctx.get("validity", {}),
            "ignored_layers": {str(k): v for k, v in sorted(ctx["ignored"].items())}}
     ignore = [ctx["names"][i] for i in sorted(ctx["ignored"]) if i in ctx["names"]]
     return F.modelopt_block({m: {"a": v.a, "b": v.b} for m, v in law.items()}, ctx["target"], ctx["classes"],
@@ -143,7 +162,8 @@ def manifest(built: dict, doc: dict, ctx: dict) -> dict:
                          "score_scale": SCALED_SCORES},
             "target_sparsity": ctx["target"],
             "factors": {m: doc["threshold_scale_factor"].get(m) for m in F.PHASES},
-            "law": built["laws"] or None, "formats": built["formats"],
+            "law": built["laws"] or None, "formats": built["formats"], "validity": validity(doc),
+            "length_policy": doc.get("length_policy"),
             "sparse_layers": ctx["sparse_layers"],
             "ignored_layers": {str(k): v for k, v in sorted(ctx["ignored"].items())},
             "simulation": built["rows"]}

@@ -25,7 +25,7 @@ from sparsecal.analysis.tables import THRESHOLDS, read_table
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.engines import SCALED_SCORES
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import BLASST_ALGORITHM, BLASST_JSON, write_blasst
+from sparsecal.formats.exports import BLASST_ALGORITHM, BLASST_JSON, blasst_dense_below, write_blasst
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.geometry import cdiv
 from sparsecal.formats.stats_config import StatsConfig
@@ -48,8 +48,32 @@ def _thresholds(root: Path, fit: dict):
     return tensors["thresholds"], meta
 
 
+LENGTH_POLICY = ("lambda = threshold_scale_factor[mode] / L only where the law holds: sparsify runs dense (ln lambda "
+                 "= -inf) below validity[mode].min_length (the shortest calibrated length at which the target was "
+                 "reached) and wherever factor / L > 1 (ln lambda > 0 would skip every candidate tile)")
+
+
+def _validity(cal: dict) -> dict | None:
+    """Where a fit record's a/L law holds: its ``deployed`` entry (fits since validity existed), else
+    the lengths of its per_length rows with in_fit."""
+    if cal.get("deployed"):
+        return cal["deployed"]
+    lens = sorted(p["length"] for p in cal["per_length"] if p["in_fit"])
+    return {"law": "a/L", "validated_lengths": lens, "min_length": lens[0], "max_length": lens[-1],
+            "dense_below": blasst_dense_below(cal["a"], lens[0])} if lens else None
+
+
+def _fit_entry(c: dict) -> dict:
+    """blasst.json ``fit[mode]``: the deployed law's quality, the alternatives and held-out means."""
+    out = {"law": c["law"], "power_law": c["power_law"], "fixed_lambda": c["fixed_lambda"],
+           "fixed_length": c["fixed_length"]}
+    out.update({k: c[k] for k in ("laws", "held_out") if k in c})
+    return out
+
+
 def blasst_doc(fit: dict, target: float | None) -> dict:
-    """blasst.json: the serving engines' skip-softmax shape, plus every fitted target and its quality."""
+    """blasst.json: the serving engines' skip-softmax shape, plus every fitted target, its quality
+    and the lengths its law holds on (``validity``)."""
     cals = fit["blasst"]
     targets = sorted({c["target"] for c in cals})
     if target is None:
@@ -63,8 +87,8 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
         entries.append({
             "target_sparsity": t,
             "threshold_scale_factor": {m: by_mode[m]["a"] if m in by_mode else None for m in ("prefill", "decode")},
-            "fit": {m: {"law": c["law"], "power_law": c["power_law"], "fixed_lambda": c["fixed_lambda"],
-                        "fixed_length": c["fixed_length"]} for m, c in by_mode.items()},
+            "fit": {m: _fit_entry(c) for m, c in by_mode.items()},
+            "validity": {m: _validity(c) for m, c in by_mode.items() if _validity(c)},
             "per_length": [dict(p, mode=m) for m, c in by_mode.items() for p in c["per_length"]],
         })
     main = next(e for e in entries if abs(e["target_sparsity"] - target) < 1e-9)
@@ -72,6 +96,7 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
     return {"algorithm": BLASST_ALGORITHM, "threshold_scale_factor": main["threshold_scale_factor"],
             "target_sparsity": target, "lambda_rule": "lambda = threshold_scale_factor[mode] / sequence_length; "
             "skip a tile when max over its rows of (rowmax - running max) < ln(lambda)",
+            "length_policy": LENGTH_POLICY, "validity": main["validity"],
             "scan_order": fit["request"]["order"], "fit": main["fit"], "per_length": main["per_length"],
             "targets": entries, "model": model["id"], "num_layers": model["num_layers"],
             "num_heads": model["num_heads"], "q_block_size": cfg["block_m"], "k_block_size": cfg["block_n"],
@@ -159,6 +184,21 @@ def add_per_layer(root: Path, doc: dict, layers: list[int], ignored: dict) -> No
         entry["per_layer"] = per
 
 
+def length_lines(doc: dict) -> list[str]:
+    """One line per (target, phase): the lengths its a/L law holds on and where sparsify runs dense."""
+    out = []
+    for entry in doc["targets"]:
+        for mode, v in entry.get("validity", {}).items():
+            a = entry["threshold_scale_factor"][mode]
+            below = blasst_dense_below(a, v["min_length"])
+            why = (f"a/L > 1 below {math.ceil(a)} tokens would skip every candidate tile" if math.ceil(a) > v["min_length"]
+                   else f"the target was reached at no calibrated length below {v['min_length']}")
+            out.append(f"BLASST target {entry['target_sparsity']:g} {mode}: a/L (a = {a:.4g}) holds on "
+                       f"{', '.join(map(str, v['validated_lengths']))} tokens; sparsify runs {mode} dense below "
+                       f"{below} tokens ({why}).")
+    return out
+
+
 def report(doc: dict, rows: list, ignored: dict, cfg: dict, root: Path) -> str:
     """report.txt: what the export's engines will skip on this run, and the layers left dense."""
     lines = [(f"sparsecal {__version__} export of {root.name} ({doc['model']}): BLASST target sparsity "
@@ -166,6 +206,8 @@ def report(doc: dict, rows: list, ignored: dict, cfg: dict, root: Path) -> str:
              (f"Simulated: lambda = factor / L on the run's own tiles, over the {doc['validation']} samples; "
               "achieved = skipped / reachable tiles of every captured layer (dense layers count as kept)."), ""]
     lines += [format_table(rows) if rows else "(no simulation: the run's samples are not there)", ""]
+    lines += ["Lengths (the sparsecal rows apply this policy: 'dense' in the lambda column; engines apply factor / L "
+              "at every length, '>1' = every candidate tile skipped):"] + [f"  {x}" for x in length_lines(doc)] + [""]
     lines += ["Layers left dense:"] + ([f"  layer {i}: {why}" for i, why in sorted(ignored.items())] or ["  none"])
     return "\n".join(lines) + "\n"
 
@@ -217,8 +259,11 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
                ignored_layers={str(i): why for i, why in sorted(ignored.items())})
     if per_layer:
         add_per_layer(root, doc, layers, ignored)
+    for line in length_lines(doc):
+        warn and warn(line)
     rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
-                    cal["sparse"], "sparsecal: blasst.json") if cal["held"] is not None else []
+                    cal["sparse"], "sparsecal: blasst.json",
+                    min_lengths={m: v["min_length"] for m, v in doc["validity"].items()}) if cal["held"] is not None else []
     built = None
     if formats:
         classes, names = E.attention_modules(model, hf_config)
