@@ -120,19 +120,24 @@ def make_qkv(seed, n, hkv, group, d, dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def near_pairs(bmax, tol=1e-4):
+    """[H, N] rows of per-row block maxima bmax [H, N, Kb] (-inf where unseen) where some two
+    finite ones lie within tol: t*, a rescale count or the shortfall's zero may differ there."""
+    srt = bmax.sort(dim=-1, descending=True).values
+    a, b = srt[..., :-1], srt[..., 1:]
+    return (torch.isfinite(b) & ((a - b) < tol)).any(-1)
+
+
 def near_tie_rows(q, k, scale, bn, tol=1e-4):
-    """[H, N] rows whose two largest block maxima (float64 scores) lie within tol: t* may differ."""
+    """[H, N] rows where some two block maxima (float64 scores) lie within tol (the two largest:
+    t* may differ; any two: a rescale may be counted or not)."""
     group = q.shape[1] // k.shape[1]
     s = scale * q[0].double() @ k[0].double().repeat_interleave(group, 0).transpose(1, 2)
     n = s.shape[-1]
     s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
     pad = -n % bn
     s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
-    bmax = s.view(s.shape[0], n, -1, bn).amax(-1)
-    top = bmax.topk(min(2, bmax.shape[-1]), dim=-1).values
-    if top.shape[-1] < 2:
-        return torch.zeros(s.shape[:2], dtype=torch.bool)
-    return (top[..., 0] - top[..., 1]) < tol
+    return near_pairs(s.view(s.shape[0], n, -1, bn).amax(-1), tol)
 
 
 def storage_step(x, dtype):
@@ -173,10 +178,17 @@ def assert_tiles_match(t, r, ties, orders):
     torch.testing.assert_close(t.qinit_err, r.qinit_err, atol=1e-4, rtol=1e-4)
     assert torch.equal(t.dec_rows, r.dec_rows)
     exact = ~ties[:, None, :].expand(-1, len(orders), -1)
-    for name in ("tstar_step", "tstar_where", "tstar_norm"):
+    for name in ("tstar_step", "tstar_where", "tstar_norm", "rescales"):
         a, b = getattr(t, name), getattr(r, name)
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a[exact], b[exact]), f"{name} differs away from ties"
+    assert t.shortfall.shape == r.shortfall.shape and t.shortfall.dtype == r.shortfall.dtype
+    sf, want = t.shortfall.double(), r.shortfall.double()
+    assert torch.equal(torch.isposinf(sf), torch.isposinf(want)), "shortfall: +inf pattern differs"
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(sf[fin], want[fin], atol=1e-4, rtol=1e-4)
+    zero = exact[:, :, None, :].expand_as(want)
+    assert torch.equal(sf[zero] == 0, want[zero] == 0), "shortfall: already-final rows differ away from ties"
 
 
 def hist_slack(values, edges, tol=1e-4):
@@ -202,10 +214,15 @@ def assert_reduced_match(a, r, n, cfg, ties):
     for k, atol in (("raw_bmax", 1e-4), ("raw_gap", 1e-4), ("raw_mass", 1e-5)):  # the fp32 tolerances of
         if k in b:                                                                # assert_tiles_match, then
             assert_same_floats(a[k], b[k], atol, k)                               # one fp16 storage step
-    assert_same_floats(a["bsfa_threshold"], b["bsfa_threshold"], 1e-4, "bsfa_threshold")
-    assert_same_floats(a["bsfa_top_bmax"], b["bsfa_top_bmax"], 1e-4, "bsfa_top_bmax")
-    assert torch.equal(a["bsfa_kept"], b["bsfa_kept"])
-    torch.testing.assert_close(a["bsfa_skipped_mass"], b["bsfa_skipped_mass"], atol=1e-4, rtol=1e-4)
+    for pre in ("bsfa_", "decode_bsfa_"):  # prefill tiles, then the decode rows (each its own block)
+        assert_same_floats(a[f"{pre}threshold"], b[f"{pre}threshold"], 1e-4, f"{pre}threshold")
+        assert_same_floats(a[f"{pre}top_bmax"], b[f"{pre}top_bmax"], 1e-4, f"{pre}top_bmax")
+        assert torch.equal(a[f"{pre}kept"], b[f"{pre}kept"]), pre
+        for key in ("skipped_mass", "cand_mass"):
+            torch.testing.assert_close(a[pre + key], b[pre + key], atol=1e-4, rtol=1e-4)
+        # masses of the sorted maxima: a near tie may swap two neighbours, so compare running sums
+        torch.testing.assert_close(a[f"{pre}top_mass"].double().cumsum(-1), b[f"{pre}top_mass"].double().cumsum(-1),
+                                   atol=1e-4, rtol=1e-4)
     edges = cfg.gap_edges()
     for prefix, gap in (("", r.gap), ("decode_", r.dec_gap)):
         slack = hist_slack(gap, edges)
@@ -218,6 +235,12 @@ def assert_reduced_match(a, r, n, cfg, ties):
         assert int((a[k] - b[k]).abs().sum()) <= 2 * n_ties, k
     slack = hist_slack(r.qinit_err, cfg.qinit_edges())
     assert int((a["qinit_count"] - b["qinit_count"]).abs().sum()) <= 2 * slack
+    assert int((a["rescale_count"] - b["rescale_count"]).abs().sum()) <= 2 * n_ties
+    assert int((a["rescale_excess"] - b["rescale_excess"]).abs().sum()) <= n_ties
+    sc_a, sc_b = a["shortfall_count"], b["shortfall_count"]
+    assert torch.equal(sc_a.sum(-1), sc_b.sum(-1)), "shortfall_count: rows per (head, order, prefix)"
+    slack = hist_slack(r.shortfall, cfg.shortfall_edges()) + 2 * n_ties  # edges, and 0 vs > 0 at ties
+    assert int((sc_a - sc_b).abs().sum()) <= 2 * slack
 
 
 TOL = {torch.float32: (2e-4, 1e-4), torch.bfloat16: (3e-2, 1e-2), torch.float16: (4e-3, 2e-3)}  # atol, rtol

@@ -9,7 +9,8 @@ pass 1  ``_instr_fwd_kernel`` (grid P x heads): the dense flash forward of dense
         (signed-absmax key representatives, a few extra [BM, 64] products).
 pass 2  ``tilestats.tile_stats_kernel`` (grid P x heads): reads those per-row values
         back in chunks of tiles and, reusing the log-sum-exp, computes bmax, mass, the gap in all
-        three scan orders and t* of every row in every order (no score is recomputed), and in the
+        three scan orders, t*, running-max rescales and shortfalls of every row in every order (no
+        score is recomputed), and in the
         capture path also adds the run's histograms (atomics into one row per head).
 decode  ``_decode_kernel`` (grid Kb x row chunks x H): each of the last R rows' max score and mass
         in every key block; ``tilestats.decode_stats_kernel`` turns them into the three
@@ -36,9 +37,19 @@ import triton.language as tl
 
 from sparsecal.formats.geometry import cdiv
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.kernels.capture.common import NEG_INF, QINIT_CHUNK, edge_args, hist_keys, pick, qinit_max, tile_offsets
+from sparsecal.kernels.capture.common import (
+    NEG_INF,
+    QINIT_CHUNK,
+    edge_args,
+    hist_keys,
+    pick,
+    qinit_max,
+    shortfall_args,
+    tile_offsets,
+)
 from sparsecal.kernels.capture.decode_rows import decode_forward
 from sparsecal.kernels.capture.reduce import capture_reduce
+from sparsecal.kernels.capture.reduce_reference import decode_bsfa_reduce
 from sparsecal.kernels.capture.reference import TileStats, pad_blocks, signed_absmax_keys
 from sparsecal.kernels.capture.tilestats import HistLayout, tile_stats_kernel
 from sparsecal.kernels.jit import (
@@ -114,8 +125,9 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, XY, TOFF,
 class ForwardResult:
     """What passes 1 and 2 return. out [1, H, N, D] (a [1, N, H, D] buffer seen transposed);
     lse, qinit_err [H, N] f32; with statistics also bmax, mass [H, P, Kb], gap [H, 3, P, Kb],
-    tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) [H, 3, N] (unless fused), and with
-    fused histograms part [H, W] (HistLayout). Orders as geometry.ORDERS."""
+    tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) / rescales (i64) [H, 3, N] and
+    shortfall (f32) [H, 3, 2, N] (unless fused), and with fused histograms part [H, W]
+    (HistLayout). Orders as geometry.ORDERS."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -126,6 +138,8 @@ class ForwardResult:
     tstar_step: torch.Tensor | None = None
     tstar_where: torch.Tensor | None = None
     tstar_norm: torch.Tensor | None = None
+    rescales: torch.Tensor | None = None
+    shortfall: torch.Tensor | None = None
     part: torch.Tensor | None = None
 
 
@@ -153,7 +167,9 @@ def _stat_buffers(h: int, n: int, p: int, kb: int, device, fused: bool, width: i
     else:
         out.update(tstar_step=torch.empty((h, 3, n), dtype=torch.int64, device=device),
                    tstar_where=torch.empty((h, 3, n), dtype=torch.int8, device=device),
-                   tstar_norm=torch.empty((h, 3, n), **f32))
+                   tstar_norm=torch.empty((h, 3, n), **f32),
+                   rescales=torch.empty((h, 3, n), dtype=torch.int64, device=device),
+                   shortfall=torch.empty((h, 3, 2, n), **f32))
     return out
 
 
@@ -162,20 +178,20 @@ def _tile_stats(res: ForwardResult, xy, toff, qerr, cfg, geom: dict, launch, fus
     lay = HistLayout.of(cfg)
     off = lay.offsets
     ge, qe, g_lo, g_inv, n_ge, q_lo, q_inv, n_qe = edge_args(cfg, res.lse.device)
+    se, s_lo, s_inv, n_se = shortfall_args(cfg, res.lse.device)
     dummy = res.bmax
+    per_row = [x if x is not None else dummy for x in
+               (res.tstar_step, res.tstar_where, res.tstar_norm, res.rescales, res.shortfall)]
     warps, stages = _launch("stats", 0, launch)
     LAST_COMPILED["stats"] = tile_stats_kernel[(geom["blocks"], geom["heads"])](
-        xy, toff, res.lse, qerr, res.bmax, res.mass, res.gap,
-        res.tstar_step if res.tstar_step is not None else dummy,
-        res.tstar_where if res.tstar_where is not None else dummy,
-        res.tstar_norm if res.tstar_norm is not None else dummy,
-        res.part if res.part is not None else dummy, ge, qe,
+        xy, toff, res.lse, qerr, res.bmax, res.mass, res.gap, *per_row,
+        res.part if res.part is not None else dummy, ge, qe, se,
         geom["n"], geom["head0"], geom["num_tiles"], geom["blocks"], geom["kb"],
-        g_lo, g_inv, n_ge, q_lo, q_inv, n_qe,
+        g_lo, g_inv, n_ge, q_lo, q_inv, n_qe, s_lo, s_inv, n_se,
         BM=cfg.block_m, BN=cfg.block_n, BLOCK_M=next_pow2(cfg.block_m),
         TJ=(launch or {}).get("tile_chunk", TILE_CHUNK), STORE_TSTAR=not fused, HIST=fused, HIST_ROWS=fused, W=off["width"], NBP=lay.nbp, OFF_TW=off["tstar_where"],
         OFF_TH=off["tstar_hist"], OFF_QI=off["qinit_count"], NT=lay.nt, TBP=lay.tbp, QBP=lay.qbp,
-        num_warps=warps, num_stages=stages)
+        **lay.launch_args(), num_warps=warps, num_stages=stages)
 
 
 def instrumented_forward(q, k, v, scale: float, cfg: StatsConfig, stats: bool = True,
@@ -236,10 +252,11 @@ def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scrat
     orders as cfg.orders).
     """
     res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, softcap=softcap)
-    rows, dec_gap, dec_mass, _ = decode_forward(q, k, res.lse, scale, cfg, launch, softcap=softcap)
+    rows, dec_gap, dec_mass, _, dec_bmax = decode_forward(q, k, res.lse, scale, cfg, launch, softcap=softcap)
     stats = TileStats(res.bmax, pick(res.gap, cfg), res.mass, pick(res.tstar_step, cfg),
                       pick(res.tstar_where, cfg), pick(res.tstar_norm, cfg), res.qinit_err,
-                      pick(dec_gap, cfg), dec_mass, rows)
+                      pick(dec_gap, cfg), dec_mass, rows, pick(res.rescales, cfg), pick(res.shortfall, cfg),
+                      dec_bmax=dec_bmax)
     return res.out, stats
 
 
@@ -249,6 +266,7 @@ def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) ->
     dev = res.bmax.device
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
     out = capture_reduce(res.bmax, res.mass, cand, cfg, edge_args(cfg, dev))
+    out.update(decode_bsfa_reduce(decode[4], decode[2], n, cfg))
     out.update(hist_keys(res.part, decode[3], cfg))
     if cfg.raw:
         out["raw_bmax"] = res.bmax.half()

@@ -6,8 +6,8 @@ single-order path the gap, t* and q-init histograms (kernels/capture/reduce_refe
 - BSFA: with the thresholds of reduce.bsfa_thresholds (torch.topk, no host sync), the kept count
   A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
 - ORDER >= 0 (single-order capture): the candidate tiles' gap histogram (count and mass) of that
-  order, and the block's rows: t* where-category and normalized-t* counts and q-init error
-  counts, added with atomics into the histogram row of the head (tilestats.HistLayout, at
+  order, and the block's rows: t* where-category and normalized-t* counts, q-init error
+  counts and running-max rescale / shortfall counts (tilestats.row_scan_stats), added with atomics into the histogram row of the head (tilestats.HistLayout, at
   the order's slot of geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
 
 Shape legend: H heads, P query blocks, Kb key blocks, N length, K = len(k_values), W histogram
@@ -21,22 +21,25 @@ import triton.language as tl
 
 from sparsecal.formats.geometry import ORDERS
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds
-from sparsecal.kernels.capture.tilestats import HistLayout, bucket, hist_add
+from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds, top_mass
+from sparsecal.kernels.capture.common import shortfall_args
+from sparsecal.kernels.capture.tilestats import HistLayout, bucket, hist_add, row_scan_stats
 
 TJ = 64  # tiles per chunk
 
 
 @triton.jit
-def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR, PART, GEDGES, QEDGES,
-                           n_ctx, n_qb, n_kb, n_k, g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
+def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR, RESC, SHORT, PART, GEDGES, QEDGES,
+                           SEDGES, n_ctx, n_qb, n_kb, n_k, g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
+                           s_lo, s_inv, n_sedges,
                            BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
                            KP: tl.constexpr, ORDER: tl.constexpr, W: tl.constexpr, NBP: tl.constexpr,
                            OFF_TW: tl.constexpr, OFF_TH: tl.constexpr, OFF_QI: tl.constexpr,
-                           NT: tl.constexpr, TBP: tl.constexpr):
+                           NT: tl.constexpr, TBP: tl.constexpr, OFF_RC: tl.constexpr, OFF_RX: tl.constexpr,
+                           OFF_SF: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr):
     """Grid (P, H). BMAX, MASS, GAP [H, P, Kb] f32 (GAP: the one order's); THR [H, P, K] f32;
-    KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP [H, N] i32, TWHERE [H, N] i8, QERR
-    [H, N] f32; PART [H, W] f32 (zeroed by the caller, added into). ORDER -1: BSFA only."""
+    KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP, RESC [H, N] i32, TWHERE [H, N] i8, QERR
+    [H, N] f32, SHORT [H, 2, N] f32; PART [H, W] f32 (zeroed by the caller, added into). ORDER -1: BSFA only."""
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     n_cand = (i * BM) // BN
@@ -80,35 +83,44 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
         qerr = tl.load(QERR + r, mask=row_ok, other=0.0)
         bins = bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
         tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
+        resc = tl.load(RESC + r, mask=row_ok, other=0)
+        sf = SHORT + 2 * h * n_ctx + rows
+        sf1 = tl.load(sf, mask=row_ok, other=0.0)
+        sf2 = tl.load(sf + n_ctx, mask=row_ok, other=0.0)
+        row_scan_stats(resc, sf1, sf2, row_ok, RESC, SHORT, n_ctx, part, ORDER, SEDGES, s_lo, s_inv, n_sedges,
+                       OFF_RC, OFF_RX, OFF_SF, False, True, NR, RBP, SBP)
 
 
 def capture_reduce(bmax, mass, cand, cfg: StatsConfig, edges: tuple, order: str | None = None,
-                   gap=None, tstep=None, twhere=None, qerr=None, part=None) -> dict:
-    """reduce.bsfa_reduce's four BSFA keys (same values, shapes, dtypes; skipped mass summed in
+                   gap=None, tstep=None, twhere=None, qerr=None, part=None, resc=None, short=None) -> dict:
+    """reduce.bsfa_reduce's six BSFA keys (same values, shapes, dtypes; skipped mass summed in
     another order, so equal to float rounding) with no host sync: the thresholds by
     reduce.bsfa_thresholds, the counts in the kernel. bmax, mass [H, P, Kb]; cand [P] on the
     device. With ``order``: also adds that order's gap histogram (gap [H, P, Kb]) and the row
-    histograms (tstep [H, N] i32, twhere [H, N] i8, qerr [H, N]) into part [H, W]
-    (instrumented.edge_args gives ``edges``)."""
+    histograms (tstep [H, N] i32, twhere [H, N] i8, qerr [H, N], resc [H, N] i32 rescales, short
+    [H, 2, N] shortfalls) into part [H, W] (instrumented.edge_args gives ``edges``)."""
     h, p, kb = bmax.shape
-    thr, top, _ = bsfa_thresholds(bmax, cand, cfg)
+    thr, top, cmask, top_idx = bsfa_thresholds(bmax, cand, cfg)
+    tmass, cmass = top_mass(mass, top, top_idx, cmask)
     kept = torch.empty(thr.shape, dtype=torch.int64, device=bmax.device)
     skipped = torch.empty_like(thr)
     lay = HistLayout.of(cfg)
     off = lay.offsets
     ge, qe, g_lo, g_inv, n_ge, q_lo, q_inv, n_qe = edges
     o = -1 if order is None else ORDERS.index(order)
+    se, s_lo, s_inv, n_se = shortfall_args(cfg, bmax.device)
     if order is None:
-        gap = tstep = twhere = qerr = part = bmax  # unused
+        gap = tstep = twhere = qerr = part = resc = short = bmax  # unused
         n = cfg.block_m * p
     else:
         n = tstep.shape[1]
     _capture_reduce_kernel[(p, h)](
-        bmax, mass, thr, kept, skipped, gap, tstep, twhere, qerr, part, ge, qe,
-        n, p, kb, thr.shape[-1], g_lo, g_inv, n_ge, q_lo, q_inv, n_qe,
+        bmax, mass, thr, kept, skipped, gap, tstep, twhere, qerr, resc, short, part, ge, qe, se,
+        n, p, kb, thr.shape[-1], g_lo, g_inv, n_ge, q_lo, q_inv, n_qe, s_lo, s_inv, n_se,
         BM=cfg.block_m, BN=cfg.block_n, BLOCK_M=triton.next_power_of_2(cfg.block_m), TJ=TJ,
         KP=max(2, triton.next_power_of_2(thr.shape[-1])), ORDER=o, W=off["width"], NBP=lay.nbp,
         OFF_TW=off["tstar_where"], OFF_TH=off["tstar_hist"], OFF_QI=off["qinit_count"], NT=lay.nt, TBP=lay.tbp,
-        num_warps=4, num_stages=1)
-    return {"bsfa_threshold": thr, "bsfa_kept": kept, "bsfa_skipped_mass": skipped, "bsfa_top_bmax": top}
+        **lay.launch_args(), num_warps=4, num_stages=1)
+    return {"bsfa_threshold": thr, "bsfa_kept": kept, "bsfa_skipped_mass": skipped, "bsfa_top_bmax": top,
+            "bsfa_top_mass": tmass, "bsfa_cand_mass": cmass}
 

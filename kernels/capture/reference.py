@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order, where_code
+from sparsecal.formats.geometry import cdiv, local_prefix, num_candidates, num_reachable, scan_order, where_code
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.softcap import check_softcap, soft_cap, soft_cap_
 
@@ -37,10 +37,18 @@ class TileStats:
     tstar_step  [H, O, N]     scan step at which each row's running max reaches its final value
     tstar_where [H, O, N]     0 sink block, 1 diagonal block, 2 middle (geometry.where_code)
     tstar_norm  [H, O, N]     tstar_step / max(num_reachable - 1, 1)
+    rescales    [H, O, N]     scan steps at which the row's running max strictly increases from a
+                              finite value (each an O(D) accumulator rescale), int64
+    shortfall   [H, O, 2, N]  final row max minus the running max after the first scanned block
+                              (prefix 0, "first") and after the first geometry.local_prefix blocks
+                              (prefix 1, "local"); 0 when already final, +inf when the row has
+                              seen no key yet
     qinit_err   [H, N]        signed-absmax Q-init estimate of the row max minus the true row max
     dec_gap     [H, O, R, Kb] decode-mode gaps: each of the last R rows is its own block
     dec_mass    [H, R, Kb]    softmax mass of each decode row in each key block
     dec_rows    [R]           the row indices of the decode rows
+    dec_bmax    [H, R, Kb]    each decode row's max score in each key block (its block max as a
+                              block of its own; -inf where the row sees none of it)
     """
 
     bmax: torch.Tensor
@@ -53,6 +61,9 @@ class TileStats:
     dec_gap: torch.Tensor
     dec_mass: torch.Tensor
     dec_rows: torch.Tensor
+    rescales: torch.Tensor
+    shortfall: torch.Tensor
+    dec_bmax: torch.Tensor | None = None
 
 
 def pad_blocks(x: torch.Tensor, bn: int) -> torch.Tensor:
@@ -89,6 +100,21 @@ def scan_rows(rmax: torch.Tensor, perm: list[int], row_max: torch.Tensor):
     gap.index_copy_(-1, idx, g)
     tstar = (rp == row_max.unsqueeze(-1)).to(torch.int8).argmax(dim=-1)
     return gap, tstar
+
+
+def scan_rescales(rmax: torch.Tensor, perm: list[int], row_max: torch.Tensor, n_local: int):
+    """Running-max rescales and shortfall of per-row block maxima in one order.
+
+    rmax [H, m, nr] (-inf where a row sees nothing); perm: scan order; row_max [H, m];
+    n_local: geometry.local_prefix. Returns (rescales [H, m] int64: steps s >= 1 with
+    m(s) > m(s - 1) > -inf; shortfall [H, 2, m]: row_max - m(0) and row_max - m(n_local - 1)).
+    """
+    idx = torch.tensor(perm, dtype=torch.long, device=rmax.device)
+    running = torch.cummax(rmax.index_select(-1, idx), dim=-1).values
+    prev, cur = running[..., :-1], running[..., 1:]
+    rescales = ((cur > prev) & (prev > NEG_INF)).sum(dim=-1)
+    shortfall = torch.stack([row_max - running[..., 0], row_max - running[..., n_local - 1]], dim=1)
+    return rescales, shortfall
 
 
 def block_scores(qs, kp, r0, r1, nr, bn, group, softcap: float = 0.0):
@@ -151,6 +177,8 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig, *, softcap: 
     tstar_where = torch.zeros((h, len(orders), n), dtype=torch.int8, device=q.device)
     tstar_norm = torch.zeros((h, len(orders), n), **f32)
     qinit_err = torch.zeros((h, n), **f32)
+    rescales = torch.zeros((h, len(orders), n), dtype=torch.int64, device=q.device)
+    shortfall = torch.zeros((h, len(orders), 2, n), **f32)
 
     for i in range(p):
         r0, r1 = i * bm, min((i + 1) * bm, n)
@@ -169,13 +197,14 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig, *, softcap: 
             tstar_step[:, o, r0:r1] = step
             tstar_where[:, o, r0:r1] = codes[step]
             tstar_norm[:, o, r0:r1] = step.float() / max(nr - 1, 1)
+            rescales[:, o, r0:r1], shortfall[:, o, :, r0:r1] = scan_rescales(rmax, perm, row_max, local_prefix(a, nr))
         qi = qs[:, r0:r1].reshape(hkv, group * m, d)
         m_init = torch.bmm(qi, krep[:, :nr].transpose(1, 2)).view(h, m, nr).amax(dim=-1)
         qinit_err[:, r0:r1] = soft_cap(m_init, softcap) - row_max  # tanh is monotone: cap the max
 
-    dec_rows, dec_gap, dec_mass = decode_tiles(qs, kp, n, group, cfg, softcap=softcap)
+    dec_rows, dec_gap, dec_mass, dec_bmax = decode_tiles(qs, kp, n, group, cfg, softcap=softcap)
     stats = TileStats(bmax, gap, mass, tstar_step, tstar_where, tstar_norm, qinit_err,
-                      dec_gap, dec_mass, dec_rows)
+                      dec_gap, dec_mass, dec_rows, rescales, shortfall, dec_bmax)
     return out.to(q.dtype).unsqueeze(0), stats
 
 
@@ -183,8 +212,9 @@ def decode_tiles(qs, kp, n: int, group: int, cfg: StatsConfig, *, softcap: float
     """Decode-mode gaps and masses for the last R rows, each row its own block (BM = 1).
 
     qs [H, N, D] pre-scaled queries; kp [Hkv, Kb*BN, D]; softcap as in instrumented_attention.
-    Returns (rows [R], gap [H, O, R, Kb], mass [H, R, Kb]). Rows that share a key block share the
-    scan order, so they run together.
+    Returns (rows [R], gap [H, O, R, Kb], mass [H, R, Kb], bmax [H, R, Kb] each row's max score per
+    key block, -inf where it sees none). Rows that share a key block share the scan order, so they
+    run together.
     """
     bn, orders = cfg.block_n, cfg.orders
     h, kb = qs.shape[0], kp.shape[1] // bn
@@ -192,6 +222,7 @@ def decode_tiles(qs, kp, n: int, group: int, cfg: StatsConfig, *, softcap: float
     rows = torch.arange(r_first, n, device=qs.device)
     gap = torch.full((h, len(orders), n - r_first, kb), NEG_INF, dtype=torch.float32, device=qs.device)
     mass = torch.zeros((h, n - r_first, kb), dtype=torch.float32, device=qs.device)
+    bmax = torch.full((h, n - r_first, kb), NEG_INF, dtype=torch.float32, device=qs.device)
     r = r_first
     while r < n:
         r_end = min(n, (r // bn + 1) * bn)  # rows in the same key block share nr and A
@@ -199,8 +230,9 @@ def decode_tiles(qs, kp, n: int, group: int, cfg: StatsConfig, *, softcap: float
         s = block_scores(qs, kp, r, r_end, nr, bn, group, softcap)
         rmax, row_max, bsum, norm = _softmax_blocks(s, nr, bn)
         mass[:, r - r_first : r_end - r_first, :nr] = bsum / norm.unsqueeze(-1)
+        bmax[:, r - r_first : r_end - r_first, :nr] = rmax
         for o, order in enumerate(orders):
             g, _ = scan_rows(rmax, scan_order(order, a, nr), row_max)
             gap[:, o, r - r_first : r_end - r_first, :nr] = g
         r = r_end
-    return rows, gap, mass
+    return rows, gap, mass, bmax

@@ -1,11 +1,13 @@
 """Single-order Triton capture: one scan order's statistics in two passes over the key blocks.
 
 pass 1  forward_stats._fwd_stats_kernel: output, log-sum-exp, bmax, the order's gap, t*
-        (step, where) and the q-init error, all in registers during the flash forward;
+        (step, where), running-max rescales and shortfalls and the q-init error, all in
+        registers during the flash forward;
 pass 2  mass._mass_kernel: the block mass from the final log-sum-exp (QK^T only);
-decode  instrumented.decode_forward: the last rows' gaps and their histograms;
+decode  decode_rows.decode_forward: the last rows' gaps and their histograms, and their row block
+        maxima, reduced by reduce_reference.decode_bsfa_reduce (torch.topk);
 reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histogram and
-        the row histograms (t* where, normalized t*, q-init), after reduce.bsfa_thresholds'
+        the row histograms (t* where, normalized t*, q-init, rescales, shortfalls), after reduce.bsfa_thresholds'
         torch.topk.
 
 No host sync and no per-row scratch. ``single_order_capture_triton`` returns what
@@ -24,6 +26,7 @@ from sparsecal.kernels.capture.decode_rows import decode_forward
 from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.mass import block_mass_triton
 from sparsecal.kernels.capture.reduce import capture_reduce
+from sparsecal.kernels.capture.reduce_reference import decode_bsfa_reduce
 from sparsecal.kernels.capture.tilestats import HistLayout
 
 
@@ -37,24 +40,25 @@ def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch:
         raise ValueError(f"the single-order capture takes one scan order, got {list(cfg.orders)}")
     order = cfg.orders[0]
     launch = launch or {}
-    out, lse, bmax, gap, tstep, twhere, qerr = instrumented_forward_triton(
-        q, k, v, scale, cfg, order, launch.get("forward_stats"), softcap=softcap)
-    mass = block_mass_triton(q, k, lse, scale, cfg, launch.get("mass"), softcap=softcap)
-    return out, single_order_reductions(q, k, (lse, bmax, gap, tstep, twhere, qerr), mass, scale, cfg, launch,
+    out, *fwd = instrumented_forward_triton(q, k, v, scale, cfg, order, launch.get("forward_stats"), softcap=softcap)
+    mass = block_mass_triton(q, k, fwd[0], scale, cfg, launch.get("mass"), softcap=softcap)
+    return out, single_order_reductions(q, k, tuple(fwd), mass, scale, cfg, launch,
                                         softcap=softcap)
 
 
 def single_order_reductions(q, k, fwd: tuple, mass: torch.Tensor, scale: float, cfg: StatsConfig,
                             launch: dict | None = None, *, softcap: float = 0.0) -> dict:
     """Decode rows and the device reductions after the two passes. fwd = (lse, bmax, gap, tstep,
-    twhere, qerr) of instrumented_forward_triton for cfg.orders[0] (with the same softcap); mass
-    [H, P, Kb]."""
-    lse, bmax, gap, tstep, twhere, qerr = fwd
+    twhere, qerr, resc, short) of instrumented_forward_triton for cfg.orders[0] (with the same
+    softcap); mass [H, P, Kb]."""
+    lse, bmax, gap, tstep, twhere, qerr, resc, short = fwd
     dev, h, n = q.device, q.shape[1], q.shape[2]
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
     part = torch.zeros((h, HistLayout.of(cfg).offsets["width"]), dtype=torch.float32, device=dev)
-    red = capture_reduce(bmax, mass, cand, cfg, edge_args(cfg, dev), cfg.orders[0], gap, tstep, twhere, qerr, part)
+    red = capture_reduce(bmax, mass, cand, cfg, edge_args(cfg, dev), cfg.orders[0], gap, tstep, twhere, qerr, part,
+                         resc, short)
     decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True, softcap=softcap)
+    red.update(decode_bsfa_reduce(decode[4], decode[2], n, cfg))
     red.update(hist_keys(part, decode[3], cfg))
     if cfg.raw:
         red["raw_bmax"] = bmax.half()
