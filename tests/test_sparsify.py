@@ -192,17 +192,23 @@ def test_registered_export_is_checked_against_the_model(tiny_model, tmp_path, rn
 
 
 def test_per_layer_factors_run_each_layer_at_its_own_lambda(tiny_model, tmp_path, seed):
-    """A --per-layer blasst.json: layer 0 at a no-op factor skips nothing, layer 1 at lambda >= 1
-    skips every candidate tile (reference backend)."""
+    """A --per-layer blasst.json: each layer gets its own lambda = factor_l / L; a layer whose
+    lambda would exceed 1 (every candidate skipped) runs dense instead (reference backend)."""
+    from sparsecal.integrations.sparsify import method_args
+
     _, model = tiny_model
     out = _noop_export(tmp_path / "export")
     doc = json.loads((out / "blasst.json").read_text())
-    doc["per_layer"] = {"prefill": {"0": NOOP_BLASST_FACTOR, "1": 1e9}}
-    write_blasst(out, doc)
-    sparsecal.sparsify(model, out, method="blasst", backend="reference")
     ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        model(ids)
-    skipped = model.sparsecal_stats["skipped"].sum(dim=1)
     cand = int(block_counts_torch(333, 128, 64)[0].sum()) * 4  # candidate tiles x heads
-    assert skipped.tolist() == [0, cand]
+    for big, want in ((333.0, 0.0), (1e9, -math.inf)):  # lambda = 1 at layer 1; then lambda > 1: dense
+        doc["per_layer"] = {"prefill": {"0": NOOP_BLASST_FACTOR, "1": big}}
+        write_blasst(out, doc)
+        sparsecal.sparsify(model, out, method="blasst", backend="reference")
+        state = model._sparsecal_state
+        assert method_args(state, 0, "prefill", 333, "cpu")["log_lambda"] == math.log(NOOP_BLASST_FACTOR / 333)
+        assert method_args(state, 1, "prefill", 333, "cpu")["log_lambda"] == want
+        with torch.no_grad():
+            model(ids)
+        skipped = model.sparsecal_stats["skipped"].sum(dim=1)
+        assert skipped[0] == 0 and skipped[1] < cand and (want == 0.0 or skipped[1] == 0)

@@ -14,7 +14,8 @@ tiles of that forward, on the device the attention ran on:
 ``{"skipped": [L, H] int64, "reachable": [L, H] int64}``.
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
-cache length (decode); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
+cache length (decode), and runs dense (ln lambda = -inf) below the export's validated lengths and
+wherever lambda > 1 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
 (the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
 candidate key blocks nearest to it, with the export's block sizes.
 """
@@ -27,7 +28,11 @@ import torch
 
 from sparsecal.formats.errors import UserError
 
-METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window"}
+METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window",
+           "dense": "sparsecal_dense"}
+DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense"),
+           "dense": ("dense",)}  # decode modes per method, the default first
+PRECISIONS = ("model", "fp32")
 BACKENDS = ("auto", "triton", "reference")
 _STATE_ATTR = "_sparsecal_state"
 _REGISTERED: dict = {}  # attn_implementation name -> _State for from_pretrained-loaded models
@@ -42,6 +47,7 @@ class _State:
     thresholds: torch.Tensor | None = None        # [L, H, P] (BSFA)
     factors: dict = field(default_factory=dict)   # mode -> a (BLASST)
     layer_factors: dict = field(default_factory=dict)  # mode -> [a per model layer] (BLASST --per-layer)
+    min_lengths: dict = field(default_factory=dict)  # mode -> shortest validated length (BLASST; dense below)
     order: str = "forward"
     window: int | None = None                      # candidate blocks kept (window)
     backend: str = "auto"
@@ -52,6 +58,10 @@ class _State:
     layers: frozenset | None = None                # layers the export runs sparse (None: every layer)
     specs: dict = field(default_factory=dict)      # layer -> formats.layers.LayerSpec of the model
     said_fallback: bool = False                    # the head-dim fall-back to the reference was reported
+    decode: str = "sparse"                         # decode steps: sparse | dense | topk | thresholds (DECODES)
+    precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
+    topk: int | None = None                        # BSFA decode=topk: key blocks kept per decode row
+    decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
     _on_device: dict = field(default_factory=dict)  # device -> thresholds there
 
     def thresholds_on(self, device) -> torch.Tensor:
@@ -74,16 +84,52 @@ def _geometry(config) -> dict:
 
 
 def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
-               blocks: int | None = None, expect: dict | None = None, backend: str = "auto") -> _State:
+               blocks: int | None = None, expect: dict | None = None, backend: str = "auto",
+               decode: str | None = None, precision: str = "model") -> _State:
     """Read and check an export for one method's operating point (see ``sparsify``)."""
-    from sparsecal.formats.exports import load_blasst
-    from sparsecal.integrations.exports import load_bsfa
-
     if method not in METHODS:
         raise UserError(f"method {method!r} is not one of {', '.join(METHODS)}.")
     if backend not in BACKENDS:
         raise UserError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}.")
-    expect = expect or {}
+    decode = decode or DECODES[method][0]
+    if decode not in DECODES[method]:
+        raise UserError(f"decode {decode!r} is not a decode mode of {method} (one of {', '.join(DECODES[method])}).")
+    if precision not in PRECISIONS or (precision != "model" and method != "dense"):
+        raise UserError(f"precision {precision!r}: method 'dense' takes one of {', '.join(PRECISIONS)}, "
+                        "the sparse methods run in the model's dtype.")
+    state = _load_method(export_dir, method, k, target, blocks, expect or {}, backend)
+    state.decode, state.precision = decode, precision
+    if method == "bsfa" and decode == "topk":
+        state.topk = int(k)
+    if method == "bsfa" and decode == "thresholds":
+        state.decode_thresholds = _decode_thresholds(export_dir, k, expect or {})
+    return state
+
+
+def _decode_thresholds(export_dir, k: int, expect: dict) -> torch.Tensor:
+    """BSFA thresholds calibrated on decode rows, [L, H, P]; one line when the export has none."""
+    from sparsecal.integrations.exports import load_bsfa
+
+    thr = load_bsfa(export_dir, expect).decode_for_k(k)
+    if thr is None:
+        raise UserError(f"{export_dir} has no BSFA decode thresholds (exported before they were calibrated): "
+                        "capture and fit again, or use decode='dense' or 'topk'.")
+    return thr
+
+
+def _load_method(export_dir, method: str, k, target, blocks, expect: dict, backend: str) -> _State:
+    from sparsecal.formats.exports import load_blasst
+    from sparsecal.integrations.exports import load_bsfa
+
+    if method == "dense":  # the block sizes and sparse layers of whichever file the export has
+        try:
+            exp = load_bsfa(export_dir, expect)
+            return _State("dense", exp.q_block_size, exp.k_block_size, backend=backend,
+                          layers=frozenset(exp.sparse_layers))
+        except UserError:
+            doc = load_blasst(export_dir, expect)
+            return _State("dense", doc["q_block_size"], doc["k_block_size"], backend=backend,
+                          layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]))
     if method == "bsfa":
         if k is None:
             raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
@@ -99,8 +145,11 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
     doc = load_blasst(export_dir, expect)
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
+    from sparsecal.formats.exports import blasst_min_length  # runtime policy: dense below the validated lengths
+
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
                   layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
+                  min_lengths={m: blasst_min_length(doc, m, t) for m in factors if factors[m] is not None},
                   order=doc.get("scan_order", "forward"), backend=backend,
                   layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]))
 
@@ -117,15 +166,19 @@ def _check_layers(state: _State, config) -> None:
 
 
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
-             model_id: str | None = None, blocks: int | None = None, backend: str = "auto"):
+             model_id: str | None = None, blocks: int | None = None, backend: str = "auto",
+             decode: str | None = None, precision: str = "model"):
     """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
 
     BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
     own target sparsity); window needs ``blocks`` (candidate key blocks kept per query block; the
-    export gives the block sizes). ``model_id`` (optional) is checked against the export's model.
+    export gives the block sizes); ``dense`` runs the same kernels with skipping off (the
+    evaluation's reference), from float32 Q, K, V with ``precision="fp32"``. ``decode``: how decode
+    steps run, DECODES[method] (the first is the default: BSFA decodes dense, as the BSFA paper).
+    ``model_id`` (optional) is checked against the export's model.
     ``backend``: auto (Triton on CUDA, else the reference), triton, reference."""
     geo = _geometry(model.config)
-    state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend)
+    state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision)
     state.previous = model.config._attn_implementation
     if hasattr(model, _STATE_ATTR):
         state.previous = getattr(model, _STATE_ATTR).previous
@@ -181,7 +234,8 @@ def densify(model):
 
 
 def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
-             blocks: int | None = None, model_id: str | None = None, backend: str = "auto"):
+             blocks: int | None = None, model_id: str | None = None, backend: str = "auto",
+             decode: str | None = None, precision: str = "model"):
     """Register the sparse attention functions with transformers' AttentionInterface.
 
     With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
@@ -194,7 +248,8 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
         AttentionInterface.register(name, sparse_attention_fn)
     if export_dir is None:
         return None
-    source = dict(export_dir=export_dir, method=method, k=k, target=target, blocks=blocks, backend=backend)
+    source = dict(export_dir=export_dir, method=method, k=k, target=target, blocks=blocks, backend=backend,
+                  decode=decode, precision=precision)
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
     _REGISTERED[METHODS[method]] = state
@@ -244,16 +299,19 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
                               softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
         return out.transpose(1, 2).contiguous(), None
-    kw = method_args(state, layer, mode, nk, query.device)
+    kw = call_args(state, layer, mode, nk, query.device)
     if kwargs.get("softcap"):
         kw["softcap"] = kwargs["softcap"]
+    if state.precision == "fp32":
+        dtype = query.dtype
+        query, key, value = query.float(), key.float(), value.float()
     if _use_triton(state, query, mode):
         out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
     else:
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     stats["skipped"][layer] = skipped
     stats["reachable"][layer] = reach
-    return out, None
+    return (out.to(dtype) if state.precision == "fp32" else out), None
 
 
 def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: int) -> bool:
@@ -307,6 +365,8 @@ def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw
     """Plain-torch reference per sequence: (out [B, Nq, H, D], skipped [H], reachable per head)."""
     from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
 
+    if kw.pop("dense", False):
+        kw["log_lambda"] = -math.inf  # the reference's dense: nothing is below -inf
     if mode == "prefill":
         outs, skipped = [], 0
         for i in range(query.shape[0]):
@@ -319,14 +379,31 @@ def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw
     return out.transpose(1, 2).contiguous(), c.skipped, c.reachable
 
 
+def call_args(state: _State, layer: int, mode: str, length: int, device) -> dict:
+    """The kernels' method arguments for one call: dense when the method or its decode mode says
+    so, the decode-row BSFA modes, else ``method_args``."""
+    if state.method == "dense" or (mode == "decode" and state.decode == "dense"):
+        return {"dense": True}
+    if mode == "decode" and state.decode == "topk":
+        return {"topk": state.topk}
+    if mode == "decode" and state.decode == "thresholds":
+        if state.decode_thresholds.device != torch.device(device):
+            state.decode_thresholds = state.decode_thresholds.to(device=device, dtype=torch.float32)
+        return {"thresholds": state.decode_thresholds[layer]}
+    return method_args(state, layer, mode, length, device)
+
+
 def method_args(state: _State, layer: int, mode: str, length: int, device) -> dict:
     if state.method == "window":
         return {"window": state.window}
     if state.method == "bsfa":
         return {"thresholds": state.thresholds_on(device)[layer]}
+    from sparsecal.formats.exports import blasst_runtime_lambda
+
     per_layer = state.layer_factors.get(mode)
     a = per_layer[layer] if per_layer else state.factors.get(mode)
-    return {"log_lambda": -math.inf if not a else math.log(a / length)}
+    lam = blasst_runtime_lambda(a or None, length, state.min_lengths.get(mode))  # None: dense (never every tile)
+    return {"log_lambda": -math.inf if lam is None else math.log(lam)}
 
 
 def _is_causal_only(mask, nq: int, nk: int) -> bool:
