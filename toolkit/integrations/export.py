@@ -192,7 +192,7 @@ def length_lines(doc: dict) -> list[str]:
             a = entry["threshold_scale_factor"][mode]
             below = blasst_dense_below(a, v["min_length"])
             why = (f"a/L > 1 below {math.ceil(a)} tokens would skip every candidate tile" if math.ceil(a) > v["min_length"]
-                   else f"the target was reached at no calibrated length below {v['min_length']}")
+                   else f"the law is not validated below {v['min_length']} tokens")
             out.append(f"BLASST target {entry['target_sparsity']:g} {mode}: a/L (a = {a:.4g}) holds on "
                        f"{', '.join(map(str, v['validated_lengths']))} tokens; sparsify runs {mode} dense below "
                        f"{below} tokens ({why}).")
