@@ -100,7 +100,9 @@ def tiles_figure(tiles: pl.DataFrame, value: str, show_bsfa: bool = True, show_b
 def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
     """Accuracy relative to dense vs speedup over dense: one curve per (method, length) through its
     configurations (sorted by speedup), the points on each length's Pareto front ringed, the dense
-    point at (1, 1). ``df``: results.curves rows with both measures."""
+    point at (1, 1). Where the rows carry accuracy_rel_dense_lo/_hi (the evaluation's paired
+    bootstrap 95% interval), each point gets that interval as an error bar. ``df``: results.curves
+    rows with both measures."""
     title = "Accuracy vs speedup (relative to dense)"
     d = df.filter(pl.col("accuracy_rel_dense").is_not_null() & pl.col("speedup").is_not_null()) if df.height else df
     if not d.height:
@@ -115,7 +117,7 @@ def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
                 continue
             fig.add_trace(go.Scatter(
                 x=g["speedup"], y=g["accuracy_rel_dense"], mode="lines+markers", name=f"{method} @ {n:,}",
-                line={"color": color(i), "dash": dashes[j % len(dashes)]}, text=g["config"],
+                line={"color": color(i), "dash": dashes[j % len(dashes)]}, text=g["config"], error_y=_error_bars(g),
                 customdata=g["sparsity"].fill_null(float("nan")),
                 hovertemplate=(f"{method} %{{text}}<br>{n} tokens<br>speedup %{{x:.2f}}x<br>accuracy / dense "
                                "%{y:.3f}<br>sparsity %{customdata:.3f}<extra></extra>")))
@@ -129,6 +131,17 @@ def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
     fig.update_xaxes(title="speedup over dense (x)")
     fig.update_yaxes(title="accuracy relative to dense")
     return finish(fig, title, height=480)
+
+
+def _error_bars(g: pl.DataFrame) -> dict | None:
+    """Asymmetric error bars from accuracy_rel_dense_lo/_hi (none when the rows have no interval)."""
+    if "accuracy_rel_dense_lo" not in g.columns or g["accuracy_rel_dense_lo"].null_count() == g.height:
+        return None
+    y = g["accuracy_rel_dense"]
+    up = (g["accuracy_rel_dense_hi"] - y).fill_null(0.0).clip(lower_bound=0.0)
+    down = (y - g["accuracy_rel_dense_lo"]).fill_null(0.0).clip(lower_bound=0.0)
+    return {"type": "data", "symmetric": False, "array": up.to_list(), "arrayminus": down.to_list(),
+            "thickness": 1.2, "width": 4}
 
 
 def thresholds_heatmap(df: pl.DataFrame, k: int, layer: int) -> go.Figure:

@@ -286,12 +286,13 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
     method on the same prompt. Yields each row as soon as it is finished."""
     import torch
 
-    from sparsecal.capture.prompts.scoring import answer_budget
+    from sparsecal.capture.prompts.scoring import answer_budget, answer_ids
     from sparsecal.evaluation.metrics import Reference, fidelity
-    from sparsecal.evaluation.model import generate, prefill, use_method
+    from sparsecal.evaluation.model import answer_logprob, generate, prefill, use_method
+    from sparsecal.integrations.sparsify import densify
 
     ids = torch.tensor(prompt.input_ids)
-    budget = answer_budget(tok, prompt)
+    budget, answer = answer_budget(tok, prompt), answer_ids(tok, prompt)
     model_id, held = manifest["model"]["id"], _held_out(manifest, prompt)
     head = model.get_output_embeddings()
     ref = None
@@ -302,11 +303,12 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
         pre = prefill(model, prompt.input_ids)
         ref = Reference(head, pre.hidden) if ref is None else ref
         if method in pending:
+            forced = answer_logprob(model, pre, answer)
             gen = generate(model, pre, budget, eos)
             fid = fidelity(head, ref, pre.hidden, ids.to(pre.hidden.device))
-            yield _row(prompt, method, tok, pre, gen, fid, held)
+            yield dict(_row(prompt, method, tok, pre, gen, fid, held), answer_logprob=forced, answer_tokens=len(answer))
         del pre
-    use_method(model, methods[0], export_dir, model_id)
+    densify(model)  # the model's own attention again
 
 
 def _held_out(manifest: dict, prompt):
@@ -336,7 +338,7 @@ def finish(store, bench_files=()) -> dict:
     import json
 
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
-    from sparsecal.evaluation.summary import curves, read_bench, result_rows, summarize, unmatched_bench
+    from sparsecal.evaluation.summary import curves, noise_floor, read_bench, result_rows, summarize, unmatched_bench
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance
 
@@ -346,8 +348,8 @@ def finish(store, bench_files=()) -> dict:
     prov = dict(provenance(), eval=str(store.root), export=store.manifest["export_path"],
                 model=store.manifest["model"]["id"])
     write_parquet(store.root / SUMMARY, summary)
-    doc = {"kind": "sparsecal-eval", "rows": result_rows(summary), "provenance": prov,
-           "request": store.manifest["request"], "calibration": store.manifest["calibration"]}
+    doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, store.rows), "noise_floor": noise_floor(summary),
+           "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"]}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
     if bench_files:
@@ -356,19 +358,49 @@ def finish(store, bench_files=()) -> dict:
             console.print(f"[yellow]warning:[/] bench point {point} has no evaluated configuration")
         meta = {"kind": "sparsecal-curves", "eval_provenance": json.dumps(prov),
                 "bench_provenance": json.dumps(bench_prov)}
-        write_parquet(store.root / CURVES, curves(summary, bench), metadata=meta)
+        write_parquet(store.root / CURVES, curves(summary, bench, store.rows), metadata=meta)
         written["curves"] = store.root / CURVES
     print_summary(summary, store.root)
     return written
 
 
 def print_summary(summary, root) -> None:
-    table = Table(title=f"{root}: accuracy relative to dense (answer tasks: score; text: perplexity)")
-    for col in ("method", "tokens", "task", "n", "score", "rel. dense", "top-1", "KL", "ppl", "sparsity", "prefill s"):
+    """The summary table (every cell with its 95% interval), then the noise floor per length."""
+    from sparsecal.evaluation.summary import noise_floor
+
+    table = Table(title=f"{root}: accuracy relative to dense (answer tasks: score; text: perplexity), "
+                        "[95% paired bootstrap interval]")
+    for col in ("method", "tokens", "task", "n", "score", "rel. dense", "answer LL - dense", "top-1", "KL",
+                "sparsity pre/dec"):
         table.add_column(col, justify="left" if col in ("method", "task") else "right")
-    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in summary.iter_rows(named=True):
-        table.add_row(r["label"], str(r["length"]), r["task"], str(r["samples"]), fmt(r["accuracy"], ".2f"),
-                      fmt(r["accuracy_rel_dense"], ".3f"), fmt(r["top1"], ".4f"), fmt(r["kl"], ".2e"),
-                      fmt(r["ppl"], ".2f"), fmt(r["sparsity"], ".3f"), fmt(r["prefill_s"], ".2f"))
-    Console(width=max(132, Console().width)).print(table)
+        table.add_row(r["label"], str(r["length"]), r["task"], str(r["samples"]),
+                      _ci(r, "accuracy", ".2f"), _ci(r, "accuracy_rel_dense", ".3f"), _ci(r, "answer_ll_delta", ".3f"),
+                      _ci(r, "top1", ".3f"), _ci(r, "kl", ".1e"),
+                      f"{_fmt(r['sparsity'], '.2f')}/{_fmt(r['decode_sparsity'], '.2f')}")
+    out = Console(width=max(160, Console().width))
+    out.print(table)
+    for line in noise_floor_lines(noise_floor(summary)):
+        out.print(line, soft_wrap=True)
+
+
+def _fmt(x, f: str) -> str:
+    return "-" if x is None else format(x, f)
+
+
+def _ci(r: dict, name: str, f: str) -> str:
+    """'value [lo, hi]' of a summary cell (no interval: the value alone)."""
+    lo, hi = r.get(f"{name}_lo"), r.get(f"{name}_hi")
+    tail = "" if lo is None or hi is None else f" [{format(lo, f)}, {format(hi, f)}]"
+    return _fmt(r.get(name), f) + tail
+
+
+def noise_floor_lines(floor: list[dict]) -> list[str]:
+    """One line per noise-floor method and length: how far exact dense attention computed another
+    way sits from the reference, in the same metrics as the methods."""
+    lines = []
+    for r in floor:
+        lines.append(f"noise floor {r['label']} vs dense at {r['length']} tokens ({r['samples']} samples): "
+                     f"top-1 {_ci(r, 'top1', '.4f')}, KL {_ci(r, 'kl', '.2e')}, "
+                     f"rel. dense {_ci(r, 'accuracy_rel_dense', '.3f')}")
+    return lines

@@ -1,13 +1,22 @@
 """The attention methods an evaluation compares, and the grammar of ``--methods``.
 
     SPEC   := ITEM ("," ITEM)*
-    ITEM   := "dense" | NAME ":" VALUE | VALUE      (a bare VALUE continues the previous NAME)
+    ITEM   := "dense" | "sdpa" | NAME ":" VALUE [":" DECODE] | VALUE [":" DECODE]
+              (a bare VALUE continues the previous NAME)
     NAME   := "bsfa" (VALUE = k, an integer) | "blasst" (VALUE = target sparsity in (0, 1))
             | "window" (VALUE = B candidate blocks kept per query block, an integer >= 0)
+    DECODE := how decode steps run: bsfa "dense" (default, the BSFA paper's) | "topk" (the k
+              highest tile maxima of the row) | "thresholds" (thresholds calibrated on decode
+              rows); blasst and window "sparse" (default) | "dense" (prefill-only: sparse
+              prefill, dense decode)
 
-so ``dense,bsfa:16,32,64,blasst:0.5,0.7,window:32`` is seven methods. Each ``Method`` has a label
-(``bsfa:16``, the key of its rows), the dashboard's ``method``/``config`` pair (``bsfa``/``k=16``;
-dense is ``dense``/``dense``) and the keyword arguments ``sparsecal.sparsify`` takes.
+so ``dense,bsfa:16,32:topk,blasst:0.5,0.5:dense,window:32`` is six methods. The reference every
+method is compared with is ``dense``: the project's own kernel path with skipping off, in the
+model's dtype. Two noise-floor methods measure what rounding alone moves: ``dense:fp32`` (the same
+path with attention computed from float32 Q, K, V; always evaluated) and ``sdpa`` (the model's own
+attention implementation, on request). Each ``Method`` has a label (``bsfa:16:topk``, the key of
+its rows; a default decode mode is not written), the dashboard's ``method``/``config`` pair
+(``bsfa``/``k=16 decode=topk``) and the keyword arguments ``sparsecal.sparsify`` takes.
 """
 from __future__ import annotations
 
@@ -15,36 +24,63 @@ from dataclasses import dataclass
 
 from sparsecal.formats.errors import UserError
 
-GRAMMAR = "dense | bsfa:K[,K...] | blasst:T[,T...] | window:B[,B...], joined by commas"
+GRAMMAR = ("dense | sdpa | bsfa:K[:DECODE][,K...] | blasst:T[:DECODE][,T...] | window:B[:DECODE][,B...], "
+           "joined by commas")
 DENSE_CONFIG = "dense"
+FP32 = "fp32"
 _PARAM = {"bsfa": "k", "blasst": "target", "window": "blocks"}
-_SPARSIFY_ARG = {"bsfa": "k", "blasst": "target", "window": "blocks"}
+DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense")}
+FLOORS = ("dense:fp32", "sdpa")  # labels of the noise-floor methods
 
 
 @dataclass(frozen=True)
 class Method:
-    """One operating point: ``name`` in dense/bsfa/blasst/window and its value (None for dense)."""
+    """One operating point: ``name`` in dense/sdpa/bsfa/blasst/window, its value (None for dense
+    and sdpa) and its decode mode (None: the name's default; for dense "fp32" marks the check)."""
 
     name: str
     value: float | int | None = None
+    decode: str | None = None
+
+    @property
+    def is_floor(self) -> bool:
+        """A noise-floor method: exact dense attention computed another way."""
+        return self.label in FLOORS
+
+    @property
+    def decode_mode(self) -> str | None:
+        if self.name not in DECODES:
+            return None
+        return self.decode or DECODES[self.name][0]
 
     @property
     def label(self) -> str:
-        return self.name if self.value is None else f"{self.name}:{self.value:g}"
+        if self.value is None:
+            return self.name if self.decode is None else f"{self.name}:{self.decode}"
+        tail = "" if self.decode in (None, DECODES[self.name][0]) else f":{self.decode}"
+        return f"{self.name}:{self.value:g}{tail}"
 
     @property
     def config(self) -> str:
-        return DENSE_CONFIG if self.value is None else f"{_PARAM[self.name]}={self.value:g}"
+        if self.value is None:
+            return {"dense": DENSE_CONFIG, "sdpa": "sdpa", "dense:fp32": "fp32 attention"}[self.label]
+        tail = "" if self.decode in (None, DECODES[self.name][0]) else f" decode={self.decode}"
+        return f"{_PARAM[self.name]}={self.value:g}{tail}"
 
     @property
     def sparsify_kwargs(self) -> dict:
-        """Keyword arguments of ``sparsecal.sparsify`` besides the model and export (dense: none)."""
-        return {} if self.value is None else {"method": self.name, _SPARSIFY_ARG[self.name]: self.value}
+        """Keyword arguments of ``sparsecal.sparsify`` besides the model and export (sdpa: none,
+        the model keeps its own attention)."""
+        if self.name == "sdpa":
+            return {}
+        if self.name == "dense":
+            return {"method": "dense", "precision": "fp32" if self.decode == FP32 else "model"}
+        return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode}
 
 
 def _bad(text: str, why: str) -> UserError:
     return UserError(f"--methods '{text}': {why}; the grammar is {GRAMMAR} "
-                     "(e.g. dense,bsfa:16,32,blasst:0.5,window:32).")
+                     "(e.g. dense,bsfa:16,32:topk,blasst:0.5,0.5:dense,window:32).")
 
 
 def _value(text: str, name: str, raw: str):
@@ -64,6 +100,35 @@ def _value(text: str, name: str, raw: str):
         raise _bad(text, f"'{raw}' is not {want} for {name}") from None
 
 
+def _decode(text: str, name: str, raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    if raw not in DECODES[name]:
+        raise _bad(text, f"'{raw}' is not a decode mode of {name} (one of {', '.join(DECODES[name])})")
+    return None if raw == DECODES[name][0] else raw
+
+
+def _item(text: str, raw: str, current: str | None) -> tuple[Method, str | None]:
+    """One ITEM and the NAME a following bare VALUE continues."""
+    if raw in ("dense", "sdpa", "dense:fp32"):
+        return Method(*raw.split(":")) if raw != "dense:fp32" else Method("dense", None, FP32), None
+    parts = raw.split(":")
+    if parts[0] in _PARAM:
+        name, parts = parts[0], parts[1:]
+        if not parts or len(parts) > 2:
+            raise _bad(text, f"'{raw}' is not NAME:VALUE[:DECODE]")
+    elif not parts[0][:1].isdigit():
+        raise _bad(text, f"unknown method '{parts[0]}'" if len(parts) > 1 else f"'{raw}' is not a method")
+    elif current is None:
+        raise _bad(text, f"the value '{raw}' follows no method name")
+    else:
+        name = current
+        if len(parts) > 2:
+            raise _bad(text, f"'{raw}' is not VALUE[:DECODE]")
+    decode = _decode(text, name, parts[1].strip() if len(parts) == 2 else None)
+    return Method(name, _value(text, name, parts[0].strip()), decode), name
+
+
 def parse_methods(text: str) -> list[Method]:
     """Parse a ``--methods`` value into distinct methods, in the order given."""
     out: list[Method] = []
@@ -71,21 +136,8 @@ def parse_methods(text: str) -> list[Method]:
     for raw in (part.strip() for part in text.split(",")):
         if not raw:
             raise _bad(text, "an item is empty")
-        if raw == "dense":
-            out.append(Method("dense"))
-            current = None
-            continue
-        name, sep, val = raw.partition(":")
-        if sep:
-            if name not in _PARAM:
-                raise _bad(text, f"unknown method '{name}'")
-            current = name
-        elif current is None:
-            raise _bad(text, f"'{raw}' is not a method" if not raw[:1].isdigit()
-                       else f"the value '{raw}' follows no method name")
-        else:
-            val = raw
-        out.append(Method(current, _value(text, current, val.strip())))
+        method, current = _item(text, raw, current)
+        out.append(method)
     dupes = sorted({m.label for m in out if out.count(m) > 1})
     if dupes:
         raise _bad(text, f"{', '.join(dupes)} is given twice")
@@ -93,5 +145,7 @@ def parse_methods(text: str) -> list[Method]:
 
 
 def with_dense(methods: list[Method]) -> list[Method]:
-    """Dense first (every comparison needs it), then the others in the order given."""
-    return [Method("dense")] + [m for m in methods if m.name != "dense"]
+    """Dense first (every comparison needs it), the fp32 check second, then the others in the
+    order given."""
+    first = [Method("dense"), Method("dense", None, FP32)]
+    return first + [m for m in methods if m not in first]

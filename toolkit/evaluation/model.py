@@ -36,11 +36,11 @@ class Generation:
 
 
 def use_method(model, method: Method, export_dir, model_id: str):
-    """Switch ``model`` to ``method`` (dense: the model's own attention)."""
+    """Switch ``model`` to ``method`` (sdpa: the model's own attention)."""
     from sparsecal.integrations.sparsify import densify, sparsify
 
     densify(model)
-    if method.name != "dense":
+    if method.name != "sdpa":
         sparsify(model, export_dir, model_id=model_id, **method.sparsify_kwargs)
     return model
 
@@ -90,6 +90,25 @@ def generate(model, pre: Prefill, max_new_tokens: int, eos_ids: set) -> Generati
         tokens.append(nxt)
     _sync(device)
     return Generation(tokens, time.perf_counter() - t0, skipped, reachable)
+
+
+@torch.no_grad()
+def answer_logprob(model, pre: Prefill, answer_ids: list[int]) -> float:
+    """Teacher-forced log-likelihood of ``answer_ids`` after the prompt: the sum over the answer's
+    tokens of ln p(token | prompt, the answer's earlier tokens). The first token's distribution is
+    the prefill's last position; each further one comes from a decode step (the method's decode
+    path) on a copy of the prompt's cache, so ``generate`` still starts from the prompt alone."""
+    import copy
+
+    head = model.get_output_embeddings()
+    device = model.device
+    total = float(torch.log_softmax(head(pre.hidden[-1:]).float(), dim=-1)[0, answer_ids[0]])
+    cache = copy.deepcopy(pre.cache)
+    for prev, nxt in zip(answer_ids[:-1], answer_ids[1:]):
+        out = model(input_ids=torch.tensor([[prev]], device=device), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        total += float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[nxt])
+    return total
 
 
 def eos_ids(model, tokenizer) -> set:

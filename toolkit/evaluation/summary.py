@@ -11,9 +11,14 @@ dense's values beside them, and the headline ``accuracy_rel_dense`` with its ``m
                                      cwe at 8K, so one lucky sample reads as 0.75 or 1.5)
     text                             metric "ppl": dense perplexity / the method's (1 = no loss)
 
-Curves: per (method, config, length) the headline averaged over tasks, achieved sparsity, top-1
-agreement and KL, left-joined to the bench rows of the same point: ``speedup_kernel`` (bench rows
-with task "kernel" or none), ``speedup_ttft`` (task "ttft") and ``speedup`` (kernel, else TTFT).
+Every accuracy and relative-accuracy cell carries its paired bootstrap 95% interval
+(``<stat>_lo``/``_hi``, evaluation/intervals.py), and ``answer_ll_delta`` the teacher-forced
+log-likelihood of the right answer relative to dense's (a low-noise companion of the score).
+
+Curves: per (method, config, length) the headline averaged over tasks with its interval,
+achieved prefill and decode sparsity, top-1 agreement and KL, left-joined to the bench rows of the
+same point: ``speedup_kernel`` (bench rows with task "kernel" or none), ``speedup_ttft`` (task
+"ttft") and ``speedup`` (kernel, else TTFT).
 """
 from __future__ import annotations
 
@@ -22,25 +27,37 @@ from pathlib import Path
 
 import polars as pl
 
+from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, cells
 from sparsecal.formats.errors import UserError
 
 KEYS = ["method", "config", "length"]
-MIN_DENSE_SCORE = 0.2  # dense's mean score below which an answer task has no relative accuracy
 BENCH_KIND = "sparsecal-bench"
 
 
+def _answer_ll(df: pl.DataFrame) -> pl.DataFrame:
+    """answer_ll_delta per row: its answer log-likelihood minus dense's on the same sample (null
+    for rows written before the teacher-forced answer was measured)."""
+    if "answer_logprob" not in df.columns:
+        return df.with_columns(pl.lit(None, pl.Float64).alias("answer_ll_delta"))
+    dense = df.filter(pl.col("label") == "dense").select("sample_id", pl.col("answer_logprob").alias("_ll_dense"))
+    return df.join(dense, on="sample_id", how="left").with_columns(
+        (pl.col("answer_logprob") - pl.col("_ll_dense")).alias("answer_ll_delta")).drop("_ll_dense")
+
+
 def summarize(rows: list[dict]) -> pl.DataFrame:
-    """Per (method, config, label, length, task) means of the row metrics, with dense's beside."""
-    df = pl.DataFrame(rows, infer_schema_length=None)
+    """Per (method, config, label, length, task) means of the row metrics, with dense's beside
+    and the paired bootstrap intervals."""
+    df = _answer_ll(pl.DataFrame(rows, infer_schema_length=None))
     agg = df.group_by(KEYS + ["label", "task"]).agg(
         pl.len().alias("samples"), pl.col("score").mean().alias("accuracy"),
         pl.col("correct").cast(pl.Float64).mean().alias("correct"), pl.col("kl").mean(),
         pl.col("top1").mean(), pl.col("nll").mean().exp().alias("ppl"),
-        pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(),
+        pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("answer_ll_delta").mean(),
         pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first())
     dense = agg.filter(pl.col("method") == "dense").select(
         "length", "task", pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
-    out = agg.join(dense, on=["length", "task"], how="left")
+    out = agg.join(dense, on=["length", "task"], how="left").join(
+        cells(rows)[0], on=["label", "length", "task"], how="left")
     text = pl.col("task") == "text"
     rel = (pl.when(text).then(pl.col("ppl_dense") / pl.col("ppl"))
            .when(pl.col("accuracy_dense") >= MIN_DENSE_SCORE).then(pl.col("accuracy") / pl.col("accuracy_dense"))
@@ -50,11 +67,23 @@ def summarize(rows: list[dict]) -> pl.DataFrame:
                             ).sort(["length", "task", "method", "config"])
 
 
-def result_rows(summary: pl.DataFrame) -> list[dict]:
-    """The dashboard's Accuracy-speedup rows (toolkit/formats/results.py) of the summary."""
-    cols = KEYS + ["task", "metric", "accuracy_rel_dense", "sparsity", "label", "samples", "accuracy",
-                   "accuracy_dense", "kl", "top1", "ppl", "held_out_task"]
-    return summary.select(cols).to_dicts()
+def points(summary: pl.DataFrame, rows: list[dict]) -> pl.DataFrame:
+    """Per (method, config, label, length): accuracy_rel_dense averaged over the tasks where it is
+    defined, with its paired bootstrap interval (null where no task defines it), the tasks
+    averaged, prefill and decode sparsity, top-1 and KL averaged over every task."""
+    acc = summary.group_by(KEYS + ["label"]).agg(
+        pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("top1").mean(), pl.col("kl").mean(),
+        pl.col("task").filter(pl.col("accuracy_rel_dense").is_not_null()).sort().str.join(",").alias("tasks"))
+    rel = cells(rows)[1].drop("tasks")
+    return acc.join(rel, on=["label", "length"], how="left").sort(KEYS)
+
+
+def result_rows(summary: pl.DataFrame, rows: list[dict]) -> list[dict]:
+    """The dashboard's Accuracy-speedup rows (toolkit/formats/results.py): one per (method,
+    config, length), the relative accuracy averaged over tasks with its 95% interval."""
+    cols = KEYS + ["label", "accuracy_rel_dense", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "sparsity",
+                   "decode_sparsity", "top1", "kl", "tasks"]
+    return points(summary, rows).select(cols).rename({"tasks": "task"}).to_dicts()
 
 
 def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
@@ -87,12 +116,9 @@ def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
     return pl.concat(frames) if frames else pl.DataFrame(), prov
 
 
-def curves(summary: pl.DataFrame, bench: pl.DataFrame) -> pl.DataFrame:
+def curves(summary: pl.DataFrame, bench: pl.DataFrame, rows: list[dict]) -> pl.DataFrame:
     """Accuracy per (method, config, length) left-joined to the bench speedups of that point."""
-    acc = summary.group_by(KEYS + ["label"]).agg(
-        pl.col("accuracy_rel_dense").mean(), pl.col("sparsity").mean(), pl.col("top1").mean(),
-        pl.col("kl").mean(),
-        pl.col("task").filter(pl.col("accuracy_rel_dense").is_not_null()).sort().str.join(",").alias("tasks"))
+    acc = points(summary, rows)
     if not bench.height:
         return acc.sort(KEYS)
     speed = bench.group_by(KEYS).agg(
@@ -109,3 +135,17 @@ def unmatched_bench(bench: pl.DataFrame, summary: pl.DataFrame) -> list[str]:
         return []
     miss = bench.select(KEYS).unique().join(summary.select(KEYS).unique(), on=KEYS, how="anti").sort(KEYS)
     return [f"{r['method']} {r['config']} @ {r['length']}" for r in miss.to_dicts()]
+
+
+def noise_floor(summary: pl.DataFrame) -> list[dict]:
+    """Per noise-floor method (evaluation/methods.py FLOORS) and length, over every task: top-1,
+    KL and relative accuracy against dense with intervals (top-1 and KL: the mean of the tasks'
+    values and of their interval ends, a conservative interval of the mean)."""
+    from sparsecal.evaluation.methods import FLOORS
+
+    f = summary.filter(pl.col("label").is_in(list(FLOORS)))
+    if not f.height:
+        return []
+    cols = [c for s in ("top1", "kl", "accuracy_rel_dense") for c in (s, f"{s}_lo", f"{s}_hi")]
+    out = f.group_by(["label", "length"]).agg(pl.col("samples").sum(), *[pl.col(c).mean() for c in cols])
+    return out.sort(["label", "length"]).to_dicts()

@@ -18,6 +18,10 @@ Row columns (the ones marked * are required, plus at least one of the two measur
     accuracy_rel_dense   float  task accuracy (or fidelity) divided by the dense model's, 1 = no loss
     speedup              float  dense time / sparse time, same inputs, same run (kernel or TTFT)
     sparsity             float  achieved sparsity counted in-kernel (optional)
+    decode_sparsity      float  the same for decode steps (optional)
+    accuracy_rel_dense_lo, accuracy_rel_dense_hi
+                         float  the 95% interval of accuracy_rel_dense (optional; `sparsecal eval`
+                                writes a paired bootstrap interval, drawn as error bars)
     task                 str    evaluation task (optional; accuracies are averaged over tasks)
     metric               str    what accuracy measures, e.g. "accuracy", "top1", "kl" (optional)
 
@@ -36,7 +40,7 @@ from sparsecal.formats.errors import UserError
 
 KEYS = ("method", "config", "length")
 MEASURES = ("accuracy_rel_dense", "speedup")
-OPTIONAL = ("sparsity",)
+OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi")
 KINDS = ("sparsecal-eval", "sparsecal-bench")
 PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
              "into DIR/curves.parquet) and `sparsecal bench --smollm2` on a GPU (speedup rows, "
@@ -80,8 +84,10 @@ def read_result_file(path: Path) -> pl.DataFrame:
 
 def curves(frames: list[pl.DataFrame]) -> pl.DataFrame:
     """Points of the accuracy-speedup chart: per (method, config, length) the mean of each measure
-    over all rows and files. Columns: KEYS, accuracy_rel_dense, speedup, sparsity (null when no
-    file has it), sources (files that contributed, comma-separated). Empty frames give no rows."""
+    over all rows and files. Columns: KEYS, accuracy_rel_dense, speedup, OPTIONAL (null when no
+    file has it), sources (files that contributed, comma-separated). Empty frames give no rows.
+    An evaluation writes one row per point (its interval belongs to that row); when several files
+    give one point an interval, the mean of their ends is shown."""
     cols = {"method": pl.Utf8, "config": pl.Utf8, "length": pl.Int64}
     num = {c: pl.Float64 for c in MEASURES + OPTIONAL}
     frames = [f.with_columns([pl.col(c).cast(pl.Float64) for c in MEASURES + OPTIONAL if c in f.columns])

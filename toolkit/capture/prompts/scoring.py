@@ -62,10 +62,15 @@ def is_correct(sample: PromptSample, text: str) -> bool:
     return True
 
 
+def answer_ids(tokenizer, sample: PromptSample) -> list[int]:
+    """The answer as the model would write it after the prompt: its parts joined by ', ' after a
+    space, as tokens (the teacher-forced answer of an evaluation)."""
+    return tokenizer(" " + ", ".join(answer_items(sample)), add_special_tokens=False)["input_ids"]
+
+
 def answer_budget(tokenizer, sample: PromptSample) -> int:
     """New tokens a greedy generation of ``sample``'s answer gets: the answer's own tokens (its
     parts joined by ', '), ``MARGIN_TOKENS``, and ``ITEM_TOKENS`` per part after the first."""
     items = answer_items(sample)
-    rendered = " " + ", ".join(items)
-    own = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    own = len(answer_ids(tokenizer, sample))
     return own + MARGIN_TOKENS + ITEM_TOKENS * max(len(items) - 1, 0)
