@@ -46,34 +46,89 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
         t.add_row(str(r["k"]), str(r["length"]), str(r["samples"]), f"{r['predicted']:.3f}", f"{r['measured']:.3f}",
                   "-" if r["measured_std"] != r["measured_std"] else f"{r['measured_std']:.3f}", f"{r['head_p10']:.3f}-{r['head_p90']:.3f}", f"{r['retained_mass_topk']:.4f}")
     out.print(t)
-    t = Table(title=f"BLASST lambda laws ({doc['request']['order']} order)")
-    for col in ("mode", "target", "a (a/L)", "R² (a/L)", "b (a·L^-b)", "R² (power)", "lengths in fit"):
+    print_bsfa_fitted(out, fit_dir, doc)
+    _print_laws(out, doc)
+    _print_held_out(out, fit_dir, doc)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None or x != x else f"{x:.3g}"
+
+
+def _print_laws(out, doc: dict) -> None:
+    """Per mode and target: a/L (deployed), a L^-b and A exp(B S)/L with R^2 in ln lambda, and the
+    lengths the deployed law holds on (sparsify runs dense below ``dense below``)."""
+    t = Table(title=f"BLASST lambda laws ({doc['request']['order']} order; R² in ln λ; a/L is deployed)")
+    for col in ("mode", "target", "a (a/L)", "R²", "a·L^-b: b", "R²", "A·e^(BS)/L: A, B", "R²",
+                "holds on (tokens)", "dense below"):
         t.add_column(col, justify="right")
     for c in doc["blasst"]:
-        p = c["power_law"] or {}
-        fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
-        t.add_row(c["mode"], f"{c['target']:g}", f"{c['a']:.4g}", fmt(c["law"]["r2"]), fmt(p.get("b")),
-                  fmt(p.get("r2")), ",".join(str(x["length"]) for x in c["per_length"] if x["in_fit"]))
+        laws, dep = c.get("laws", {}), c.get("deployed") or {}
+        p, e = laws.get("power") or {}, laws.get("exp") or {}
+        t.add_row(c["mode"], f"{c['target']:g}", f"{c['a']:.4g}", _fmt(c["law"]["r2"]), _fmt(p.get("b")),
+                  _fmt(p.get("r2")), f"{_fmt(e.get('A'))}, {_fmt(e.get('B'))}" if e else "-", _fmt(e.get("r2")),
+                  ",".join(map(str, dep.get("validated_lengths", []))), str(dep.get("dense_below", "-")))
     out.print(t)
-    ev = read_table(fit_dir, "blasst_eval")
-    if ev.height:
-        import polars as pl
 
-        ev = ev.filter(pl.col("order") == doc["request"]["order"])
-        agg = (ev.group_by(["mode", "target", "length", "method"])
-               .agg(pl.col("achieved").mean(), pl.col("achieved").std().alias("std"), pl.col("retained_mass").mean())
-               .sort(["mode", "target", "length", "method"], descending=[True, False, False, False]))
-        t = Table(title=f"BLASST achieved sparsity on {doc['validation']} samples: calibrated a/L vs fixed lambda")
-        for col in ("mode", "target", "tokens", "a/L: sparsity", "mass kept", "fixed: sparsity", "mass kept"):
-            t.add_column(col, justify="right")
-        rows = {}
-        for r in agg.iter_rows(named=True):
-            rows.setdefault((r["mode"], r["target"], r["length"]), {})[r["method"]] = r
-        for (mode, target, n), m in rows.items():
-            cal, fix = m.get("a/L"), m.get("fixed")
-            t.add_row(mode, f"{target:g}", str(n), f"{cal['achieved']:.3f}", f"{cal['retained_mass']:.4f}",
-                      f"{fix['achieved']:.3f}", f"{fix['retained_mass']:.4f}")
-        out.print(t)
+
+def _print_held_out(out, fit_dir: Path, doc: dict) -> None:
+    """Held-out sparsity (reachable and candidate tiles) and its error per law, and the deployed
+    a/L under the runtime policy with its retained mass."""
+    import polars as pl
+
+    from sparsecal.analysis.tables import read_table
+
+    ev = read_table(fit_dir, "blasst_eval")
+    if not ev.height:
+        return
+    ev = ev.filter(pl.col("order") == doc["request"]["order"])
+    agg = (ev.group_by(["mode", "target", "length", "method"])
+           .agg(pl.col("achieved").mean(), pl.col("achieved_candidates").mean(), pl.col("error").mean(),
+                pl.col("retained_mass").mean(), pl.col("dense").all(), pl.col("saturated").all())
+           .sort(["mode", "target", "length"], descending=[True, False, False]))
+    t = Table(title=f"BLASST on {doc['validation']} samples: error = achieved - target per law; deployed = a/L as "
+                    "sparsify runs it (dense below the validated lengths and where a/L > 1)")
+    for col in ("mode", "target", "tokens", "a/L err", "a·L^-b err", "A·e^(BS)/L err", "fixed err",
+                "deployed: sparsity", "of candidates", "mass kept"):
+        t.add_column(col, justify="right")
+    rows: dict = {}
+    for r in agg.iter_rows(named=True):
+        rows.setdefault((r["mode"], r["target"], r["length"]), {})[r["method"]] = r
+    for (mode, target, n), m in rows.items():
+        err = [(f"{m[k]['error']:+.3f}" + (" (all)" if m[k]["saturated"] else "")) if k in m else "-"
+               for k in ("a/L", "power", "exp", "fixed")]
+        d = m.get("deployed")
+        dep = ["dense", "-", "1.0000"] if d and d["dense"] else [f"{d['achieved']:.3f}", f"{d['achieved_candidates']:.3f}",
+                                                                  f"{d['retained_mass']:.4f}"] if d else ["-"] * 3
+        t.add_row(mode, f"{target:g}", str(n), *err, *dep)
+    out.print(t)
+
+
+def print_bsfa_fitted(out, fit_dir: Path, doc: dict) -> None:
+    """BSFA under the fitted (exported) thresholds: retained mass prefill and decode, and decode
+    density with thresholds calibrated on decode rows (fits made before these tables: nothing)."""
+    from sparsecal.analysis.tables import read_table
+
+    if not (fit_dir / "bsfa_retained.parquet").is_file():
+        return
+    ret = read_table(fit_dir, "bsfa_retained")
+    dec = read_table(fit_dir, "bsfa_decode") if (fit_dir / "bsfa_decode.parquet").is_file() else None
+    if not ret.height:
+        return
+    by = {(r["phase"], r["k"], r["length"]): r for r in ret.iter_rows(named=True)}
+    dd = {(r["k"], r["length"]): r for r in dec.iter_rows(named=True)} if dec is not None and dec.height else {}
+    t = Table(title=f"BSFA under the fitted thresholds ({doc['validation']}): mass kept, decode density "
+                    "(decode thresholds calibrated on decode rows; * = lower bound)")
+    for col in ("k", "tokens", "prefill mass kept", "decode predicted", "decode measured", "decode mass kept",
+                "decode mass kept (top-k)"):
+        t.add_column(col, justify="right")
+    mark = lambda r: "-" if r is None else f"{r['retained_mass']:.4f}" + ("*" if r["bound_positions"] else "")  # noqa: E731
+    for k, n in sorted({(k, n) for _, k, n in by}):
+        d = dd.get((k, n))
+        t.add_row(str(k), str(n), mark(by.get(("prefill", k, n))), "-" if d is None else f"{d['predicted']:.3f}",
+                  "-" if d is None else f"{d['measured']:.3f}", mark(by.get(("decode", k, n))),
+                  "-" if d is None else f"{d['retained_mass_topk']:.4f}")
+    out.print(t)
 
 
 def export_command(run: Path, out: Path, target, max_length, force: bool = False, formats=(), patch_config=None,
