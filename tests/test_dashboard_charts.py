@@ -251,3 +251,15 @@ def test_export_lambda_chart_from_blasst_json():
     exported = next(t for t in fig.data if t.name == "prefill: exported")
     f = doc["threshold_scale_factor"]["prefill"]
     np.testing.assert_allclose(np.array(exported.y) * np.array(exported.x), f, rtol=1e-9)
+
+
+def test_accuracy_speedup_error_bars_from_the_interval(tmp_path):
+    """An evaluation row's 95% interval becomes an asymmetric error bar on its point."""
+    (tmp_path / "eval.json").write_text(json.dumps({"kind": "sparsecal-eval", "rows": [
+        {"method": "bsfa", "config": "k=2", "length": 512, "accuracy_rel_dense": 0.9,
+         "accuracy_rel_dense_lo": 0.8, "accuracy_rel_dense_hi": 0.95}]}))
+    (tmp_path / "bench.json").write_text(json.dumps({"kind": "sparsecal-bench", "rows": [
+        {"method": "bsfa", "config": "k=2", "length": 512, "speedup": 1.5}]}))
+    pts = results.curves([results.read_result_file(p) for p in results.result_files([tmp_path])])
+    trace = next(t for t in charts_run.accuracy_speedup(pts).data if t.name == "bsfa @ 512")
+    assert trace.error_y.array == pytest.approx((0.05,)) and trace.error_y.arrayminus == pytest.approx((0.1,))
