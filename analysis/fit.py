@@ -16,6 +16,7 @@
       blasst_heads.parquet          per layer x head sparsity at the calibrated lambda
       blasst_curves.parquet         sparsity(lambda) and retained mass(lambda) per length
       stab_where / stab_tstar / qinit / qinit_hist .parquet   stabilization (VFA)
+      stab_rescale(_hist) / stab_shortfall(_hist) .parquet   running-max rescales and shortfall per order
 
 Samples are read one at a time: calibration samples first (thresholds, histograms), then the
 held-out ones are measured against what was fitted.
@@ -31,7 +32,7 @@ import numpy as np
 
 from sparsecal.analysis import blasst_fit as B
 from sparsecal.analysis import blasst_laws as BL
-from sparsecal.analysis import bsfa, stabilization
+from sparsecal.analysis import bsfa, bsfa_decode, stabilization
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
@@ -68,7 +69,9 @@ class _State:
     where: dict = field(default_factory=dict)
     tstar: dict = field(default_factory=dict)
     qinit: dict = field(default_factory=dict)
+    rescale: stabilization.RescaleSums = field(default_factory=stabilization.RescaleSums)
     bsfa_eval: dict = field(default_factory=dict)                           # length -> [per-sample dict]
+    dec: bsfa_decode.DecodeStep | None = None                               # BSFA decode thresholds, retained mass
 
 
 def check_request(req: FitRequest, cfg: StatsConfig) -> list[int]:
@@ -107,6 +110,7 @@ def _add_stab(st: _State, arrays: dict, length: int) -> None:
     for name, acc in (("tstar_where", st.where), ("tstar_hist", st.tstar), ("qinit_count", st.qinit)):
         a = arrays[name].astype(np.int64)
         acc[length] = acc[length] + a if length in acc else a
+    st.rescale.add(arrays, length)
 
 
 def _measure_bsfa(st: _State, thr: np.ndarray, arrays: dict, length: int, ks: list) -> None:
@@ -127,27 +131,31 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     split = split_samples(finished_records(store, warn, req.strict), req.holdout, req.seed, str(store.root))
     warnings = _k_warnings(ks, split.lengths, cfg)
     st = _State(cfg, kidx, bsfa.ThresholdAccumulator(req.aggregation))
+    st.dec = bsfa_decode.DecodeStep(cfg, kidx, req.aggregation)
     evals = list(split.test) or list(split.train)
     total, done = len(split.train) + len(evals), 0
     for rec in split.train:
-        a = load_arrays(store, rec, CAL_KEYS)
+        a = load_arrays(store, rec, CAL_KEYS, stabilization.RESCALE_KEYS)
         st.thr.add(a["bsfa_threshold"][..., kidx])
+        st.dec.add_sample(store, rec)
         _add_hists(st, a, rec["length"], [st.train, st.pooled], held=False)
         _add_stab(st, a, rec["length"])
         done += 1
         progress and progress(done, total, rec)
     thr = st.thr.result()
+    st.dec.finish(thr.shape[-1], warn)
     cals = _calibrate(st, req, cfg, warnings)
     for w in warnings:  # only once nothing is refused
         warn(w)
     for rec in evals:
-        a = load_arrays(store, rec, EVAL_KEYS)
+        a = load_arrays(store, rec, EVAL_KEYS, stabilization.RESCALE_KEYS)
         if split.test:
             _add_hists(st, a, rec["length"], [st.pooled], held=True)
             _add_stab(st, a, rec["length"])
         else:  # in-sample validation: histograms were pooled in the first pass
             _add_hists(st, a, rec["length"], [], held=True)
         _measure_bsfa(st, thr, a, rec["length"], ks)
+        st.dec.measure_sample(store, rec, thr, ks)
         done += 1
         progress and progress(done, total, rec)
     return _write(store, req, st, split, thr, ks, cals, warnings)
@@ -190,7 +198,7 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
     out.mkdir(exist_ok=True)
     cfg = st.cfg
     edges = cfg.gap_edges()
-    tables.write_thresholds(out, thr, ks, store.manifest, split)
+    tables.write_thresholds(out, thr, ks, store.manifest, split, extra=st.dec.arrays())
     tables.write_gap_cum(out, st.pooled, edges, cfg.orders, B.CURVE_STRIDE)
     label = "held-out" if split.test else "in-sample"
     laws = BL.fit_laws([c for _, c in cals])  # a/L, a L^-b, A exp(B S)/L: analysis/blasst_laws.py
@@ -209,6 +217,8 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
         "stab_tstar": stabilization.tstar_rows(st.tstar, cfg.orders),
         "qinit": stabilization.qinit_rows(st.qinit, cfg.qinit_edges()),
         "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges()),
+        **st.dec.frames(ks, label),
+        **stabilization.rescale_frames(st.rescale, cfg.orders, cfg.shortfall_edges()),
     }
     layers = captured_layers(store.manifest)
     for name, rows in frames.items():

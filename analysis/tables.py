@@ -42,12 +42,14 @@ def write_json(path: Path, doc: dict) -> None:
     atomic_write_text(path, json.dumps(doc, indent=1))
 
 
-def write_thresholds(out: Path, thr: np.ndarray, ks, manifest: dict, split) -> None:
-    """The aggregated BSFA thresholds [K, L, H, P] with what export needs to describe them."""
+def write_thresholds(out: Path, thr: np.ndarray, ks, manifest: dict, split, extra: dict | None = None) -> None:
+    """The aggregated BSFA thresholds [K, L, H, P] with what export needs to describe them; ``extra``:
+    more arrays (the decode thresholds [K, L, H, P] f32 and their calibrated positions, bsfa_decode)."""
     meta = {"schema_version": SCHEMA_VERSION, "model": manifest["model"]["id"],
             "k_values": json.dumps(list(ks)), "samples": len(split.train),
             "lengths": json.dumps(sorted({r["length"] for r in split.train}))}
     arrays = {"thresholds": np.ascontiguousarray(thr, np.float32), "k_values": np.array(list(ks), dtype=np.int64)}
+    arrays.update(extra or {})
     save_arrays(out / THRESHOLDS, arrays, metadata=meta)
 
 

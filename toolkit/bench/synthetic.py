@@ -11,7 +11,8 @@ Per sample of length n, every (layer, head):
   candidate and reachable tiles; above 0 counts as gap == 0) so that lambda_best(S, n) = A exp(B S) n^-b
   exactly for every target S <= C / R, prefill and decode alike: the a/L, a L^-b and A exp(B S) / L
   laws then have known parameters (b = 1: all three hold; b != 1: only the power law does);
-- stabilization and Q-init histograms: random counts (no known answer, shape only).
+- stabilization, Q-init, rescale and shortfall histograms: random counts (no known answer, shape
+  only; the analysis is checked against these counts read back).
 
 Shape legend: L layers, H heads, P query blocks, K k values, T top maxima, O orders, NG gap bins.
 """
@@ -59,12 +60,12 @@ def _top_normals(rng, cand: np.ndarray, t_len: int, lead: tuple) -> np.ndarray:
 
 
 def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: float, a_decode: float,
-                    target: float, law: tuple | None = None) -> dict[str, torch.Tensor]:
+                    target: float, law: tuple | None = None, exact_bsfa: bool = False) -> dict[str, torch.Tensor]:
     """One sample's statistics in the run format (see the module docstring)."""
     cand, reach = block_counts(n, cfg.block_m, cfg.block_n)
     p, ks = len(cand), cfg.k_values
     t_len = max(1, min(cfg.top_count, int(cand.max())))
-    top = _top_normals(rng, cand, t_len, (layers, heads))
+    top = _top_values(rng, cand, t_len, (layers, heads), exact_bsfa)
     thr = np.full((layers, heads, p, len(ks)), -np.inf)
     for i, k in enumerate(ks):
         ok = cand > k
@@ -88,9 +89,14 @@ def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: f
                                                       (layers, heads, p, len(ks))).copy()).int(),
         "bsfa_skipped_mass": torch.from_numpy(rng.uniform(0, 0.1, (layers, heads, p, len(ks)))).float(),
         "bsfa_top_bmax": torch.from_numpy(top).float(),
+        **_bsfa_mass(top, cand, reach), **_decode_bsfa(rng, n, cfg, (layers, heads), exact_bsfa),
         "tstar_where": torch.from_numpy(rng.integers(0, 50, (layers, heads, o, 3))).int(),
         "tstar_hist": torch.from_numpy(rng.integers(0, 50, (layers, heads, o, cfg.tstar_bins))).int(),
         "qinit_count": torch.from_numpy(rng.integers(0, 5, (layers, heads, len(cfg.qinit_edges()) + 1))).int(),
+        "rescale_count": torch.from_numpy(rng.integers(0, 50, (layers, heads, o, cfg.rescale_bins))).int(),
+        "rescale_excess": torch.from_numpy(rng.integers(0, 20, (layers, heads, o))).int(),
+        "shortfall_count": torch.from_numpy(
+            rng.integers(0, 5, (layers, heads, o, 2, len(cfg.shortfall_edges()) + 1))).int(),
         "candidates": torch.from_numpy(cand), "reachable": torch.from_numpy(reach),
         "input_ids": torch.from_numpy(rng.integers(0, 1000, n)).int(),
     })
@@ -107,9 +113,49 @@ def _gap_cdf(n: int, a: float, target: float, ratio: float, law: tuple | None):
     return lambda x: np.clip((x - lo) / width, 0.0, 1.0)
 
 
+def _top_values(rng, cand: np.ndarray, t_len: int, lead: tuple, exact: bool) -> np.ndarray:
+    """[*lead, X, T] sorted candidate maxima: normal order statistics, or with ``exact`` the same
+    values -0, -1, -2, ... at every position of every sample (-inf padded), so the fitted thresholds
+    are every sample's own and the measured density equals the predicted one."""
+    if not exact:
+        return _top_normals(rng, cand, t_len, lead)
+    vals = np.where(np.arange(t_len)[None, :] < cand[:, None], -np.arange(t_len, dtype=np.float64)[None, :], -np.inf)
+    return np.broadcast_to(vals, lead + vals.shape).copy()
+
+
+def _bsfa_mass(top: np.ndarray, cand: np.ndarray, reach: np.ndarray, prefix: str = "") -> dict:
+    """bsfa_top_mass [*lead, X, T] and bsfa_cand_mass [*lead, X]: every reachable tile of a position
+    weighs 1 / reachable (as the gap histograms' masses)."""
+    w = (1.0 / reach)[:, None]
+    return {f"{prefix}bsfa_top_mass": torch.from_numpy(np.where(np.isfinite(top), w, 0.0)).float(),
+            f"{prefix}bsfa_cand_mass": torch.from_numpy(np.broadcast_to(cand / reach, top.shape[:-1]).copy()).float()}
+
+
+def _decode_bsfa(rng, n: int, cfg: StatsConfig, lead: tuple, exact: bool) -> dict:
+    """The decode rows' BSFA keys (reduce_reference.decode_bsfa_reduce's), row r its own block with
+    A_r = r // BN candidates drawn as the prefill ones; own threshold, kept min(k, A_r), skipped mass
+    (A_r - kept) / (A_r + 1)."""
+    rows = np.arange(max(n - cfg.decode_rows, 0), n)
+    cand, ks = rows // cfg.block_n, np.array(cfg.k_values)
+    t_len = max(1, min(cfg.top_count, (n - 1) // cfg.block_n))
+    top = _top_values(rng, cand, t_len, lead, exact)
+    thr = np.full(lead + (len(rows), len(ks)), -np.inf)
+    for i, k in enumerate(ks):
+        ok = cand > k
+        if k < t_len:
+            thr[..., ok, i] = (top[..., ok, k - 1] + top[..., ok, k]) / 2
+    kept = np.minimum(ks[None], cand[:, None])
+    skipped = (cand[:, None] - kept) / (cand[:, None] + 1.0)
+    full = lambda x: torch.from_numpy(np.broadcast_to(x, lead + x.shape).copy())  # noqa: E731
+    return {"decode_bsfa_threshold": torch.from_numpy(thr).float(), "decode_bsfa_kept": full(kept).int(),
+            "decode_bsfa_skipped_mass": full(skipped).float(), "decode_bsfa_top_bmax": torch.from_numpy(top).float(),
+            **_bsfa_mass(top, cand, cand + 1, "decode_")}
+
+
 def write_synthetic_run(root: Path, lengths, samples: int, layers: int = 2, heads: int = 2, a: float = 300.0,
                         a_decode: float = 30.0, target: float = 0.5, seed: int = 0,
-                        cfg: StatsConfig | None = None, progress=None, law: tuple | None = None):
+                        cfg: StatsConfig | None = None, progress=None, law: tuple | None = None,
+                        exact_bsfa: bool = False):
     """A run directory of ``samples`` synthetic samples per length; returns the RunStore. ``law``:
     (A, B, b) for gaps with lambda_best(S, n) = A exp(B S) n^-b (module docstring)."""
     from sparsecal.formats.run import RunStore
@@ -125,7 +171,7 @@ def write_synthetic_run(root: Path, lengths, samples: int, layers: int = 2, head
             records.append(rec)
     store.plan(records)
     for i, rec in enumerate(records):
-        stats = synthetic_stats(rng, rec["length"], cfg, layers, heads, a, a_decode, target, law)
+        stats = synthetic_stats(rng, rec["length"], cfg, layers, heads, a, a_decode, target, law, exact_bsfa)
         store.write_sample(dict(rec, seconds=0.0, backend="synthetic"), stats)
         if progress:
             progress(i + 1, len(records))
