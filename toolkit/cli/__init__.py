@@ -286,7 +286,7 @@ def eval_(
     lengths: Optional[str] = typer.Option(None, help=f"Prompt lengths in tokens (default: {DEFAULT_LENGTHS})."),
     samples: Optional[int] = typer.Option(None, min=1, help="Samples per task and length (default: 1)."),
     seed: Optional[int] = typer.Option(None, help="Base seed of the evaluation prompts, disjoint from calibration's (default: 1009)."),
-    methods: Optional[str] = typer.Option(None, help="dense | bsfa:K[,K...] | blasst:T[,T...] | window:B[,B...], joined by commas (default: dense); dense always runs."),
+    methods: Optional[str] = typer.Option(None, help="dense | sdpa | bsfa:K[:dense|topk|thresholds][,K...] | blasst:T[:sparse|dense][,T...] | window:B[:sparse|dense][,B...], joined by commas (default: dense); dense (the kernels, skipping off) and dense:fp32 always run; the third field is the decode mode (bsfa decodes dense by default, :dense makes blasst/window prefill-only)."),
     dtype: Optional[str] = typer.Option(None, help="Model dtype: float32, bfloat16 or float16 (default: float32)."),
     device: Optional[str] = typer.Option(None, help="torch device for the model (default: cpu)."),
     reuse_last_threshold: Optional[bool] = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) (default: no)."),
