@@ -79,11 +79,12 @@ def decode_reachable(length: int, cfg: StatsConfig) -> int:
     return int((rows // cfg.block_n + 1).sum())
 
 
-def load_arrays(store, record: dict, keys) -> dict[str, np.ndarray]:
-    """The named statistics of one sample as numpy arrays (float tensors keep their dtype)."""
-    _, tensors = store.load_sample(record["id"], keys=keys)
+def load_arrays(store, record: dict, keys, optional=()) -> dict[str, np.ndarray]:
+    """The named statistics of one sample as numpy arrays (float tensors keep their dtype), and
+    those of ``optional`` the sample has (statistics older captures lack)."""
+    _, tensors = store.load_sample(record["id"], keys=tuple(keys) + tuple(optional))
     missing = [k for k in keys if k not in tensors]
     if missing:
         raise UserError(f"sample {record['id']} of {store.root} lacks {', '.join(missing)}; "
                         "it was captured by an incompatible sparsecal: capture the run again.")
-    return {k: tensors[k] for k in keys}
+    return {k: tensors[k] for k in tuple(keys) + tuple(optional) if k in tensors}

@@ -29,17 +29,17 @@ def capped(s, softcap):
 
 
 def near_tie_rows(q, k, scale, bn, softcap=0.0, tol=1e-4):
-    """[H, N] bool: rows whose two largest block maxima of the (capped) float64 scores lie within
-    tol, where t* may legitimately differ. q [1, H, N, D], k [1, Hkv, N, D] tensors."""
+    """[H, N] bool: rows where some two block maxima of the (capped) float64 scores lie within tol,
+    where t* (the two largest) or a rescale count (any two) may legitimately differ.
+    q [1, H, N, D], k [1, Hkv, N, D] tensors."""
     group = q.shape[1] // k.shape[1]
     s = capped(scale * q[0].double() @ k[0].double().repeat_interleave(group, 0).transpose(1, 2), softcap)
     n = s.shape[-1]
     s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), NEG)
     s = torch.nn.functional.pad(s, (0, -n % bn), value=NEG)
-    top = s.view(s.shape[0], n, -1, bn).amax(-1).topk(min(2, -(-n // bn)), dim=-1).values
-    if top.shape[-1] < 2:
-        return torch.zeros(s.shape[:2], dtype=torch.bool)
-    return (top[..., 0] - top[..., 1]) < tol
+    srt = s.view(s.shape[0], n, -1, bn).amax(-1).sort(dim=-1, descending=True).values
+    a, b = srt[..., :-1], srt[..., 1:]
+    return (torch.isfinite(b) & ((a - b) < tol)).any(-1)
 
 
 def _blocks(i, n, bm, bn):
@@ -84,6 +84,25 @@ def _scan(rm, rows, blocks_in_order):
     return gap, tstar
 
 
+def _rescales(rm, rows, seq, n_local, tol=1e-4):
+    """Per row of one order: (rescales: steps after which the running max rose from a finite value,
+    shortfall after the first block, shortfall after the first n_local blocks, near: some block max
+    within tol of the running max before it, where a float32 count may differ)."""
+    out = {}
+    for r in rows:
+        final = max(rm[r, j] for j in seq)
+        running, count, near, after = NEG, 0, False, []
+        for j in seq:
+            x = rm[r, j]
+            if x > NEG and running > NEG:
+                count += x > running
+                near |= abs(x - running) < tol
+            running = max(running, x)
+            after.append(running)
+        out[r] = (count, final - after[0], final - after[n_local - 1], near)
+    return out
+
+
 def brute_force(q, k, v, scale, bm, bn, orders, decode_rows, softcap=0.0):
     """q [H, N, D], k/v [Hkv, N, D] numpy arrays; softcap c > 0 caps every score (module
     docstring). Returns a dict of float64 arrays shaped like the reference TileStats fields (-inf
@@ -96,7 +115,8 @@ def brute_force(q, k, v, scale, bm, bn, orders, decode_rows, softcap=0.0):
         "gap": np.full((h, len(orders), p, kb), NEG), "tstar_step": np.zeros((h, len(orders), n), int),
         "tstar_where": np.zeros((h, len(orders), n), int), "qinit_err": np.zeros((h, n)),
         "out": np.zeros(q.shape), "cand": np.zeros(p, int),
-        "near_tie": np.zeros((h, n), bool),
+        "near_tie": np.zeros((h, n), bool), "rescales": np.zeros((h, len(orders), n), int),
+        "shortfall": np.zeros((h, len(orders), 2, n)), "near_record": np.zeros((h, len(orders), n), bool),
     }
     for hh in range(h):
         kk, vv = k[hh // group].astype(np.float64), v[hh // group].astype(np.float64)
@@ -126,6 +146,11 @@ def brute_force(q, k, v, scale, bm, bn, orders, decode_rows, softcap=0.0):
                     j = seq[step]
                     res["tstar_step"][hh, o, r] = step
                     res["tstar_where"][hh, o, r] = 0 if j == 0 else (1 if j not in cand else 2)
+                n_local = len({0} | {j for j in reach if j not in cand})  # the sink and the diagonal blocks
+                for r, (count, first, local, near) in _rescales(rm, rows, seq, n_local).items():
+                    res["rescales"][hh, o, r] = count
+                    res["shortfall"][hh, o, :, r] = first, local
+                    res["near_record"][hh, o, r] = near
             for r in rows:
                 bm_r = sorted((rm[r, j] for j in reach), reverse=True)
                 res["near_tie"][hh, r] = len(bm_r) > 1 and bm_r[0] - bm_r[1] < 1e-4

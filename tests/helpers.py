@@ -93,6 +93,8 @@ def check_sample_tensors(t, n, cfg, layers, heads):
     assert (t["gap_count"].sum(-1) == int(cand.sum())).all()
     assert (t["tstar_where"].sum(-1) == n).all() and (t["tstar_hist"].sum(-1) == n).all()
     assert (t["qinit_count"].sum(-1) == n).all()
+    assert (t["rescale_count"].sum(-1) == n).all() and (t["shortfall_count"].sum(-1) == n).all()
+    assert t["rescale_excess"].shape == (layers, heads, o) and (t["rescale_excess"] >= 0).all()
     rows = torch.arange(max(n - cfg.decode_rows, 0), n)
     assert (t["decode_gap_count"].sum(-1) == int((rows // cfg.block_n).sum())).all()
     # the mass of a query block's tiles sums to 1; candidates hold part of it

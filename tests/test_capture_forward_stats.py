@@ -27,8 +27,9 @@ CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
 
 
 def check_order(got, ref_out, r, o, ties, dtype):
-    """got: instrumented_forward_triton's tuple; r: the reference TileStats; o: order index."""
-    out, lse, bmax, gap, tstep, twhere, qerr = got
+    """got: instrumented_forward_triton's tuple; r: the reference TileStats; o: order index.
+    t*, rescales and the shortfall's zeros exact away from (near) ties of two block maxima."""
+    out, lse, bmax, gap, tstep, twhere, qerr, resc, short = got
     torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=OUT_RTOL[dtype])
     assert_same_floats(bmax, r.bmax, 1e-4, "bmax")
     assert_same_floats(gap, r.gap[:, o], 1e-4, "gap")
@@ -37,6 +38,14 @@ def check_order(got, ref_out, r, o, ties, dtype):
     ok = ~ties
     assert torch.equal(tstep[ok].long(), r.tstar_step[:, o][ok]), "tstar_step differs away from ties"
     assert torch.equal(twhere[ok], r.tstar_where[:, o][ok]), "tstar_where differs away from ties"
+    assert resc.dtype == torch.int32 and short.shape == r.shortfall[:, o].shape
+    assert torch.equal(resc[ok].long(), r.rescales[:, o][ok]), "rescales differ away from ties"
+    want = r.shortfall[:, o]
+    assert torch.equal(torch.isposinf(short), torch.isposinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(short[fin], want[fin], atol=1e-4, rtol=1e-4)
+    z = ok[:, None, :].expand_as(want)
+    assert torch.equal(short[z] == 0, want[z] == 0), "already-final rows differ away from ties"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-kv{c[1]}-g{c[2]}-D{c[3]}-{c[4]}x{c[5]}-{str(c[6])[6:]}")

@@ -111,15 +111,31 @@ def check_against_bruteforce(case, seed, softcap=0.0):
     assert exact.mean() > 0.95
     assert np.array_equal(t.tstar_step.numpy()[exact], bf["tstar_step"][exact])
     assert np.array_equal(t.tstar_where.numpy()[exact], bf["tstar_where"][exact])
+    check_rescales(t, bf)
     cand, _ = block_counts_torch(n, bm, bn)
     assert cand.tolist() == bf["cand"].tolist()
     check_reductions(reduce_tiles(t, n, cfg), bf, cfg, n)
     return t
 
 
-def edge_tolerant_hist_check(counts, values, edges):
-    """Histogram from the oracle's values; bins may differ only for values within 1e-4 of an edge."""
-    idx = np.searchsorted(edges, values, side="right")
+def check_rescales(t, bf):
+    """Rescales exact away from near records (a block max within 1e-4 of the running max before
+    it); shortfall within float tolerance, +inf exactly where the oracle's is."""
+    exact = ~bf["near_record"]
+    assert exact.mean() > 0.95
+    assert t.rescales.dtype == torch.int64 and t.rescales.shape == bf["rescales"].shape
+    assert np.array_equal(t.rescales.numpy()[exact], bf["rescales"][exact])
+    sf, want = t.shortfall.numpy().astype(np.float64), bf["shortfall"]
+    assert sf.shape == want.shape and np.array_equal(np.isposinf(sf), np.isposinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(sf[fin], want[fin], atol=1e-4, rtol=1e-4)
+    assert np.array_equal(sf[fin] == 0, want[fin] == 0)  # "already final" is exact
+
+
+def edge_tolerant_hist_check(counts, values, edges, side="right"):
+    """Histogram from the oracle's values; bins may differ only for values within 1e-4 of an edge
+    (side "right": bucketize(right=True), "left": right=False)."""
+    idx = np.searchsorted(edges, values, side=side)
     expect = np.bincount(idx, minlength=len(edges) + 1)
     near = np.min(np.abs(values[:, None] - edges[None, :]), axis=1) < 1e-4 if len(values) else []
     assert counts.sum() == len(values)
@@ -144,10 +160,62 @@ def check_reductions(red, bf, cfg, n):
             edge_tolerant_hist_check(red["decode_gap_count"][hh, oo].numpy(), bf["dec_gap"][hh, oo][dcm], edges)
             assert red["tstar_where"][hh, oo].sum() == n
             assert red["tstar_hist"][hh, oo].sum() == n
+            check_rescale_hist(red, bf, cfg, hh, oo)
     assert red["qinit_count"].sum() == h * n
     skipped_plus_kept = red["bsfa_skipped_mass"] >= 0
     assert bool(skipped_plus_kept.all())
     assert red["raw_bmax"].dtype == torch.float16
+
+
+def check_rescale_hist(red, bf, cfg, hh, oo):
+    """rescale_count / rescale_excess / shortfall_count of one (head, order) from the oracle's rows."""
+    want = bf["rescales"][hh, oo]
+    top = cfg.rescale_bins - 1
+    near = int(bf["near_record"][hh, oo].sum())
+    got = red["rescale_count"][hh, oo].numpy()
+    assert np.abs(got - np.bincount(np.minimum(want, top), minlength=top + 1)).sum() <= 2 * near
+    assert abs(int(red["rescale_excess"][hh, oo]) - int(np.maximum(want - top, 0).sum())) <= near
+    for x in range(2):
+        sf = bf["shortfall"][hh, oo, x]
+        edge_tolerant_hist_check(red["shortfall_count"][hh, oo, x].numpy(), sf, cfg.shortfall_edges(), side="left")
+        assert int(red["shortfall_count"][hh, oo, x, 0]) == int((sf == 0).sum())
+
+
+def ridge_qkv(n, hkv, group, d, peak, seed):
+    """Scores that rise block by block toward key ``peak`` and fall after it (plus noise): a row
+    past the peak sets a new running max at every block up to it in forward order, at every
+    block down to it in reverse order, and only among the later candidates in sink_local order."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(n, dtype=torch.float32)
+    k = 0.3 * torch.randn(1, hkv, n, d, generator=g) / math.sqrt(d)
+    k[..., 0] += (-0.05 * (t - peak).abs())[None, None]
+    q = 0.3 * torch.randn(1, hkv * group, n, d, generator=g) / math.sqrt(d)
+    q[..., 0] += math.sqrt(d)  # scale * q . k ~ -0.05 |t - peak|
+    return q, k, torch.randn(1, hkv, n, d, generator=g)
+
+
+@pytest.mark.parametrize("n,bm,bn", [(333, 64, 32), (250, 80, 48)])
+def test_rescales_and_shortfall_depend_on_the_order(n, bm, bn, seed):
+    """Rescales and shortfall against the float64 oracle on a ridge input (GQA 3, ragged lengths),
+    where the three orders differ in both, while the where-category shares agree."""
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=ORDERS, k_values=(1,), decode_rows=1, rescale_bins=3)
+    q, k, v = ridge_qkv(n, 1, 3, 64, n // 3, seed)
+    _, t = instrumented_attention(q, k, v, 0.125, cfg)
+    bf = brute_force(q[0].numpy(), k[0].numpy(), v[0].numpy(), 0.125, bm, bn, ORDERS, 1)
+    check_rescales(t, bf)
+    red = reduce_tiles(t, n, cfg)
+    for hh in range(3):
+        for oo in range(3):
+            check_rescale_hist(red, bf, cfg, hh, oo)
+    assert red["rescale_excess"].sum() > 0  # some rows past the last bin: the excess keeps the mean
+    mean = t.rescales.double().mean(dim=(0, 2))
+    assert len({round(float(x), 3) for x in mean}) >= 2, mean
+    local_mean = t.shortfall[:, :, 1].clamp(max=1e3).double().mean(dim=(0, 2))  # +inf: reverse rows seeing nothing
+    assert len({round(float(x), 3) for x in local_mean}) == 3, local_mean
+    late = torch.arange(n) >= n // 3 + 2 * bm  # rows well past the peak: the sink and local blocks miss it
+    local = t.shortfall[:, :, 1, late]
+    assert float((local[:, 2] > 0).float().mean()) > 0.5 and bool((local[:, 1] >= 0).all())
+    assert torch.equal(red["tstar_where"][:, 0], red["tstar_where"][:, 1])
 
 
 def test_thresholds_applied_back_keep_exactly_k(seed):

@@ -4,6 +4,7 @@
 (soft-capped like the scores when SOFTCAP).
 ``tile_offsets``: where each query block's tiles start in the packed per-row scratch.
 ``edge_args``: the gap and Q-init bin edges on the device, with (lo, 1/step, count).
+``shortfall_args``: the negated, reversed shortfall edges on the device, with (lo, 1/step, count).
 ``pick``: [H, 3, ...] in geometry.ORDERS -> [H, O, ...] in the configured orders.
 ``hist_keys``: the in-kernel [H, W] histogram rows (HistLayout) as reduce_reference's keys.
 
@@ -73,6 +74,20 @@ def edge_args(cfg: StatsConfig, device) -> tuple:
 
 
 @functools.lru_cache(maxsize=16)
+def _shortfall_table(hi, step, device) -> torch.Tensor:
+    edges = StatsConfig(shortfall_hi=hi, shortfall_step=step).shortfall_edges()
+    return torch.from_numpy(-edges[::-1].copy()).to(device)
+
+
+def shortfall_args(cfg: StatsConfig, device) -> tuple:
+    """(-edges[::-1] as an f64 table cached on the device, -shortfall_hi, 1/step, count): the
+    shortfall bins of reduce_reference.rescale_reduce through tilestats.bucket's right=True rule
+    (tilestats._shortfall_add)."""
+    se = _shortfall_table(cfg.shortfall_hi, cfg.shortfall_step, device)
+    return se, -cfg.shortfall_hi, 1.0 / cfg.shortfall_step, se.numel()
+
+
+@functools.lru_cache(maxsize=16)
 def _order_index(sel: tuple, device) -> torch.Tensor:
     return torch.tensor(sel, dtype=torch.int64).to(device)
 
@@ -96,10 +111,12 @@ def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per
 
 
 def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict:
-    """reduce_tiles' histogram keys (gap, decode gap, t* and q-init counts; f64 masses) from the
-    in-kernel [H, W] rows of the tiles (part) and of the decode rows (dpart)."""
+    """reduce_tiles' histogram keys (gap, decode gap, t*, q-init, rescale and shortfall counts;
+    f64 masses) from the in-kernel [H, W] rows of the tiles (part) and of the decode rows (dpart)."""
     lay = HistLayout.of(cfg)
     part, dpart = part.double(), dpart.double()
+    sf0 = lay.offsets["shortfall_count"]
+    sf = part[:, sf0:sf0 + 6 * lay.sbp].view(part.shape[0], 3, 2, lay.sbp)
     return {
         "gap_count": _hist_section(part, cfg, "gap_count", lay.ng, lay.nbp).round().long(),
         "gap_mass": _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous(),
@@ -108,4 +125,7 @@ def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict
         "tstar_where": _hist_section(part, cfg, "tstar_where", 3, 4).round().long(),
         "tstar_hist": _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long(),
         "qinit_count": _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long(),
+        "rescale_count": _hist_section(part, cfg, "rescale_count", lay.nr, lay.rbp).round().long(),
+        "rescale_excess": _hist_section(part, cfg, "rescale_excess", 1, 1)[..., 0].round().long(),
+        "shortfall_count": pick(sf[..., :lay.ns], cfg).round().long(),
     }

@@ -12,7 +12,9 @@ tile, come
 and, per row in registers, t* = the last scan step where the running max strictly increased
 (= the first step at which it reaches its final value) and that block's where-category
 (geometry.where_code), stored once at the end together with the VFA q-init error (the
-signed-absmax key representatives of kernels/capture/reference.py and instrumented's prologue).
+signed-absmax key representatives of kernels/capture/reference.py and instrumented's prologue),
+the running-max rescales (steps where the max rises from a finite value) and the shortfalls of
+the running max after the first and after the first geometry.local_prefix scan steps.
 
 Each order is a sequence of contiguous segments of key blocks, each walked in one direction:
 candidate blocks (every row sees every key: no mask) and diagonal blocks (causal/length mask):
@@ -22,7 +24,7 @@ candidate blocks (every row sees every key: no mask) and diagonal blocks (causal
     sink_local  block 0, diagonal max(A,1)..R-1 up, candidates 1..A-1 up
 
 Semantics are those of reference.instrumented_attention for one order (TileStats.bmax,
-gap[:, o], tstar_step/where[:, o], qinit_err), with ``softcap`` on the capped scores (jit.soft_cap
+gap[:, o], tstar_step/where[:, o], rescales[:, o], shortfall[:, o], qinit_err), with ``softcap`` on the capped scores (jit.soft_cap
 in every tile and on the q-init estimate; SOFTCAP off compiles the uncapped kernel).
 
 Shape legend
@@ -75,15 +77,17 @@ def _store_tile(row_b, row_g, j, bmax_ptr, gap_ptr):
 
 
 @triton.jit
-def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, stride_vn, rows, row_ok,
-                  offs_d, j_first, j_dir, count, step0, n_cand, n_ctx, qk_scale, softcap, bmax_ptr, gap_ptr,
+def _scan_segment(acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, stride_kn, stride_vn,
+                  rows, row_ok, offs_d, j_first, j_dir, count, step0, n_cand, n_loc, n_ctx, qk_scale, softcap,
+                  bmax_ptr, gap_ptr,
                   BN: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
                   PREC: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr):
     """Online softmax over key blocks j_first + t*j_dir (t < count, scan steps step0 + t), with
     per-tile bmax/gap stores (bmax_ptr/gap_ptr + j, natural units) and per-row t* tracking.
 
     acc [BLOCK_M, D] f32; l_i, m_i [BLOCK_M] f32 (log2 units); t_step [BLOCK_M] i32, t_where
-    [BLOCK_M] i32; rows, row_ok [BLOCK_M]. MASKED as in jit.attend_range; a masked tile
+    [BLOCK_M] i32; n_up [BLOCK_M] i32 rescales so far; m_first / m_loc [BLOCK_M] the running max
+    after scan step 0 / step n_loc - 1; rows, row_ok [BLOCK_M]. MASKED as in jit.attend_range; a masked tile
     may leave a row with nothing seen yet (m_new = -inf), which the exponentials guard against.
     SOFTCAP: scores capped at ``softcap`` (log2 units), as in jit.tile_qk.
     STATS off: the plain scan (no bmax/gap/t*), only to measure what the statistics cost.
@@ -103,21 +107,31 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, stride_kn, st
             up = m_ij > m_i
             t_step = tl.where(up, step0 + t, t_step)
             t_where = tl.where(up, tl.where(j == 0, 0, tl.where(j >= n_cand, 1, 2)), t_where)
+            n_up += (up & (m_i > float("-inf"))).to(tl.int32)
+            m_first = tl.where(step0 + t == 0, m_new, m_first)
+            m_loc = tl.where(step0 + t == n_loc - 1, m_new, m_loc)
         m_i = m_new
-    return acc, l_i, m_i, t_step, t_where
+    return acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc
 
 
 @triton.jit
-def _store_rows(LSE, QERR, TSTEP, TWHERE, offs, row_ok, l_i, m_i, m_init, t_step, t_where):
-    """Per-row results at offs [BLOCK_M] of the [H, N] outputs (natural-log LSE and q-init error)."""
+def _store_rows(LSE, QERR, TSTEP, TWHERE, RESC, SHORT, h, n_ctx, rows, row_ok, l_i, m_i, m_init, t_step, t_where,
+                n_up, m_first, m_loc):
+    """Per-row results of the [H, N] outputs (natural-log LSE, q-init error, t*, rescales) and of
+    SHORT [H, 2, N] (shortfalls after the first / the local prefix, natural units)."""
+    offs = h * n_ctx + rows
     tl.store(LSE + offs, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
     tl.store(QERR + offs, (m_init - m_i) * 0.6931471805599453, mask=row_ok)
     tl.store(TSTEP + offs, t_step, mask=row_ok)
     tl.store(TWHERE + offs, t_where.to(tl.int8), mask=row_ok)
+    tl.store(RESC + offs, n_up, mask=row_ok)
+    sf = SHORT + 2 * h * n_ctx + rows
+    tl.store(sf, (m_i - m_first) * 0.6931471805599453, mask=row_ok)
+    tl.store(sf + n_ctx, (m_i - m_loc) * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
-def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
+def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR, RESC, SHORT,
                       sq_h, sq_n, sk_h, sk_n, sv_h, sv_n, sr_h, sr_j, so_h, so_n,
                       n_ctx, group, n_qb, n_kb, qk_scale, softcap,
                       ORDER: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -126,7 +140,8 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
                       STATS: tl.constexpr):
     """Grid (P, H); query block i (heaviest first) of head program_id(1). ORDER 0 forward, 1
     reverse, 2 sink_local. O [H, N, D] (strides so_h, so_n); LSE, QERR [H, N] f32 natural log;
-    TSTEP [H, N] i32, TWHERE [H, N] i8; BMAX, GAP [H, P, Kb] f32 (only reachable tiles written).
+    TSTEP, RESC [H, N] i32, TWHERE [H, N] i8, SHORT [H, 2, N] f32; BMAX, GAP [H, P, Kb] f32 (only
+    reachable tiles written).
     SOFTCAP: scores and the q-init estimate capped at ``softcap`` (log2 units)."""
     i, h, hk, rows, row_ok, offs_d, q, n_cand, n_reach = query_block(Q, sq_h, sq_n, group, n_ctx, HEAD_DIM, BM,
                                                                       BN, BLOCK_M)
@@ -139,44 +154,49 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     t_step = tl.zeros([BLOCK_M], tl.int32)
     t_where = tl.zeros([BLOCK_M], tl.int32)
+    n_up = tl.zeros([BLOCK_M], tl.int32)
+    m_first = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_loc = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    n_loc = tl.minimum(1 + n_reach - n_cand, n_reach)  # geometry.local_prefix
     n_diag = n_reach - n_cand
     bp, gp = BMAX + tile, GAP + tile
     # segments (first block, direction, count, first step, masked); see the module docstring
     if ORDER == 0:
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, n_cand, 0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            0, 1, n_cand, 0, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, not EVEN_N, SOFTCAP, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand, 1, n_diag, n_cand, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            n_cand, 1, n_diag, n_cand, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
     elif ORDER == 1:
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_reach - 1, -1, n_diag, 0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            n_reach - 1, -1, n_diag, 0, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            n_cand - 1, -1, n_cand, n_diag, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            n_cand - 1, -1, n_cand, n_diag, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, not EVEN_N, SOFTCAP, PREC, UPCAST, STATS)
     else:
         d0 = tl.maximum(n_cand, 1)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            0, 1, 1, 0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            0, 1, 1, 0, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            d0, 1, n_reach - d0, 1, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            d0, 1, n_reach - d0, 1, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, True, SOFTCAP, PREC, UPCAST, STATS)
-        acc, l_i, m_i, t_step, t_where = _scan_segment(
-            acc, l_i, m_i, t_step, t_where, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
-            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_ctx, qk_scale, softcap, bp, gp,
+        acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc = _scan_segment(
+            acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d,
+            1, 1, n_cand - 1, 1 + n_reach - d0, n_cand, n_loc, n_ctx, qk_scale, softcap, bp, gp,
             BN, BLOCK_N, not EVEN_N, SOFTCAP, PREC, UPCAST, STATS)
     tl.store(O + h * so_h + rows[:, None] * so_n + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    _store_rows(LSE, QERR, TSTEP, TWHERE, h * n_ctx + rows, row_ok, l_i, m_i, m_init, t_step, t_where)
+    _store_rows(LSE, QERR, TSTEP, TWHERE, RESC, SHORT, h, n_ctx, rows, row_ok, l_i, m_i, m_init, t_step, t_where,
+                n_up, m_first, m_loc)
 
 
 def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: str, launch: tuple | None = None,
@@ -187,8 +207,9 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     launch (num_warps, num_stages) overrides LAUNCH; softcap: the cap c of c * tanh(s / c) on every
     scaled score (0 or None: off). Returns (out [1, H, N, D] in q.dtype,
     lse [H, N] f32 natural log, bmax [H, P, Kb] f32, gap [H, P, Kb] f32 (-inf where unreachable),
-    tstar_step [H, N] i32, tstar_where [H, N] i8, qinit_err [H, N] f32), equal to
-    reference.instrumented_attention's bmax, gap[:, o], tstar_step/where[:, o], qinit_err.
+    tstar_step [H, N] i32, tstar_where [H, N] i8, qinit_err [H, N] f32, rescales [H, N] i32,
+    shortfall [H, 2, N] f32), equal to reference.instrumented_attention's bmax, gap[:, o],
+    tstar_step/where[:, o], qinit_err, rescales[:, o], shortfall[:, o].
     stats=False runs the same scan without bmax/gap/t* (left -inf / unset), to measure their cost.
     """
     _, h, hkv, n, d = check_inputs(q, k, v)
@@ -207,13 +228,15 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     bmax, gap = torch.full((h, p, kb), float("-inf"), **f32), torch.full((h, p, kb), float("-inf"), **f32)
     tstep = torch.empty((h, n), dtype=torch.int32, device=dev)
     twhere = torch.empty((h, n), dtype=torch.int8, device=dev)
+    resc = torch.empty((h, n), dtype=torch.int32, device=dev)
+    short = torch.empty((h, 2, n), **f32)
     prec, upcast = dot_flags(q.dtype)
     warps, stages = launch or LAUNCH.get(d, (4, 2))
     qs, ks, vs, os_ = q[0].stride(), k[0].stride(), v[0].stride(), out[0].stride()
     LAST_COMPILED["forward_stats"] = _fwd_stats_kernel[(p, h)](
-        q, k, v, krep, out, lse, bmax, gap, tstep, twhere, qerr, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
+        q, k, v, krep, out, lse, bmax, gap, tstep, twhere, qerr, resc, short, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
         krep.stride(0), krep.stride(1), os_[0], os_[1], n, h // hkv, p, kb, scale * LOG2E, cap,
         ORDER=ORDERS.index(order), HEAD_DIM=d, BM=bm, BN=bn, BLOCK_M=next_pow2(bm), BLOCK_N=next_pow2(bn),
         BLOCK_R=QINIT_CHUNK, EVEN_N=bn == next_pow2(bn), SOFTCAP=cap_on, PREC=prec, UPCAST=upcast,
         STATS=stats, num_warps=warps, num_stages=stages)
-    return out, lse, bmax, gap, tstep, twhere, qerr
+    return out, lse, bmax, gap, tstep, twhere, qerr, resc, short

@@ -10,8 +10,12 @@ chunks of TJ tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-ex
   a second sweep) and sink_local (block 0, diagonal blocks, then the other candidates: the
   running max of a later candidate also holds the diagonal max D, found first);
 - t* of every row in every order: the row's argmax over tiles with each order's tie rule;
+- running-max rescales of every row in every order (the tiles that set a strict new running max,
+  found by a (max, first index) scan), and the shortfall of the running max after the first and
+  the first geometry.local_prefix scanned blocks;
 - optionally (HIST) the additive histograms of kernels/capture/reduce_reference.py: gap counts and masses of the
-  candidate tiles per order, t* where / normalized-t* counts and the q-init error counts, added
+  candidate tiles per order, t* where / normalized-t* counts, the q-init error counts and the
+  rescale / shortfall counts, added
   with atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
   torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects the guess).
 
@@ -32,16 +36,20 @@ from sparsecal.kernels.jit import max_fn
 @dataclass(frozen=True)
 class HistLayout:
     """Sections of one head's histogram row (f32, counts exact up to 2^24):
-    gap counts [3, NBP], gap masses [3, NBP], t* where [3, 4], t* hist [3, TBP], q-init [QBP]
-    (orders as geometry.ORDERS; NBP, TBP, QBP the bin counts rounded up to powers of two)."""
+    gap counts [3, NBP], gap masses [3, NBP], t* where [3, 4], t* hist [3, TBP], q-init [QBP],
+    rescale counts [3, RBP], rescale excess [4], shortfall counts [3, 2, SBP] (orders as
+    geometry.ORDERS; NBP, TBP, QBP, RBP, SBP the bin counts rounded up to powers of two)."""
 
     ng: int
     nq: int
     nt: int
+    nr: int
+    ns: int
 
     @classmethod
     def of(cls, cfg: StatsConfig) -> "HistLayout":
-        return cls(len(cfg.gap_edges()) + 1, len(cfg.qinit_edges()) + 1, cfg.tstar_bins)
+        return cls(len(cfg.gap_edges()) + 1, len(cfg.qinit_edges()) + 1, cfg.tstar_bins, cfg.rescale_bins,
+                   len(cfg.shortfall_edges()) + 1)
 
     @property
     def nbp(self) -> int:
@@ -56,13 +64,30 @@ class HistLayout:
         return triton.next_power_of_2(self.nq)
 
     @property
+    def rbp(self) -> int:
+        return triton.next_power_of_2(self.nr)
+
+    @property
+    def sbp(self) -> int:
+        return triton.next_power_of_2(self.ns)
+
+    @property
     def offsets(self) -> dict:
         gc, gm = 0, 3 * self.nbp
         tw = 6 * self.nbp
         th = tw + 12
         qi = th + 3 * self.tbp
+        rc = qi + self.qbp
+        rx = rc + 3 * self.rbp
+        sf = rx + 4
         return {"gap_count": gc, "gap_mass": gm, "tstar_where": tw, "tstar_hist": th, "qinit_count": qi,
-                "width": qi + self.qbp}
+                "rescale_count": rc, "rescale_excess": rx, "shortfall_count": sf, "width": sf + 6 * self.sbp}
+
+    def launch_args(self) -> dict:
+        """The rescale / shortfall sections as the kernels' constexpr arguments."""
+        off = self.offsets
+        return dict(OFF_RC=off["rescale_count"], OFF_RX=off["rescale_excess"], OFF_SF=off["shortfall_count"],
+                    NR=self.nr, RBP=self.rbp, SBP=self.sbp)
 
 
 @triton.jit
@@ -114,6 +139,63 @@ def hist_add(cnt_ptr, sum_ptr, bins, w, valid):
 
 
 @triton.jit
+def _argfirst(va, ia, vb, ib):
+    """Combine of a (max, first index reaching it) scan: the lexicographic max of (v, -i)."""
+    b = (vb > va) | ((vb == va) & (ib < ia))
+    return tl.where(b, vb, va), tl.where(b, ib, ia)
+
+
+@triton.jit
+def _arglast(va, ia, vb, ib):
+    """Combine of a (max, last index reaching it) scan: the lexicographic max of (v, i)."""
+    b = (vb > va) | ((vb == va) & (ib > ia))
+    return tl.where(b, vb, va), tl.where(b, ib, ia)
+
+
+@triton.jit
+def _records(xv, jt, carry, REVERSE: tl.constexpr):
+    """Running max of a chunk xv [TJ, BLOCK_M] (tiles jt [TJ], scanned ascending, or descending
+    with REVERSE) after ``carry`` [BLOCK_M], and rec [TJ, BLOCK_M]: the tiles where it rises
+    strictly (above carry and above every tile of the chunk scanned before)."""
+    idx = tl.broadcast_to(jt[:, None], xv.shape)
+    if REVERSE:
+        v, first = tl.associative_scan((xv, idx), 0, _arglast, reverse=True)
+    else:
+        v, first = tl.associative_scan((xv, idx), 0, _argfirst)
+    return tl.maximum(v, carry[None, :]), (first == idx) & (xv > carry[None, :])
+
+
+@triton.jit
+def _shortfall_add(sf, row_ok, ptr, SEDGES, s_lo, s_inv, n_sedges):
+    """Count rows into shortfall bins at ptr: bucketize(sf, edges, right=False) from the negated,
+    reversed edges SEDGES (= -edges[::-1]) and bucket's right=True rule."""
+    b = n_sedges - bucket(tl.where(row_ok, -sf, 0.0), SEDGES, s_lo, s_inv, n_sedges)
+    tl.atomic_add(ptr + b, tl.full(b.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
+
+
+@triton.jit
+def row_scan_stats(resc, sf1, sf2, row_ok, resc_ptr, sf_ptr, sf_stride, part, o, SEDGES, s_lo, s_inv, n_sedges,
+                   OFF_RC: tl.constexpr, OFF_RX: tl.constexpr, OFF_SF: tl.constexpr, STORE: tl.constexpr,
+                   HIST: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr):
+    """One order's rescales resc [BLOCK_M] (int) and shortfalls sf1, sf2 [BLOCK_M] (natural units)
+    of a block's rows: stored (STORE: resc_ptr, sf_ptr and sf_ptr + sf_stride per row) and/or
+    counted into the head's histogram row ``part`` at order slot o (HIST: NR rescale bins, the
+    excess over the last, two shortfall histograms)."""
+    if STORE:
+        tl.store(resc_ptr, resc.to(tl.int64), mask=row_ok)
+        tl.store(sf_ptr, sf1, mask=row_ok)
+        tl.store(sf_ptr + sf_stride, sf2, mask=row_ok)
+    if HIST:
+        hit = (tl.minimum(resc, NR - 1)[:, None] == tl.arange(0, RBP)[None, :]) & row_ok[:, None]
+        c = tl.sum(hit.to(tl.float32), 0)
+        tl.atomic_add(part + OFF_RC + o * RBP + tl.arange(0, RBP), c, mask=c > 0, sem="relaxed")
+        ex = tl.sum(tl.where(row_ok, tl.maximum(resc - (NR - 1), 0), 0).to(tl.float32), 0)
+        tl.atomic_add(part + OFF_RX + o, ex, mask=ex > 0, sem="relaxed")
+        _shortfall_add(sf1, row_ok, part + OFF_SF + 2 * o * SBP, SEDGES, s_lo, s_inv, n_sedges)
+        _shortfall_add(sf2, row_ok, part + OFF_SF + (2 * o + 1) * SBP, SEDGES, s_lo, s_inv, n_sedges)
+
+
+@triton.jit
 def _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s):
     """Running per-row argmax over tiles with each order's tie rule: t_f the smallest j (forward),
     t_r the largest j (reverse), p_s the smallest sink_local position, all reaching ``best``."""
@@ -135,11 +217,18 @@ def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
                    bmax_ptr, mass_ptr, gapf_ptr, gaps_ptr, part, EDGES, lo, inv_step, n_edges,
                    TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
     """Ascending chunks: bmax, mass, forward and sink_local gaps (stored at ptr + j), the per-row
-    argmax state for t*, and (HIST) the candidate tiles' gap histograms added into part."""
+    argmax state for t*, and (HIST) the candidate tiles' gap histograms added into part. Also per
+    row: new running maxima in forward order (n_f, the first included) and in sink_local order
+    after block 0 (n_s), block 0's max x0, and the maxima of the first n_loc blocks (pre_f), the
+    last n_loc (suf_r) and the last block (x_last), n_loc = geometry.local_prefix."""
     neg = tl.full([BLOCK_M], float("-inf"), tl.float32)
     carry_f = neg
-    carry_d = tl.load(x_base + tl.arange(0, BLOCK_M) * 2, mask=row_ok, other=float("-inf"))  # block 0
-    best = neg
+    x0 = tl.load(x_base + tl.arange(0, BLOCK_M) * 2, mask=row_ok, other=float("-inf"))  # block 0
+    carry_d = x0
+    best, pre_f, suf_r, x_last = neg, neg, neg, neg
+    n_f = tl.zeros([BLOCK_M], tl.int32)
+    n_s = tl.zeros([BLOCK_M], tl.int32)
+    n_loc = tl.minimum(1 + n_reach - n_cand, n_reach)
     t_f = tl.zeros([BLOCK_M], tl.int32)
     t_r = tl.zeros([BLOCK_M], tl.int32)
     p_s = tl.zeros([BLOCK_M], tl.int32)
@@ -149,11 +238,17 @@ def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
         mass = tl.sum(tl.math.exp2(yv - lse2[None, :]), 1) / n_rows
         tl.store(bmax_ptr + jt, tl.max(xv, 1) * 0.6931471805599453, mask=ok)
         tl.store(mass_ptr + jt, mass, mask=ok)
-        run_f = tl.maximum(tl.associative_scan(xv, 0, max_fn), carry_f[None, :])
+        run_f, rec_f = _records(xv, jt, carry_f, False)
         is_diag = jt >= n_cand
         xd = tl.where(is_diag[:, None], xv, float("-inf"))
-        run_d = tl.maximum(tl.associative_scan(xd, 0, max_fn), carry_d[None, :])
+        run_d, rec_d = _records(xd, jt, carry_d, False)  # sink_local: block 0, then the diagonal
         later_cand = (jt >= 1) & (jt < n_cand)  # sink_local scans these after every diagonal block
+        rec_s = rec_d | (rec_f & later_cand[:, None] & (xv > d_max[None, :]))
+        n_f += tl.sum(rec_f.to(tl.int32), 0)
+        n_s += tl.sum(rec_s.to(tl.int32), 0)
+        pre_f = tl.maximum(pre_f, tl.max(tl.where((jt < n_loc)[:, None], xv, float("-inf")), 0))
+        suf_r = tl.maximum(suf_r, tl.max(tl.where((jt >= n_reach - n_loc)[:, None], xv, float("-inf")), 0))
+        x_last = tl.maximum(x_last, tl.max(tl.where((jt == n_reach - 1)[:, None], xv, float("-inf")), 0))
         run_s = tl.where(later_cand[:, None], tl.maximum(run_f, d_max[None, :]),
                          tl.where(is_diag[:, None], run_d, run_f))
         g_f = _gap_of(xv, run_f)
@@ -168,18 +263,21 @@ def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
         carry_d = tl.maximum(carry_d, tl.max(xd, 0))
         pos_s = tl.where(jt == 0, 0, tl.where(jt >= d0, jt - d0 + 1, n_reach - d0 + jt))
         best, t_f, t_r, p_s = _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s)
-    return t_f, t_r, p_s
+    return t_f, t_r, p_s, best, n_f, n_s, x0, pre_f, suf_r, x_last
 
 
 @triton.jit
 def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, part, EDGES, lo, inv_step, n_edges,
                    TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
     """Descending chunks: reverse-order gaps (suffix running maxima) at ptr + j; (HIST) their
-    histograms, with the masses the forward sweep stored, added into part."""
+    histograms, with the masses the forward sweep stored, added into part. Returns the new running
+    maxima per row [BLOCK_M] in reverse order (the first finite one included)."""
     carry = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    n_r = tl.zeros([BLOCK_M], tl.int32)
     for c in range(0, tl.cdiv(n_reach, TJ)):
         xv, jt, ok = _load_tiles(x_base, n_reach - (c + 1) * TJ, n_reach, row_ok, TJ, BLOCK_M)
-        run = tl.maximum(tl.associative_scan(xv, 0, max_fn, reverse=True), carry[None, :])
+        run, rec = _records(xv, jt, carry, True)
+        n_r += tl.sum(rec.to(tl.int32), 0)
         g_r = _gap_of(xv, run)
         tl.store(gapr_ptr + jt, g_r, mask=ok)
         if HIST:
@@ -187,6 +285,7 @@ def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, part, ED
             mass = tl.load(mass_ptr + jt, mask=cand, other=0.0)
             hist_add(part + NBP, part + 4 * NBP, bucket(g_r, EDGES, lo, inv_step, n_edges), mass, cand)
         carry = tl.maximum(carry, tl.max(xv, 0))
+    return n_r
 
 
 @triton.jit
@@ -235,17 +334,40 @@ def _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TW
 
 
 @triton.jit
-def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, PART,
-                       GEDGES, QEDGES, n_ctx, head0, num_tiles, n_qb, n_kb,
-                       g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
+def _rescale_rows(sweep, n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT, part, SEDGES, s_lo, s_inv, n_sedges,
+                  OFF_RC: tl.constexpr, OFF_RX: tl.constexpr, OFF_SF: tl.constexpr, STORE: tl.constexpr,
+                  HIST: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr):
+    """Rescales and shortfalls of every row in the three orders (RESC [H, 3, N] i64, SHORT
+    [H, 3, 2, N] f32 with STORE; histograms with HIST) from the sweeps' per-row state
+    (sweep = _forward_sweep's (best, n_f, n_s, x0, pre_f, suf_r, x_last), log2 units)."""
+    best, n_f, n_s, x0, pre_f, suf_r, x_last = sweep
+    ln2 = 0.6931471805599453
+    r = h * 3 * n_ctx + rows
+    s = h * 6 * n_ctx + rows
+    row_scan_stats(n_f - 1, (best - x0) * ln2, (best - pre_f) * ln2, row_ok, RESC + r, SHORT + s, n_ctx, part, 0,
+                   SEDGES, s_lo, s_inv, n_sedges, OFF_RC, OFF_RX, OFF_SF, STORE, HIST, NR, RBP, SBP)
+    row_scan_stats(n_r - 1, (best - x_last) * ln2, (best - suf_r) * ln2, row_ok, RESC + r + n_ctx,
+                   SHORT + s + 2 * n_ctx, n_ctx, part, 1, SEDGES, s_lo, s_inv, n_sedges, OFF_RC, OFF_RX, OFF_SF,
+                   STORE, HIST, NR, RBP, SBP)
+    row_scan_stats(n_s, (best - x0) * ln2, (best - tl.maximum(x0, d_max)) * ln2, row_ok, RESC + r + 2 * n_ctx,
+                   SHORT + s + 4 * n_ctx, n_ctx, part, 2, SEDGES, s_lo, s_inv, n_sedges, OFF_RC, OFF_RX, OFF_SF,
+                   STORE, HIST, NR, RBP, SBP)
+
+
+@triton.jit
+def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, RESC, SHORT, PART,
+                       GEDGES, QEDGES, SEDGES, n_ctx, head0, num_tiles, n_qb, n_kb,
+                       g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges, s_lo, s_inv, n_sedges,
                        BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
                        STORE_TSTAR: tl.constexpr, HIST: tl.constexpr, HIST_ROWS: tl.constexpr,
                        W: tl.constexpr, NBP: tl.constexpr, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
-                       OFF_QI: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr):
+                       OFF_QI: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr,
+                       OFF_RC: tl.constexpr, OFF_RX: tl.constexpr, OFF_SF: tl.constexpr, NR: tl.constexpr,
+                       RBP: tl.constexpr, SBP: tl.constexpr):
     """Grid (P, heads of this chunk). Query block i = program_id(0) of head head0 + program_id(1);
     its tile j's pairs at XY[((pid1 * num_tiles + TOFF[i] + j) * BLOCK_M + row) * 2 + (0, 1)]. BMAX, MASS [H, P, Kb];
-    GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM [H, 3, N]; PART [H, W]
-    (zeroed by the caller; histograms are added into it)."""
+    GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM/RESC [H, 3, N]; SHORT
+    [H, 3, 2, N]; PART [H, W] (zeroed by the caller; histograms are added into it)."""
     i = tl.program_id(0)
     h = (head0 + tl.program_id(1)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -264,15 +386,17 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
     ostride = n_qb * n_kb
     gap0 = GAP + ((h * 3) * n_qb + i) * n_kb
     part = PART + h * W
-    t_f, t_r, p_s = _forward_sweep(
+    t_f, t_r, p_s, best, n_f, n_s, x0, pre_f, suf_r, x_last = _forward_sweep(
         XY + tile0, lse2, row_ok, n_rows, n_cand, n_reach, d_max, BMAX + tiles, MASS + tiles,
         gap0, gap0 + 2 * ostride, part, GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
     if HIST:
         tl.debug_barrier()  # the reverse sweep reads the masses this program stored
-    _reverse_sweep(XY + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, part,
-                   GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
+    n_r = _reverse_sweep(XY + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, part,
+                         GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
     _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
                QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
+    _rescale_rows((best, n_f, n_s, x0, pre_f, suf_r, x_last), n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT,
+                  part, SEDGES, s_lo, s_inv, n_sedges, OFF_RC, OFF_RX, OFF_SF, STORE_TSTAR, HIST_ROWS, NR, RBP, SBP)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
 
 def order_errors(got, ref_out, r, o: int, dtype) -> dict:
     """Max errors of instrumented_forward_triton's outputs vs the reference TileStats (order o)."""
-    out, lse, bmax, gap, tstep, twhere, qerr = got
+    out, lse, bmax, gap, tstep, twhere, qerr, resc, short = got
     e = {"out": float((out.double() - ref_out.double()).abs().max())}
     for name, a, b in (("bmax", bmax, r.bmax), ("gap", gap, r.gap[:, o]), ("qinit_err", qerr, r.qinit_err)):
         fin = torch.isfinite(b)
@@ -46,9 +46,14 @@ def order_errors(got, ref_out, r, o: int, dtype) -> dict:
         e[name + "_inf_equal"] = bool(torch.equal(torch.isneginf(a), torch.isneginf(b)))
     e["tstar_step_mismatch"] = float((tstep.long() != r.tstar_step[:, o]).float().mean())
     e["tstar_where_mismatch"] = float((twhere != r.tstar_where[:, o]).float().mean())
+    e["rescales_mismatch"] = float((resc.long() != r.rescales[:, o]).float().mean())
+    fin = torch.isfinite(r.shortfall[:, o])
+    e["shortfall"] = float((short[fin].double() - r.shortfall[:, o][fin].double()).abs().max())
+    e["shortfall_inf_equal"] = bool(torch.equal(torch.isposinf(short), torch.isposinf(r.shortfall[:, o])))
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     e["ok"] = bool(e["out"] < tol and all(e[x] < 1e-3 for x in ("bmax", "gap", "qinit_err"))
-                   and all(e[x + "_inf_equal"] for x in ("bmax", "gap")) and e["tstar_step_mismatch"] < 0.01)
+                   and all(e[x + "_inf_equal"] for x in ("bmax", "gap", "shortfall")) and e["tstar_step_mismatch"] < 0.01
+                   and e["rescales_mismatch"] < 0.01 and e["shortfall"] < 1e-3)
     return e
 
 

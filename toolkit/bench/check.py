@@ -3,7 +3,9 @@
     python3 -m sparsecal.bench.check [--out data/bench/kernel-checks-h100.json] [--commit <sha>] [--sections a,b]
 
 - capture, two-pass (kernels/capture/instrumented.py) and the dense forward: ``capture_instrumented.check_case``
-  on harness.CHECK_CASES (8 shapes: bf16/fp16/fp32, GQA 1-16 and MQA, D 64/128/256, 128x64, 64x32, 80x48);
+  on harness.CHECK_CASES (8 shapes: bf16/fp16/fp32, GQA 1-16 and MQA, D 64/128/256, 128x64, 64x32, 80x48),
+  every TileStats field (t*, running-max rescales and shortfall included) and every reduced key
+  (rescale_count, rescale_excess, shortfall_count included);
 - capture, one order (kernels/capture/single_order.py, forward_stats.py, mass.py):
   ``capture_single_order.check_single`` on the same shapes, every scan order;
 - sparse prefill and decode (kernels/sparse/): ``sparse.check_kernels`` (BSFA, BLASST in three
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.capture_instrumented import check_case, field_errors
+from sparsecal.bench.capture_instrumented import check_case, field_errors, rescales_ok
 from sparsecal.bench.capture_single_order import check_single, one_order, reduced_errors
 from sparsecal.bench.harness import CHECK_CASES, log, random_qkv, result_file, run_section
 from sparsecal.bench.sparse import check_kernels
@@ -67,7 +69,8 @@ def _two_pass(q, k, v, scale, cfg, r, ref_out, cap, tol) -> dict:
     ok = (err < tol and all(x.get("inf_pattern_equal", True) for x in f.values())
           and all(f[x]["max_abs_err"] < 1e-3 for x in ("bmax", "gap", "qinit_err", "dec_gap"))
           and all(f[x]["max_abs_err"] < 1e-4 for x in ("mass", "dec_mass"))
-          and f["tstar_step"]["mismatch_share"] < 0.01 and torch.equal(a["bsfa_kept"], b["bsfa_kept"])
+          and f["tstar_step"]["mismatch_share"] < 0.01 and rescales_ok(f)
+          and torch.equal(a["bsfa_kept"], b["bsfa_kept"])
           and _reduced_ok(fused, ks))
     return {"ok": bool(ok), "out_max_abs_err": err, "fields": f, "fused_keys": ks}
 

@@ -49,6 +49,7 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
     print_bsfa_fitted(out, fit_dir, doc)
     _print_laws(out, doc)
     _print_held_out(out, fit_dir, doc)
+    print_rescales(out, fit_dir)
 
 
 def _fmt(x) -> str:
@@ -198,3 +199,30 @@ def check_fit_engine(run: Path, engine: str, order: str) -> None:
                        man["model"].get("head_dim"))
     if order != "forward" and engine != "sparsecal":
         raise UserError(f"--engine {engine} scans key tiles forward; leave out --order {order}.")
+
+
+def print_rescales(out: Console, fit_dir: Path) -> None:
+    """Per scan order: mean running-max rescales per row, and the rows already at their final max
+    (and the median shortfall) after the first block and after the first local blocks; one line
+    for a run captured before these statistics."""
+    from sparsecal.analysis.stabilization import order_summary
+    from sparsecal.analysis.tables import read_table
+    from sparsecal.formats.errors import UserError
+    from sparsecal.formats.run import RESCALE_MISSING
+
+    title = "Running-max stabilization per scan order (all lengths, layers, heads)"
+    try:
+        rescale, hist = read_table(fit_dir, "stab_rescale"), read_table(fit_dir, "stab_shortfall_hist")
+    except UserError:
+        rescale = hist = None
+    if rescale is None or not rescale.height:
+        out.print(f"{title}: {RESCALE_MISSING}", soft_wrap=True, markup=False)
+        return
+    t = Table(title=title + "; shortfall = final row max - running max, nats")
+    for col in ("order", "rows", "rescales / row", "final after 1st block", "median shortfall",
+                "final after 1st+local", "median shortfall"):
+        t.add_column(col, justify="right")
+    for r in order_summary(rescale, hist):
+        t.add_row(r["order"], f"{r['rows']:,}", f"{r['mean_rescales']:.3f}", f"{r['first_share_zero']:.3f}",
+                  f"{r['first_median']:.3g}", f"{r['local_share_zero']:.3f}", f"{r['local_median']:.3g}")
+    out.print(t)

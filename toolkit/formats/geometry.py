@@ -14,6 +14,7 @@ import numpy as np
 
 ORDERS = ("forward", "reverse", "sink_local")
 WHERE = ("sink", "diagonal", "middle")  # where the running max stabilizes (t* categories)
+PREFIXES = ("first", "local")  # running-max shortfall after the first / first local_prefix() scanned blocks
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # head dims the Triton kernels compile for
 
 
@@ -55,6 +56,13 @@ def scan_order(order: str, num_cand: int, num_reach: int) -> list[int]:
         diag = [j for j in range(num_cand, num_reach) if j != 0]
         return [0] + diag + list(range(1, num_cand))
     raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
+
+
+def local_prefix(num_cand: int, num_reach: int) -> int:
+    """Scan steps of the shortfall's "local" prefix: min(1 + D_i, R_i) with D_i = R_i - A_i diagonal
+    blocks, i.e. the sink block and the diagonal blocks in sink_local order (all R_i blocks when
+    A_i = 0, where block 0 is itself diagonal); the same number of leading blocks in any order."""
+    return min(1 + num_reach - num_cand, num_reach)
 
 
 def where_code(j: int, num_cand: int) -> int:

@@ -48,7 +48,12 @@ FIT_DIR = "fit"                 # RUN/fit/: fit.json (kind FIT_KIND) and the ana
 FIT_KIND = "sparsecal-fit"
 # Mostly-zero histograms: stored as (index, value) pairs on disk, dense in memory.
 SPARSE_KEYS = frozenset({"gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
-                         "tstar_where", "tstar_hist", "qinit_count"})
+                         "tstar_where", "tstar_hist", "qinit_count", "rescale_count", "shortfall_count"})
+# Running-max rescale / shortfall statistics (every row of prefill, per scan order): new in this
+# sparsecal version; runs captured before it lack them and readers say so in one line.
+RESCALE_KEYS = ("rescale_count", "rescale_excess", "shortfall_count")
+RESCALE_SINCE = "0.2.0"
+RESCALE_MISSING = f"not in this run (captured before sparsecal {RESCALE_SINCE}; re-capture)"
 
 
 def as_arrays(tensors: dict) -> dict:

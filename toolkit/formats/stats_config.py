@@ -16,6 +16,13 @@ class StatsConfig:
     gap < e_0, bin k holds e_{k-1} <= gap < e_k, bin E holds gap >= 0. The skip count for
     ln(lambda) = e_k is then exactly the sum of bins 0..k. Q-init error bins work the same way
     on [qinit_lo, qinit_hi]. Normalized t* uses ``tstar_bins`` equal bins on [0, 1].
+
+    Running-max rescales per row: ``rescale_bins`` integer bins, bin k = k rescales for
+    k < rescale_bins - 1, the last bin k >= rescale_bins - 1 (with the rows' excess over it summed
+    separately, so the mean stays exact). Running-max shortfall (>= 0): edges e_0 = 0 < e_1 < ...
+    < e_E = ``shortfall_hi`` spaced ``shortfall_step`` apart; bin 0 holds shortfall = 0 exactly (the
+    row already holds its final max), bin k holds e_{k-1} < x <= e_k, bin E + 1 holds x > e_E
+    (and +inf: the row has seen no key yet). That is torch.bucketize(x, edges, right=False).
     """
 
     block_m: int = 128
@@ -29,6 +36,9 @@ class StatsConfig:
     qinit_hi: float = 20.0
     qinit_step: float = 0.25
     tstar_bins: int = 20
+    rescale_bins: int = 64
+    shortfall_hi: float = 20.0
+    shortfall_step: float = 0.25
     decode_rows: int = 64
     raw: bool = False
     extra: dict = field(default_factory=dict, compare=False)
@@ -38,6 +48,8 @@ class StatsConfig:
             raise ValueError("block sizes must be positive")
         if list(self.k_values) != sorted(set(self.k_values)) or min(self.k_values) < 1:
             raise ValueError("k values must be distinct positive integers in ascending order")
+        if self.rescale_bins < 2 or self.shortfall_hi <= 0 or self.shortfall_step <= 0:
+            raise ValueError("rescale_bins must be at least 2, shortfall_hi and shortfall_step positive")
         for o in self.orders:
             if o not in ORDERS:
                 raise ValueError(f"Unknown scan order '{o}'. Available: {', '.join(ORDERS)}.")
@@ -55,6 +67,11 @@ class StatsConfig:
         """Q-init error bin edges, float64 [NQ - 1]."""
         n = round((self.qinit_hi - self.qinit_lo) / self.qinit_step)
         return np.linspace(self.qinit_lo, self.qinit_hi, n + 1, dtype=np.float64)
+
+    def shortfall_edges(self) -> np.ndarray:
+        """Running-max shortfall bin edges, float64 [NS - 1] from 0 (bins: class docstring)."""
+        n = round(self.shortfall_hi / self.shortfall_step)
+        return np.linspace(0.0, self.shortfall_hi, n + 1, dtype=np.float64)
 
     def to_dict(self) -> dict:
         d = asdict(self)
