@@ -141,6 +141,14 @@ def _law_line(fits: pl.DataFrame, law: str, grid: np.ndarray):
     return a * grid ** (-b), (a, b, r2)
 
 
+def _holds(fits: pl.DataFrame, law: str) -> str:
+    """' (deployed; holds on 2048-8192)' for the deployed law of a fit that records its lengths."""
+    row = fits.filter(pl.col("law") == law)
+    if not row.height or "deployed" not in fits.columns or not row["deployed"][0]:
+        return ""
+    return f" (deployed; holds on {row['min_length'][0]:,}-{row['max_length'][0]:,} tokens)"
+
+
 def lambda_law(lam: pl.DataFrame, fits: pl.DataFrame) -> go.Figure:
     """lambda_best vs L (log-log) with the fitted a/L and a L^-b laws (top) and the residuals of
     ln lambda_best against each law (bottom). ``lam``: blasst_lambda rows of one mode, order and
@@ -156,17 +164,17 @@ def lambda_law(lam: pl.DataFrame, fits: pl.DataFrame) -> go.Figure:
                              marker={"size": 10, "color": "black"},
                              hovertemplate="%{x} tokens<br>lambda_best %{y:.4g}<extra></extra>"), row=1, col=1)
     grid = np.geomspace(L.min() / 1.3, L.max() * 1.3, 60)
-    for i, (law, label) in enumerate((("a/L", "a/L"), ("power", "a·L^-b"))):
+    for i, (law, label) in enumerate((("a/L", "a/L"), ("power", "a·L^-b"), ("exp", "A·e^(BS)/L"))):
         line, p = _law_line(fits, law, grid)
         if line is None:
             continue
         name = f"{label}: a={p[0]:.4g}" + (f", b={p[1]:.3f}" if law == "power" else "") + \
-            (f", R²={p[2]:.3f}" if math.isfinite(p[2]) else "")
-        fig.add_trace(go.Scatter(x=grid, y=line, mode="lines", name=name, line={"color": color(i), "dash": ("solid", "dash")[i]},
+            (f", R²={p[2]:.3f}" if math.isfinite(p[2]) else "") + _holds(fits, law)
+        fig.add_trace(go.Scatter(x=grid, y=line, mode="lines", name=name, line={"color": color(i), "dash": ("solid", "dash", "dot")[i]},
                                  hovertemplate=f"{label}<br>%{{x:.0f}} tokens<br>lambda %{{y:.4g}}<extra></extra>"), row=1, col=1)
         res = np.log(y) - np.log(p[0] * L ** (-p[1]))
         fig.add_trace(go.Scatter(x=L, y=res, mode="markers+lines", name=f"residual {label}", showlegend=False,
-                                 marker={"color": color(i)}, line={"color": color(i), "dash": ("solid", "dash")[i]},
+                                 marker={"color": color(i)}, line={"color": color(i), "dash": ("solid", "dash", "dot")[i]},
                                  hovertemplate=f"{label}<br>%{{x}} tokens<br>ln residual %{{y:.3f}}<extra></extra>"),
                       row=2, col=1)
     fig.add_hline(y=0, line={"color": "grey", "width": 1}, row=2, col=1)
@@ -178,10 +186,12 @@ def lambda_law(lam: pl.DataFrame, fits: pl.DataFrame) -> go.Figure:
 
 
 def table5(ev: pl.DataFrame, target: float) -> go.Figure:
-    """BLASST Table 5 as a chart: held-out achieved sparsity per length for the calibrated a/L and
-    for one fixed lambda (bars, error = std over samples), the target as a line. ``ev``: blasst_eval
-    rows of one mode, order and target."""
-    title = f"Held-out sparsity: calibrated a/L vs fixed λ (target {target:g})"
+    """BLASST Table 5 as a chart: held-out achieved sparsity per length for the calibrated a/L (as
+    the kernel applies it at every length: past lambda = 1 it skips every candidate), the deployed
+    a/L (sparsify's policy: dense below the validated lengths and where a/L > 1) and one fixed lambda
+    (bars, error = std over samples), the target as a line. ``ev``: blasst_eval rows of one mode,
+    order and target (older fits have no deployed rows)."""
+    title = f"Held-out sparsity: calibrated a/L, deployed a/L and fixed λ (target {target:g})"
     if not ev.height:
         return empty_figure(title, "no held-out evaluation for this target")
     agg = (ev.group_by(["length", "method"]).agg(pl.col("achieved").mean().alias("mean"),
@@ -190,7 +200,7 @@ def table5(ev: pl.DataFrame, target: float) -> go.Figure:
                                                  pl.col("lambda").mean().alias("lam"), pl.len().alias("n"))
            .sort(["method", "length"]))
     fig = go.Figure()
-    for i, method in enumerate(("a/L", "fixed")):
+    for i, method in enumerate(("a/L", "fixed", "deployed")):
         d = agg.filter(pl.col("method") == method)
         if not d.height:
             continue

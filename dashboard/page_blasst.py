@@ -45,6 +45,19 @@ def _law_charts(root, curves, lam, mode, order, target) -> None:
         with ui.section():
             ev = _sel(data.table(root, "blasst_eval"), mode, order, target)
             ui.plot(charts_fit.table5(ev, target), key="bl_table5")
+    st.caption(_deployed_note(fits, target))
+
+
+def _deployed_note(fits: pl.DataFrame, target: float) -> str:
+    """Which law is deployed and over which lengths it holds (fits written before that say less)."""
+    dep = fits.filter(pl.col("law") == "a/L")
+    if not dep.height or "min_length" not in fits.columns:
+        return "Deployed: λ = a/L (this fit predates the recorded validated lengths; run `sparsecal fit` again)."
+    r = dep.row(0, named=True)
+    return (f"Deployed: λ = a/L with a = {r['a']:.4g} for target {target:g}, validated on {r['lengths']} tokens. "
+            f"sparsify runs dense below {r['dense_below']:,} tokens (shorter than any length the target was reached "
+            "at, or a/L > 1, where the kernel would skip every candidate tile). The other laws are shown for "
+            "comparison: R² in ln λ here, held-out error in `sparsecal fit`'s table.")
 
 
 def _heads(root, mode, order, target) -> None:
@@ -75,7 +88,8 @@ def _heads(root, mode, order, target) -> None:
 
 def render() -> None:
     root = ui.header("BLASST", "Skip a tile whose row maxima sit more than -ln(lambda) below the running max; "
-                     "lambda = a/L calibrated per target sparsity.")
+                     "lambda = a/L calibrated per target sparsity, deployed only over the lengths it was "
+                     "validated on (ln lambda > 0 would skip every candidate tile).")
     with ui.section():
         curves, lam, mode, order, target = _controls(root)
         _law_charts(root, curves, lam, mode, order, target)
