@@ -326,3 +326,32 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     assert json.loads(meta["eval_provenance"])["model"] == man["model"]["id"]
     pts = results.curves([results.read_result_file(p) for p in results.result_files([out])])
     assert pts.filter(pl.col("method") == "blasst")["speedup"].to_list() == [1.8]
+
+
+def test_merge_shards_of_one_evaluation(tmp_path):
+    """Shards of one export and method list merge into one directory whose summary has every cell;
+    a shard of another method list is refused in one line."""
+    from sparsecal.evaluation.command import finish
+    from sparsecal.evaluation.store import EvalStore, merge_shards
+
+    base = {"model": {"id": "m"}, "export": {"files": {}}, "export_path": "e", "calibration": {}, "versions": {}}
+    for task, n in (("niah_single", 3), ("text", 2)):
+        prompts = [{"id": f"{task}{i}", "task": task, "length": 512} for i in range(n)]
+        st = EvalStore.create(tmp_path / task, dict(base, request={"methods": "dense,bsfa:4", "samples": n},
+                                                    prompts=prompts))
+        for p in prompts:
+            for label, score in (("dense", 1.0), ("bsfa:4", 0.0 if p["id"] == "niah_single0" else 1.0)):
+                st.add_row({"sample_id": p["id"], "task": task, "length": 512, "label": label,
+                            "method": label.split(":")[0], "config": "dense" if label == "dense" else "k=4",
+                            "score": score, "correct": score == 1.0, "kl": 0.0, "top1": 1.0, "nll": 1.0,
+                            "sparsity": 0.0, "decode_sparsity": 0.0, "prefill_s": 0.1, "decode_s": 0.1,
+                            "held_out_task": True, "answer_logprob": -1.0})
+    merged = merge_shards(tmp_path / "all", [tmp_path / "niah_single", tmp_path / "text"])
+    assert merged.manifest["request"]["samples"] == {"niah_single@512": 3, "text@512": 2} and len(merged.rows) == 10
+    finish(EvalStore.open(tmp_path / "all"))
+    doc = json.loads((tmp_path / "all" / "results.json").read_text())
+    row = next(r for r in doc["rows"] if r["label"] == "bsfa:4")
+    assert row["accuracy_rel_dense"] == pytest.approx((2 / 3 + 1) / 2) and row["task"] == "niah_single,text"
+    other = EvalStore.create(tmp_path / "other", dict(base, request={"methods": "dense"}, prompts=[]))
+    with pytest.raises(UserError, match="other methods"):
+        merge_shards(tmp_path / "x", [tmp_path / "text", other.root])

@@ -175,6 +175,39 @@ class EvalStore:
             write_parquet(self.part, pl.DataFrame(self.mine, infer_schema_length=None))
 
 
+def merge_shards(root: Path, shards: list) -> "EvalStore":
+    """One evaluation directory ``root`` from shard directories of the same export, model and
+    methods, each run as its own process over some tasks and lengths (several processes sharing
+    one GPU). The manifest lists every shard's prompts; the request's tasks and lengths are the
+    union and ``samples`` maps "task@length" to the samples run there. Refuses shards of another
+    export, model or method list, and a non-empty ``root``."""
+    import polars as pl
+
+    mans = [EvalStore.open(Path(s)) for s in shards]
+    if not mans:
+        raise UserError("give at least one evaluation shard directory to merge.")
+    first = mans[0].manifest
+    for st in mans[1:]:
+        for key in ("model", "export"):
+            if st.manifest[key] != first[key]:
+                raise UserError(f"{st.root} has another {key} than {mans[0].root}; shards must share it.")
+        if st.manifest["request"]["methods"] != first["request"]["methods"]:
+            raise UserError(f"{st.root} evaluated other methods than {mans[0].root}.")
+    if EvalStore.read_manifest(Path(root)) is not None:
+        raise UserError(f"{root} already holds an evaluation; merge into a new directory.")
+    prompts = [p for st in mans for p in st.manifest["prompts"]]
+    samples: dict = {}
+    for p in prompts:
+        samples[f"{p['task']}@{p['length']}"] = samples.get(f"{p['task']}@{p['length']}", 0) + 1
+    request = dict(first["request"], tasks=sorted({p["task"] for p in prompts}),
+                   lengths=sorted({p["length"] for p in prompts}), samples=samples)
+    store = EvalStore.create(Path(root), dict(first, request=request, prompts=prompts,
+                                              merged_from=[str(st.root) for st in mans]))
+    store.rows = [r for st in mans for r in st.rows]
+    write_parquet(store.root / ROWS, pl.DataFrame(store.rows, infer_schema_length=None))
+    return store
+
+
 def _first_difference(have: dict, want: dict) -> str:
     for key in sorted(set(have) | set(want)):
         if have.get(key) != want.get(key):
