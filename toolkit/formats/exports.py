@@ -29,6 +29,9 @@ BSFA_ST = "thresholds.safetensors"
 BLASST_JSON = "blasst.json"
 BSFA_KEYS = ("thresholds", "k_values", "max_num_blocks", "num_layers", "num_heads", "q_block_size",
              "k_block_size", "aggregation_method", "shape_description")
+# Optional beside BSFA_KEYS (exports made before them lack both): thresholds calibrated on single
+# decode rows, the same layout as ``thresholds``, and the positions a decode row was calibrated at.
+BSFA_DECODE_KEYS = ("decode_thresholds", "decode_positions")
 SHAPE_DESCRIPTION = "[num_k, num_layers, num_heads, max_num_blocks]"
 BLASST_ALGORITHM = "skip_softmax"
 
@@ -45,6 +48,8 @@ class BsfaExport:
     aggregation_method: str
     model: str | None = None
     meta: dict | None = None
+    decode_thresholds: object = None            # [num_k, L, H, P] like thresholds, or None (older exports)
+    decode_positions: tuple[int, ...] | None = None  # the positions decode rows were calibrated at
 
     @property
     def num_layers(self) -> int:
@@ -72,17 +77,35 @@ class BsfaExport:
                             f"fit and export it with `sparsecal fit RUN --k ...`.")
         return self.thresholds[self.k_values.index(k)]
 
+    def decode_for_k(self, k: int, required: bool = False):
+        """[L, H, P] decode thresholds (calibrated on single decode rows) for one k, read like
+        ``for_k``'s; None when the export has none, or with ``required`` one line saying what to do."""
+        if self.decode_thresholds is None:
+            if required:
+                raise UserError("the BSFA export has no decode thresholds (made from a run captured before decode "
+                                "rows had BSFA statistics); capture the run again, fit and export it, or run decode "
+                                "dense or top-k.")
+            return None
+        self.for_k(k)  # the same refusal for a k that was not exported
+        return self.decode_thresholds[self.k_values.index(k)]
 
-def bsfa_pt_payload(thr: np.ndarray, k_values, block_m: int, block_n: int, aggregation: str) -> dict:
-    """The dict ``thresholds.bsfa.pt`` holds (exactly BSFA_KEYS), thresholds still a numpy array."""
-    return {"thresholds": thr, "k_values": [int(k) for k in k_values], "max_num_blocks": thr.shape[3],
-            "num_layers": thr.shape[1], "num_heads": thr.shape[2], "q_block_size": int(block_m),
-            "k_block_size": int(block_n), "aggregation_method": aggregation, "shape_description": SHAPE_DESCRIPTION}
+
+def bsfa_pt_payload(thr: np.ndarray, k_values, block_m: int, block_n: int, aggregation: str,
+                    decode: tuple | None = None) -> dict:
+    """The dict ``thresholds.bsfa.pt`` holds (BSFA_KEYS, plus BSFA_DECODE_KEYS when ``decode`` =
+    (decode thresholds shaped like thr, positions list) is given), thresholds still arrays."""
+    d = {"thresholds": thr, "k_values": [int(k) for k in k_values], "max_num_blocks": thr.shape[3],
+         "num_layers": thr.shape[1], "num_heads": thr.shape[2], "q_block_size": int(block_m),
+         "k_block_size": int(block_n), "aggregation_method": aggregation, "shape_description": SHAPE_DESCRIPTION}
+    if decode is not None:
+        d.update(decode_thresholds=decode[0], decode_positions=[int(p) for p in decode[1]])
+    return d
 
 
 def write_bsfa_safetensors(out: Path, thr: np.ndarray, k_values, block_m: int, block_n: int, aggregation: str,
-                           meta: dict) -> None:
-    """thresholds.safetensors from thresholds [num_k, L, H, P] (float32) with its metadata."""
+                           meta: dict, decode: tuple | None = None) -> None:
+    """thresholds.safetensors from thresholds [num_k, L, H, P] (float32) with its metadata; ``decode``:
+    (decode_thresholds [num_k, L, H, P], decode_positions [C]) or None."""
     from safetensors.numpy import save_file
 
     thr = np.ascontiguousarray(thr, np.float32)
@@ -92,6 +115,9 @@ def write_bsfa_safetensors(out: Path, thr: np.ndarray, k_values, block_m: int, b
                "aggregation_method": aggregation, "shape_description": SHAPE_DESCRIPTION}
     st_meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
     arrays = {"thresholds": thr, "k_values": np.array(k_list, dtype=np.int64)}
+    if decode is not None:
+        arrays["decode_thresholds"] = np.ascontiguousarray(decode[0], np.float32)
+        arrays["decode_positions"] = np.asarray(decode[1], np.int64).reshape(-1)
     atomic_write(Path(out) / BSFA_ST, lambda p: save_file(arrays, str(p), metadata=st_meta))
 
 
@@ -101,7 +127,8 @@ def write_blasst(out: Path, doc: dict) -> None:
 
 def bsfa_from_payload(path: Path, d) -> BsfaExport:
     """Check a loaded ``thresholds.bsfa.pt`` dict (thresholds as any array with a shape)."""
-    if not isinstance(d, dict) or set(d) != set(BSFA_KEYS):
+    if not isinstance(d, dict) or not set(BSFA_KEYS) <= set(d) <= set(BSFA_KEYS + BSFA_DECODE_KEYS) or (
+            ("decode_thresholds" in d) != ("decode_positions" in d)):
         have = sorted(d) if isinstance(d, dict) else type(d).__name__
         raise UserError(f"{path} does not hold the BSFA export keys {list(BSFA_KEYS)} (has {have}).")
     thr = d["thresholds"]
@@ -114,7 +141,8 @@ def bsfa_from_payload(path: Path, d) -> BsfaExport:
                         f"{SHAPE_DESCRIPTION} = {want}; the file is damaged: export it again.")
     try:
         return BsfaExport(thr, tuple(int(k) for k in d["k_values"]), int(d["q_block_size"]),
-                          int(d["k_block_size"]), str(d["aggregation_method"]))
+                          int(d["k_block_size"]), str(d["aggregation_method"]), decode_thresholds=d.get("decode_thresholds"),
+                          decode_positions=None if "decode_positions" not in d else tuple(int(p) for p in d["decode_positions"]))
     except (ValueError, TypeError) as e:
         raise UserError(f"{path}: k values or block sizes are not integers ({e}); export it again.") from None
 
@@ -127,12 +155,16 @@ def read_bsfa_safetensors(path: Path) -> BsfaExport:
         with safe_open(str(path), framework="np") as f:
             meta = dict(f.metadata() or {})
             thr, ks = f.get_tensor("thresholds"), f.get_tensor("k_values")
+            has_dec = {"decode_thresholds", "decode_positions"} <= set(f.keys())
+            dthr = f.get_tensor("decode_thresholds").astype(np.float32) if has_dec else None
+            dpos = tuple(int(p) for p in f.get_tensor("decode_positions").tolist()) if has_dec else None
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{path} is not a readable BSFA safetensors export ({type(e).__name__}); export it again.")
     check_schema(path, meta.get("schema_version"), "export it again")
     try:
         exp = BsfaExport(thr.astype(np.float32), tuple(int(k) for k in ks.tolist()), int(meta["q_block_size"]),
-                         int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta)
+                         int(meta["k_block_size"]), meta.get("aggregation_method", "mean"), meta.get("model"), meta,
+                         dthr, dpos)
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"{path}: metadata {e} is missing or not an integer; export it again.") from None
     check_layer_lists(path, _json_meta(path, meta, "ignored_layers", {}), _json_meta(path, meta, "sparse_layers", None),
@@ -173,6 +205,15 @@ def bsfa_file(path) -> Path:
     return path
 
 
+def _check_finite(path: Path, thr: np.ndarray, exp: BsfaExport, what: str) -> None:
+    """Refuse NaN or +inf in thresholds [num_k, L, H, P] (-inf keeps every candidate)."""
+    bad = np.isnan(thr) | (thr == np.inf)
+    if bad.any():
+        k, layer, head, pos = (int(i) for i in np.argwhere(bad)[0])
+        raise UserError(f"{path}: {what} at k={exp.k_values[k]}, layer {layer}, head {head}, block {pos} is "
+                        f"{thr[k, layer, head, pos]}; thresholds must be finite or -inf: export it again.")
+
+
 def check_bsfa_values(path: Path, exp: BsfaExport) -> None:
     """Thresholds finite or -inf (keep every candidate), never NaN or +inf; k values distinct
     positive integers in ascending order, one per threshold set; block sizes positive."""
@@ -180,11 +221,13 @@ def check_bsfa_values(path: Path, exp: BsfaExport) -> None:
     if thr.ndim != 4 or thr.shape[0] != len(exp.k_values):
         raise UserError(f"{path}: thresholds of shape {thr.shape} do not match {SHAPE_DESCRIPTION} with "
                         f"{len(exp.k_values)} k values; export it again.")
-    bad = np.isnan(thr) | (thr == np.inf)
-    if bad.any():
-        k, layer, head, pos = (int(i) for i in np.argwhere(bad)[0])
-        raise UserError(f"{path}: threshold at k={exp.k_values[k]}, layer {layer}, head {head}, block {pos} is "
-                        f"{thr[k, layer, head, pos]}; thresholds must be finite or -inf: export it again.")
+    _check_finite(path, thr, exp, "threshold")
+    if exp.decode_thresholds is not None:
+        dec = np.asarray(exp.decode_thresholds, np.float32)
+        if dec.shape != thr.shape:
+            raise UserError(f"{path}: decode thresholds of shape {dec.shape} differ from the thresholds' {thr.shape}; "
+                            "export it again.")
+        _check_finite(path, dec, exp, "decode threshold")
     ks = list(exp.k_values)
     if not ks or ks != sorted(set(ks)) or ks[0] < 1:
         raise UserError(f"{path}: k values {ks} are not distinct positive integers in ascending order; export it again.")

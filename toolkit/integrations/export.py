@@ -71,6 +71,17 @@ def _fit_entry(c: dict) -> dict:
     return out
 
 
+def _decode_thresholds(root: Path, layers: list[int], num_layers: int, num_blocks: int):
+    """(decode thresholds [K, L, H, num_blocks] over the model's layers, -inf on layers not captured
+    and extended like the prefill ones; calibrated positions [C]) from the fit, or (None, None) when
+    the fit has none (a run captured before decode rows had BSFA statistics)."""
+    tensors, _ = load_arrays(root / FIT_DIR / THRESHOLDS, keys=["decode_thresholds", "decode_positions"])
+    if "decode_thresholds" not in tensors:
+        return None, None
+    dthr = extend_positions(model_layers(tensors["decode_thresholds"], layers, num_layers, root), num_blocks)
+    return dthr, tensors["decode_positions"]
+
+
 def blasst_doc(fit: dict, target: float | None) -> dict:
     """blasst.json: the serving engines' skip-softmax shape, plus every fitted target, its quality
     and the lengths its law holds on (``validity``)."""
@@ -280,7 +291,8 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
                "max_length": str(max_length or max(fit["lengths"])), "run": root.name,
                "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())},
                "score_scale": SCALED_SCORES}
-    write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta)
+    write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta,
+               decode=_decode_thresholds(root, layers, model["num_layers"], thr.shape[-1]))
     write_blasst(out, doc)
     text = report(doc, rows, ignored, cfg, root)
     atomic_write_text(out / F.REPORT, text)

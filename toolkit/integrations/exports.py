@@ -2,7 +2,8 @@
 dict) and BSFA thresholds as tensors for the kernels. The formats themselves, the safetensors
 file and blasst.json live in ``sparsecal.formats.exports``.
 
-Shape legend: K k values, L layers, H query heads, P query blocks (max_num_blocks).
+Shape legend: K k values, L layers, H query heads, P query blocks (max_num_blocks), C calibrated
+decode positions.
 """
 from __future__ import annotations
 
@@ -26,13 +27,24 @@ from sparsecal.formats.exports import (
 from sparsecal.formats.files import atomic_write
 
 
-def write_bsfa(out: Path, thr, k_values, block_m: int, block_n: int, aggregation: str, meta: dict) -> None:
-    """thresholds.bsfa.pt and thresholds.safetensors from thresholds [K, L, H, P] (tensor or array)."""
-    arr = thr.detach().to("cpu", torch.float32).numpy() if isinstance(thr, torch.Tensor) else np.asarray(thr, np.float32)
-    arr = np.ascontiguousarray(arr)
-    payload = bsfa_pt_payload(torch.from_numpy(arr), k_values, block_m, block_n, aggregation)
+def _f32(x) -> np.ndarray:
+    return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy() if isinstance(x, torch.Tensor)
+                                else np.asarray(x, np.float32))
+
+
+def write_bsfa(out: Path, thr, k_values, block_m: int, block_n: int, aggregation: str, meta: dict,
+               decode: tuple = (None, None)) -> None:
+    """thresholds.bsfa.pt and thresholds.safetensors from thresholds [K, L, H, P] (tensor or array);
+    ``decode``: (decode thresholds [K, L, H, P] calibrated on decode rows, calibrated positions [C])
+    or (None, None)."""
+    arr = _f32(thr)
+    dthr = None if decode[0] is None else _f32(decode[0])
+    dpos = None if decode[1] is None else [int(p) for p in np.asarray(decode[1]).tolist()]
+    payload = bsfa_pt_payload(torch.from_numpy(arr), k_values, block_m, block_n, aggregation,
+                              None if dthr is None else (torch.from_numpy(dthr), dpos))
     atomic_write(Path(out) / BSFA_PT, lambda p: torch.save(payload, p))
-    write_bsfa_safetensors(out, arr, k_values, block_m, block_n, aggregation, meta)
+    write_bsfa_safetensors(out, arr, k_values, block_m, block_n, aggregation, meta,
+                           None if dthr is None else (dthr, dpos))
 
 
 def _read_pt(path: Path) -> BsfaExport:
@@ -43,17 +55,20 @@ def _read_pt(path: Path) -> BsfaExport:
     if isinstance(d, dict) and not isinstance(d.get("thresholds"), torch.Tensor) and "thresholds" in d:
         raise UserError(f"{path}: thresholds is not a tensor; the file is damaged: export it again.")
     exp = bsfa_from_payload(path, d)
-    return replace(exp, thresholds=exp.thresholds.float())
+    dec = None if exp.decode_thresholds is None else exp.decode_thresholds.float()
+    return replace(exp, thresholds=exp.thresholds.float(), decode_thresholds=dec)
 
 
 def load_bsfa(path, expect: dict | None = None) -> BsfaExport:
     """BSFA thresholds as a float32 tensor [K, L, H, P] from an export directory, a .bsfa.pt or a
     .safetensors file, checked against ``expect`` (any of: model, num_layers, num_heads, block_m,
-    block_n)."""
+    block_n). ``decode_for_k(k)`` gives the decode thresholds [L, H, P] as a tensor, or None for an
+    export without them."""
     path = bsfa_file(path)
     if path.suffix == ".pt":
         exp = _read_pt(path)
     else:
         exp = read_bsfa_safetensors(path)
-        exp = replace(exp, thresholds=torch.from_numpy(exp.thresholds))
+        dec = None if exp.decode_thresholds is None else torch.from_numpy(exp.decode_thresholds)
+        exp = replace(exp, thresholds=torch.from_numpy(exp.thresholds), decode_thresholds=dec)
     return check_bsfa(path, exp, expect)
