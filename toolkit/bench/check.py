@@ -131,13 +131,14 @@ def _decode_log_lambda(tmax: torch.Tensor, length: int, bn: int) -> float:
 
 
 def _decode(q, k, v, scale, bm, bn, r, cap, tol) -> dict:
-    """The last row as a decode query (batch 2): BSFA and BLASST forward / reverse, both schedules."""
+    """The last row as a decode query (batch 2): BSFA, BLASST forward / reverse and top-k (half the
+    candidates), both schedules."""
     qd = q[:, :, -1:].expand(2, -1, -1, -1).contiguous()
     kd, vd = k.expand(2, -1, -1, -1).contiguous(), v.expand(2, -1, -1, -1).contiguous()
     length = k.shape[2]
     ll = _decode_log_lambda(soft_cap(decode_tile_max(qd, kd, scale, bn), cap), length, bn)
     cases = [{"thresholds": bsfa_thresholds_for(r.bmax, length, bm, bn, 0.5)}, {"log_lambda": ll},
-             {"log_lambda": ll, "order": "reverse"}]
+             {"log_lambda": ll, "order": "reverse"}, {"topk": max(1, (length - 1) // bn // 2)}]
     rows, ok = [], True
     for kw in cases:
         want, c = sparse_decode(qd, kd, vd, scale, bm, bn, softcap=cap, **kw)

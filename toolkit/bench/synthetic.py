@@ -12,7 +12,11 @@ Per sample of length n, every (layer, head):
   exactly for every target S <= C / R, prefill and decode alike: the a/L, a L^-b and A exp(B S) / L
   laws then have known parameters (b = 1: all three hold; b != 1: only the power law does);
 - stabilization, Q-init, rescale and shortfall histograms: random counts (no known answer, shape
-  only; the analysis is checked against these counts read back).
+  only; the analysis is checked against these counts read back);
+- BSFA retained-mass arrays (each reachable tile of a position weighs 1 / reachable) and the decode
+  rows' BSFA arrays (row r its own block, A_r = r // BN iid N(0, 1) candidate maxima); with
+  ``exact_bsfa`` every position's candidate maxima are 0, -1, -2, ... in every sample, so fitted
+  thresholds keep exactly min(k, A) and measured density equals predicted (prefill and decode).
 
 Shape legend: L layers, H heads, P query blocks, K k values, T top maxima, O orders, NG gap bins.
 """
