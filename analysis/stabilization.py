@@ -226,7 +226,8 @@ def order_summary(rescale, shortfall_hist) -> list[dict]:
         for prefix in PREFIXES:
             h = shortfall_hist.filter((pl.col("order") == order) & (pl.col("prefix") == prefix))
             tot = int(h["rows"].sum()) if h.height else 0
-            rec[f"{prefix}_share_zero"] = float(h.filter(pl.col("bin_hi") == 0)["rows"].sum() / tot) if tot else math.nan
+            zero = h.filter(pl.col("bin_hi") == 0)["rows"].sum()
+            rec[f"{prefix}_share_zero"] = float(zero / tot) if tot else math.nan
             rec[f"{prefix}_median"] = hist_median(h) if tot else math.nan
         out.append(rec)
     return out

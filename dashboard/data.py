@@ -37,7 +37,15 @@ import streamlit as st
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
 from sparsecal.formats.files import check_schema, read_json_manifest
-from sparsecal.formats.run import FIT_DIR, FIT_KIND, MANIFEST, RUN_KIND, captured_layers, check_manifest
+from sparsecal.formats.run import (
+    FIT_DIR,
+    FIT_KIND,
+    MANIFEST,
+    RESCALE_MISSING,
+    RUN_KIND,
+    captured_layers,
+    check_manifest,
+)
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
@@ -59,6 +67,10 @@ TABLE_COLUMNS = {
     "stab_tstar": ("order", "length", "layer", "bin_lo", "bin_hi", "rows"),
     "qinit": ("length", "layer", "head", "rows", "q05", "q25", "q50", "q75", "q95"),
     "qinit_hist": ("length", "layer", "bin_lo", "bin_hi", "rows"),
+    "stab_rescale": ("order", "length", "layer", "head", "rows", "mean_rescales", "share_zero", "q50", "q90"),
+    "stab_rescale_hist": ("order", "length", "layer", "rescales", "open", "rows"),
+    "stab_shortfall": ("order", "prefix", "length", "layer", "head", "rows", "share_zero", "q50", "q90"),
+    "stab_shortfall_hist": ("order", "prefix", "length", "layer", "bin_lo", "bin_hi", "rows"),
 }
 
 
@@ -196,6 +208,20 @@ def table(root: Path, name: str):
     if lacking and df.height:
         raise Broken(f"{path} lacks columns {', '.join(lacking)} (written by an older sparsecal); "
                      f"run {_fit_cmd(root)} again.")
+    return df
+
+
+def rescale_table(root: Path, name: str):
+    """A running-max rescale / shortfall table (stab_rescale*, stab_shortfall*). A run captured
+    before these statistics (its config has no ``rescale_bins``, or its fit wrote the table
+    empty) is Missing with the one line formats.run.RESCALE_MISSING; a fit older than the run's
+    capture is Missing with `sparsecal fit` as the remedy."""
+    old_run = "rescale_bins" not in manifest(root).get("config", {})
+    if old_run and not (Path(root) / FIT / f"{name}.parquet").is_file():
+        raise Missing(RESCALE_MISSING)
+    df = table(root, name)
+    if not df.height:
+        raise Missing(RESCALE_MISSING)
     return df
 
 

@@ -90,6 +90,40 @@ def test_stabilization(fixture_app):
         _set(at, "selectbox", key, value, 4)
 
 
+def test_stabilization_old_run_says_rescales_are_not_in_it(fixture_app):
+    """The fixture run was captured before the rescale statistics: one info line where they would be."""
+    from sparsecal.formats.run import RESCALE_MISSING
+
+    at = _page(fixture_app, "stabilization")
+    _ok(at, 4)
+    assert [i.value for i in at.info].count(RESCALE_MISSING) == 1
+    assert any("same for every scan order" in m.value for m in at.markdown)
+
+
+def _chart(at: AppTest, title: str) -> dict:
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    return next(s for s in specs if s["layout"].get("title", {}).get("text", "").startswith(title))
+
+
+def test_stabilization_rescales_and_shortfall_per_order(monkeypatch, hybrid_run):
+    """A run captured with the rescale statistics: rescales per order (the fit table's exact means),
+    their distribution, rows already at their final max, the shortfall CDF and the per-head heatmap."""
+    at = _page(_app(monkeypatch, hybrid_run), "stabilization")
+    _ok(at, 9)
+    assert not at.info, [i.value for i in at.info]
+    tab = pl.read_parquet(hybrid_run / "fit" / "stab_rescale.parquet")
+    bars = _chart(at, "Running-max rescales per row")["data"][0]
+    for order, y in zip(bars["x"], bars["y"]):
+        d = tab.filter(pl.col("order") == order)
+        assert abs(y - float((d["mean_rescales"] * d["rows"]).sum() / d["rows"].sum())) < 1e-9
+    final = _chart(at, "Rows already at their final max")["data"]
+    assert len(final) == 2 and all(0 <= v <= 1 for t in final for v in t["y"])
+    _set(at, "selectbox", "st_rs_order", "reverse", 9)
+    _set(at, "selectbox", "st_rs_metric", "share at the final max after the first + local blocks", 9)
+    assert "(reverse order)" in _chart(at, "Share at the final max after the first + local")["layout"]["title"]["text"]
+    _set(at, "selectbox", "st_len", 64, 9)
+
+
 def test_tiles(fixture_app):
     at = _page(fixture_app, "tiles")
     _ok(at, 3)

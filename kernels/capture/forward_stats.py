@@ -24,8 +24,9 @@ candidate blocks (every row sees every key: no mask) and diagonal blocks (causal
     sink_local  block 0, diagonal max(A,1)..R-1 up, candidates 1..A-1 up
 
 Semantics are those of reference.instrumented_attention for one order (TileStats.bmax,
-gap[:, o], tstar_step/where[:, o], rescales[:, o], shortfall[:, o], qinit_err), with ``softcap`` on the capped scores (jit.soft_cap
-in every tile and on the q-init estimate; SOFTCAP off compiles the uncapped kernel).
+gap[:, o], tstar_step/where[:, o], rescales[:, o], shortfall[:, o], qinit_err), with
+``softcap`` on the capped scores (jit.soft_cap in every tile and on the q-init estimate; SOFTCAP
+off compiles the uncapped kernel).
 
 Shape legend
     H query heads   Hkv KV heads   N length   D head dim   P = ceil(N/BM)   Kb = ceil(N/BN)
@@ -115,6 +116,15 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, q, k_ptr
 
 
 @triton.jit
+def _row_state(BLOCK_M: tl.constexpr):
+    """Per-row scan state before the first tile: t* step and where (0), rescales (0), the running
+    max after step 0 and after the local prefix (-inf)."""
+    zero = tl.zeros([BLOCK_M], tl.int32)
+    neg = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    return zero, zero, zero, neg, neg
+
+
+@triton.jit
 def _store_rows(LSE, QERR, TSTEP, TWHERE, RESC, SHORT, h, n_ctx, rows, row_ok, l_i, m_i, m_init, t_step, t_where,
                 n_up, m_first, m_loc):
     """Per-row results of the [H, N] outputs (natural-log LSE, q-init error, t*, rescales) and of
@@ -152,11 +162,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR, RES
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    t_step = tl.zeros([BLOCK_M], tl.int32)
-    t_where = tl.zeros([BLOCK_M], tl.int32)
-    n_up = tl.zeros([BLOCK_M], tl.int32)
-    m_first = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    m_loc = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    t_step, t_where, n_up, m_first, m_loc = _row_state(BLOCK_M)
     n_loc = tl.minimum(1 + n_reach - n_cand, n_reach)  # geometry.local_prefix
     n_diag = n_reach - n_cand
     bp, gp = BMAX + tile, GAP + tile

@@ -7,8 +7,9 @@ single-order path the gap, t* and q-init histograms (kernels/capture/reduce_refe
   A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
 - ORDER >= 0 (single-order capture): the candidate tiles' gap histogram (count and mass) of that
   order, and the block's rows: t* where-category and normalized-t* counts, q-init error
-  counts and running-max rescale / shortfall counts (tilestats.row_scan_stats), added with atomics into the histogram row of the head (tilestats.HistLayout, at
-  the order's slot of geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
+  counts and running-max rescale / shortfall counts (tilestats.row_scan_stats), added with
+  atomics into the histogram row of the head (tilestats.HistLayout, at the order's slot of
+  geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
 
 Shape legend: H heads, P query blocks, Kb key blocks, N length, K = len(k_values), W histogram
 entries per head.

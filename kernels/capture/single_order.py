@@ -7,8 +7,8 @@ pass 2  mass._mass_kernel: the block mass from the final log-sum-exp (QK^T only)
 decode  decode_rows.decode_forward: the last rows' gaps and their histograms, and their row block
         maxima, reduced by reduce_reference.decode_bsfa_reduce (torch.topk);
 reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histogram and
-        the row histograms (t* where, normalized t*, q-init, rescales, shortfalls), after reduce.bsfa_thresholds'
-        torch.topk.
+        the row histograms (t* where, normalized t*, q-init, rescales, shortfalls), after
+        reduce.bsfa_thresholds' torch.topk.
 
 No host sync and no per-row scratch. ``single_order_capture_triton`` returns what
 kernels/capture/reduce_reference.py's ``reduce_tiles`` makes of the reference's TileStats for a StatsConfig with one
