@@ -334,13 +334,13 @@ def _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TW
 
 
 @triton.jit
-def _rescale_rows(sweep, n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT, part, SEDGES, s_lo, s_inv, n_sedges,
+def _rescale_rows(best, n_f, n_s, x0, pre_f, suf_r, x_last, n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT, part,
+                  SEDGES, s_lo, s_inv, n_sedges,
                   OFF_RC: tl.constexpr, OFF_RX: tl.constexpr, OFF_SF: tl.constexpr, STORE: tl.constexpr,
                   HIST: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr):
     """Rescales and shortfalls of every row in the three orders (RESC [H, 3, N] i64, SHORT
     [H, 3, 2, N] f32 with STORE; histograms with HIST) from the sweeps' per-row state
-    (sweep = _forward_sweep's (best, n_f, n_s, x0, pre_f, suf_r, x_last), log2 units)."""
-    best, n_f, n_s, x0, pre_f, suf_r, x_last = sweep
+    (_forward_sweep's best, n_f, n_s, x0, pre_f, suf_r, x_last, log2 units; _reverse_sweep's n_r)."""
     ln2 = 0.6931471805599453
     r = h * 3 * n_ctx + rows
     s = h * 6 * n_ctx + rows
@@ -395,7 +395,7 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
                          GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
     _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
                QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
-    _rescale_rows((best, n_f, n_s, x0, pre_f, suf_r, x_last), n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT,
+    _rescale_rows(best, n_f, n_s, x0, pre_f, suf_r, x_last, n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT,
                   part, SEDGES, s_lo, s_inv, n_sedges, OFF_RC, OFF_RX, OFF_SF, STORE_TSTAR, HIST_ROWS, NR, RBP, SBP)
 
 
