@@ -171,7 +171,10 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
                          sample_id=task))
         rows.append(dict(base, method="bsfa", config="k=16", label="bsfa:16", task=task, score=method_score,
                          sample_id=task))
+        rows.append(dict(base, method="dense", config="fp32 attention", label="dense:fp32", task=task,
+                         score=method_score, sample_id=task))
     summ = summarize(rows)
+    assert summ.height == 6  # one row per (label, task): dense's values joined once, not per method "dense"
     rel = {(r["label"], r["task"]): r["accuracy_rel_dense"] for r in summ.to_dicts()}
     assert rel[("bsfa:16", "niah_single")] == pytest.approx(0.75) and rel[("bsfa:16", "cwe")] is None
     cur = curves(summ, pl.DataFrame(), rows).filter(pl.col("label") == "bsfa:16").to_dicts()[0]

@@ -372,13 +372,13 @@ def print_summary(summary, root) -> None:
                         "[95% paired bootstrap interval]")
     for col in ("method", "tokens", "task", "n", "score", "rel. dense", "answer LL - dense", "top-1", "KL",
                 "sparsity pre/dec"):
-        table.add_column(col, justify="left" if col in ("method", "task") else "right")
+        table.add_column(col, justify="left" if col in ("method", "task") else "right", no_wrap=True)
     for r in summary.iter_rows(named=True):
-        table.add_row(r["label"], str(r["length"]), r["task"], str(r["samples"]),
-                      _ci(r, "accuracy", ".2f"), _ci(r, "accuracy_rel_dense", ".3f"), _ci(r, "answer_ll_delta", ".3f"),
-                      _ci(r, "top1", ".3f"), _ci(r, "kl", ".1e"),
+        table.add_row(r["label"], str(r["length"]), r["task"], str(r["samples"]), _fmt(r["accuracy"], ".2f"),
+                      _ci(r, "accuracy_rel_dense", ".3f"), _ci(r, "answer_ll_delta", ".2f"),
+                      _ci(r, "top1", ".3f"), _fmt(r["kl"], ".1e"),
                       f"{_fmt(r['sparsity'], '.2f')}/{_fmt(r['decode_sparsity'], '.2f')}")
-    out = Console(width=max(160, Console().width))
+    out = Console(width=max(170, Console().width))
     out.print(table)
     for line in noise_floor_lines(noise_floor(summary)):
         out.print(line, soft_wrap=True)

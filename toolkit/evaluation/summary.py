@@ -54,7 +54,7 @@ def summarize(rows: list[dict]) -> pl.DataFrame:
         pl.col("top1").mean(), pl.col("nll").mean().exp().alias("ppl"),
         pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("answer_ll_delta").mean(),
         pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first())
-    dense = agg.filter(pl.col("method") == "dense").select(
+    dense = agg.filter(pl.col("label") == "dense").select(
         "length", "task", pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
     out = agg.join(dense, on=["length", "task"], how="left").join(
         cells(rows)[0], on=["label", "length", "task"], how="left")
