@@ -346,7 +346,8 @@ def finish(store, bench_files=()) -> dict:
         return {}
     summary = summarize(store.rows)
     prov = dict(provenance(), eval=str(store.root), export=store.manifest["export_path"],
-                model=store.manifest["model"]["id"])
+                model=store.manifest["model"]["id"], rows_versions=store.manifest.get("versions"),
+                rows_device=store.manifest["request"].get("device"))  # the rows may come from another machine
     write_parquet(store.root / SUMMARY, summary)
     doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, store.rows), "noise_floor": noise_floor(summary),
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"]}
