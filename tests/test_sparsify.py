@@ -212,3 +212,35 @@ def test_per_layer_factors_run_each_layer_at_its_own_lambda(tiny_model, tmp_path
             model(ids)
         skipped = model.sparsecal_stats["skipped"].sum(dim=1)
         assert skipped[0] == 0 and skipped[1] < cand and (want == 0.0 or skipped[1] == 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bsfa_decode_modes(tiny_model, tmp_path, backend, seed):
+    """BSFA prefill thresholds of 1e30 skip every candidate in prefill. Decode: dense by default
+    (nothing skipped), ``topk`` keeps the k largest of a row's A = 450 // 64 = 7 candidates, and
+    ``thresholds`` reads the decode thresholds (here 1e30: every candidate skipped). The dense
+    method and decode='dense' skip nothing and still count the reachable tiles."""
+    _, model = tiny_model
+    out = tmp_path / "e"
+    out.mkdir()
+    thr = torch.full((2, 2, 4, 8), 1e30)
+    write_bsfa(out, thr, [1, 2], 128, 64, "mean", {"model": "tiny"}, decode=(thr.clone(), [3]))
+    ids = torch.randint(0, 300, (1, 450), generator=torch.Generator().manual_seed(seed))
+    a = 450 // 64
+    for decode, want in ((None, 0), ("topk", a - 2), ("thresholds", a)):
+        sparsecal.sparsify(model, out, method="bsfa", k=2, decode=decode, backend=backend)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+        st = model.sparsecal_stats  # the last forward: one decode step at 451 keys
+        assert (st["reachable"] == a + 1).all() and (st["skipped"] == want).all(), decode
+    sparsecal.sparsify(model, out, method="dense", backend=backend)
+    with torch.no_grad():
+        model(ids)
+    cand, reach = block_counts_torch(450, 128, 64)
+    assert (model.sparsecal_stats["skipped"] == 0).all() and (model.sparsecal_stats["reachable"] == int(reach.sum())).all()
+    with pytest.raises(UserError, match="not a decode mode of bsfa"):
+        sparsecal.sparsify(model, out, method="bsfa", k=2, decode="sparse")
+    _noop_export(tmp_path / "old")
+    with pytest.raises(UserError, match="no BSFA decode thresholds"):
+        sparsecal.sparsify(model, tmp_path / "old", method="bsfa", k=2, decode="thresholds")
+    sparsecal.densify(model)
