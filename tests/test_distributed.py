@@ -274,7 +274,7 @@ def test_two_rank_eval_gives_the_rows_of_one_process(tok, tmp_path, seed):
     timing = ["prefill_s", "decode_s", "seconds"]
     one, two = (pl.read_parquet(tmp_path / d / "data" / "rows.parquet").drop(timing).sort("sample_id", "label")
                 for d in ("one", "two"))
-    assert one.height == 2 * 2 and one.to_dicts() == two.to_dicts()
+    assert one.height == 2 * 3 and one.to_dicts() == two.to_dicts()  # dense, dense:fp32, window:0
     assert not list((tmp_path / "two" / "data").glob("rows.part-*"))
     results = json.loads((tmp_path / "two" / "results.json").read_text())
     assert results["rows"] == json.loads((tmp_path / "one" / "results.json").read_text())["rows"]

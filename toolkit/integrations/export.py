@@ -270,8 +270,6 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
                ignored_layers={str(i): why for i, why in sorted(ignored.items())})
     if per_layer:
         add_per_layer(root, doc, layers, ignored)
-    for line in length_lines(doc):
-        warn and warn(line)
     rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
                     cal["sparse"], "sparsecal: blasst.json",
                     min_lengths={m: v["min_length"] for m, v in doc["validity"].items()}) if cal["held"] is not None else []
@@ -298,6 +296,8 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     atomic_write_text(out / F.REPORT, text)
     written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
     patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
+    for line in length_lines(doc):  # once written: a refused export prints its error line alone
+        warn and warn(line)
     return {"out": str(out), "bsfa_shape": list(thr.shape), "k_values": fit["k_values"],
             "blasst": {e["target_sparsity"]: e["threshold_scale_factor"] for e in doc["targets"]},
             "threshold_finite_share": float(np.isfinite(thr).mean()), "report": text, "rows": rows,
