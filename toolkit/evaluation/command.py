@@ -177,11 +177,13 @@ def eval_command(req: EvalRequest) -> dict:
     job = ranks.lead(lambda: _prepare(req, ranks))
     if job.todo:
         _run(job, ranks)
-    if not ranks.main:
-        return {}
-    store = EvalStore.open(job.req.out)
-    store.merge_parts()
-    return finish(store, job.req.bench)
+    written = {}
+    if ranks.main:
+        store = EvalStore.open(job.req.out)
+        store.merge_parts()
+        written = finish(store, job.req.bench)
+    ranks.gather(None)  # the ranks leave together: one tearing down its process group early aborted once (gloo)
+    return written
 
 
 def _prepare(req: EvalRequest, ranks) -> EvalJob:
