@@ -263,6 +263,7 @@ def test_eval_bad_input_one_line(tmp_path):
     assert_user_error(_eval(_foreign_export(tmp_path / "g", "smollm2:SmolLM2-135M-Instruct.Q4_1.gguf", 8),
                             *base, "--methods", "bsfa:4"), "num_heads 8")
     assert_user_error(_eval(exp, *base, "--methods", "bsfa:12"), "k=12 is not in export")
+    assert_user_error(_eval(exp, *base, "--methods", "bsfa:4:thresholds"), "no BSFA decode thresholds")
     assert_user_error(_eval(exp, *base, "--methods", "blasst:0.6"), "target 0.6 is not in export")
     short = _short_export(tmp_path / "s")
     assert_user_error(_eval(short, "--out", out, "--tasks", "niah_single", "--lengths", "512,640", "--methods",

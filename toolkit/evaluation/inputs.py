@@ -34,6 +34,7 @@ class ExportInfo:
     targets: tuple = ()              # BLASST target sparsities (empty: no blasst.json)
     calibration_lengths: list = field(default_factory=list)
     run: str | None = None           # calibration run recorded in the export
+    bsfa_decode: bool = False        # BSFA thresholds calibrated on decode rows are in the export
 
     @property
     def nmax(self) -> int | None:
@@ -72,7 +73,8 @@ def load_export(path: Path, model: dict) -> ExportInfo:
         meta = exp.meta or {}
         info = ExportInfo(path.resolve(), {}, exp.model, exp.num_layers, exp.num_heads, exp.q_block_size,
                           exp.k_block_size, exp.k_values, int(exp.thresholds.shape[3]),
-                          calibration_lengths=json.loads(meta.get("lengths", "[]")), run=meta.get("run"))
+                          calibration_lengths=json.loads(meta.get("lengths", "[]")), run=meta.get("run"),
+                          bsfa_decode=exp.decode_thresholds is not None)
     if BLASST_JSON in present:
         doc = load_blasst(path, expect)
         targets = tuple(sorted({float(doc["target_sparsity"])} | {float(t["target_sparsity"])
@@ -100,6 +102,9 @@ def check_methods(methods: list[Method], info: ExportInfo) -> None:
             have = ", ".join(map(str, info.k_values)) or "none: the export has no BSFA thresholds"
             raise UserError(f"method {m.label}: k={m.value} is not in export {info.path} (k values {have}); "
                             "fit and export it with `sparsecal fit RUN --k ...`.")
+        if m.name == "bsfa" and m.decode == "thresholds" and not info.bsfa_decode:
+            raise UserError(f"method {m.label}: export {info.path} has no BSFA decode thresholds (exported before "
+                            "they were calibrated); capture, fit and export again, or use decode topk or dense.")
         if m.name == "blasst" and not any(abs(m.value - t) < 1e-9 for t in info.targets):
             have = ", ".join(f"{t:g}" for t in info.targets) or "none: the export has no blasst.json"
             raise UserError(f"method {m.label}: target {m.value:g} is not in export {info.path} (targets {have}); "
