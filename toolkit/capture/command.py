@@ -211,6 +211,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     t0 = time.perf_counter()
     result = _capture(store, model, [p for _, p in mine], job, ranks)
     results = ranks.gather(dict(result, peak=distributed.peak_memory(model, device)))
+    distributed.close()  # the last collective: close the group now, not at interpreter exit
     if not ranks.main:
         return
     seconds, done = time.perf_counter() - t0, sum(r["done"] for r in results)

@@ -160,11 +160,13 @@ def start() -> Ranks:
         if not dist.is_initialized():
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=TIMEOUT)
-            atexit.register(_close)
+            atexit.register(close)
     return ranks
 
 
-def _close() -> None:
+def close() -> None:
+    """Destroy this process's process group, if any (call it once every rank is done; atexit
+    calls it too for a command that stops early)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

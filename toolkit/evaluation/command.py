@@ -182,7 +182,8 @@ def eval_command(req: EvalRequest) -> dict:
         store = EvalStore.open(job.req.out)
         store.merge_parts()
         written = finish(store, job.req.bench)
-    ranks.gather(None)  # the ranks leave together: one tearing down its process group early aborted once (gloo)
+    ranks.gather(None)  # the ranks leave together, then close their process group in the normal flow:
+    distributed.close()  # left to interpreter exit, gloo aborted ("terminate called without an active exception")
     return written
 
 
