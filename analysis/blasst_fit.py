@@ -30,7 +30,7 @@ class HistSum:
     samples: int = 0
 
     @classmethod
-    def empty_like(cls, count: np.ndarray) -> "HistSum":
+    def empty_like(cls, count: np.ndarray) -> HistSum:
         return cls(np.zeros(count.shape), np.zeros(count.shape))
 
     def add(self, count, mass, reach: float, npos: float) -> None:

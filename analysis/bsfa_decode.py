@@ -123,7 +123,7 @@ class DecodeFit:
         if pre is not None:
             cand = np.asarray(pre["candidates"], np.int64)
             pos = np.minimum(np.arange(len(cand)), prefill_thr.shape[-1] - 1)
-            kept, skipped, bound = apply_thresholds(prefill_thr[..., pos], pre["bsfa_top_bmax"], pre["bsfa_top_mass"],
+            _, skipped, bound = apply_thresholds(prefill_thr[..., pos], pre["bsfa_top_bmax"], pre["bsfa_top_mass"],
                                                     pre["bsfa_cand_mass"], cand)
             item["prefill"] = {"retained": 1.0 - skipped.mean(-1), "bound": bound, "positions": len(cand)}
         if dec is not None and self.thr is not None:

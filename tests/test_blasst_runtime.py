@@ -12,8 +12,13 @@ import torch
 import sparsecal
 from sparsecal.analysis.blasst import skipped
 from sparsecal.analysis.fit import FitRequest, fit_run
-from sparsecal.formats.exports import (blasst_dense_below, blasst_min_length, blasst_runtime_lambda, load_blasst,
-                                       write_blasst)
+from sparsecal.formats.exports import (
+    blasst_dense_below,
+    blasst_min_length,
+    blasst_runtime_lambda,
+    load_blasst,
+    write_blasst,
+)
 from sparsecal.formats.run import RunStore
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode

@@ -143,6 +143,7 @@ def test_tiles(fixture_app):
 def hybrid_run(tmp_path_factory, module_seed):
     """A tiny Gemma 3 (sliding layers 0 and 2, full layers 1 and 3) captured with raw tiles, fitted, exported."""
     from families import make_family_checkpoint
+
     from helpers import cli, write_prompts
 
     root = tmp_path_factory.mktemp("hybrid")

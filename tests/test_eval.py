@@ -160,7 +160,7 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
     """Answer tasks: score / dense's score only where dense scores >= MIN_DENSE_SCORE; text: ppl ratio."""
     import polars as pl
 
-    from sparsecal.evaluation.intervals import MIN_DENSE_SCORE
+    from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, cells
     from sparsecal.evaluation.summary import curves, summarize
 
     base = {"length": 1024, "correct": True, "kl": 0.0, "top1": 1.0, "nll": 1.0, "sparsity": 0.0,
@@ -177,7 +177,7 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
     assert summ.height == 6  # one row per (label, task): dense's values joined once, not per method "dense"
     rel = {(r["label"], r["task"]): r["accuracy_rel_dense"] for r in summ.to_dicts()}
     assert rel[("bsfa:16", "niah_single")] == pytest.approx(0.75) and rel[("bsfa:16", "cwe")] is None
-    cur = curves(summ, pl.DataFrame(), rows).filter(pl.col("label") == "bsfa:16").to_dicts()[0]
+    cur = curves(summ, pl.DataFrame(), cells(rows)).filter(pl.col("label") == "bsfa:16").to_dicts()[0]
     assert cur["accuracy_rel_dense"] == pytest.approx(0.75) and cur["tasks"] == "niah_single"
 
 

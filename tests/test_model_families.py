@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from families import FAMILIES, WINDOW, make_family_checkpoint
 
 import sparsecal
 from sparsecal.capture.runner import capture_sample
@@ -18,7 +19,6 @@ from sparsecal.formats.layers import layer_specs, plan_layers
 from sparsecal.formats.run import RunStore
 from sparsecal.formats.stats_config import StatsConfig
 
-from families import FAMILIES, WINDOW, make_family_checkpoint
 from helpers import INTERPRETER_WARNINGS, NOOP_BLASST_FACTOR, assert_user_error, cli, write_prompts
 
 N = 3 * WINDOW + 5  # the window binds: sliding and chunked layers differ from full ones

@@ -22,8 +22,8 @@ import triton.language as tl
 
 from sparsecal.formats.geometry import ORDERS
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds, top_mass
 from sparsecal.kernels.capture.common import shortfall_args
+from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds, top_mass
 from sparsecal.kernels.capture.tilestats import HistLayout, bucket, hist_add, row_scan_stats
 
 TJ = 64  # tiles per chunk

@@ -97,7 +97,7 @@ def bsfa_thresholds(bmax: torch.Tensor, cand: torch.Tensor, cfg: StatsConfig, mo
     block maxima are equal values, so which tile a sort or topk puts first never changes a value
     (only -0.0 and +0.0 may trade places; they compare equal).
     """
-    h, p, kb = bmax.shape
+    _, p, kb = bmax.shape
     cmask = torch.arange(kb, device=bmax.device).unsqueeze(0) < cand.unsqueeze(1)  # [P, Kb]
     cb = bmax.masked_fill(~cmask, NEG_INF)
     top = max(1, min(cfg.top_count, max_candidates(p, cfg) if most is None else most))

@@ -47,7 +47,7 @@ class HistLayout:
     ns: int
 
     @classmethod
-    def of(cls, cfg: StatsConfig) -> "HistLayout":
+    def of(cls, cfg: StatsConfig) -> HistLayout:
         return cls(len(cfg.gap_edges()) + 1, len(cfg.qinit_edges()) + 1, cfg.tstar_bins, cfg.rescale_bins,
                    len(cfg.shortfall_edges()) + 1)
 

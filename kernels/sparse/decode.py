@@ -53,7 +53,6 @@ import triton
 import triton.language as tl
 
 from sparsecal.formats.geometry import ORDERS, scan_order
-from sparsecal.kernels.sparse.reference import check_method, topk_skip_mask
 from sparsecal.kernels.jit import (
     LAST_COMPILED,
     LOG2E,
@@ -65,6 +64,7 @@ from sparsecal.kernels.jit import (
     soft_cap,
     softcap_args,
 )
+from sparsecal.kernels.sparse.reference import check_method, topk_skip_mask
 
 DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
 

@@ -341,18 +341,20 @@ def finish(store, bench_files=()) -> dict:
     import json
 
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
+    from sparsecal.evaluation.intervals import cells
     from sparsecal.evaluation.summary import curves, noise_floor, read_bench, result_rows, summarize, unmatched_bench
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance
 
     if not store.rows:
         return {}
-    summary = summarize(store.rows)
+    ci = cells(store.rows)  # the bootstrap, once for the summary, the result rows and the curves
+    summary = summarize(store.rows, ci)
     prov = dict(provenance(), eval=str(store.root), export=store.manifest["export_path"],
                 model=store.manifest["model"]["id"], rows_versions=store.manifest.get("versions"),
                 rows_device=store.manifest["request"].get("device"))  # the rows may come from another machine
     write_parquet(store.root / SUMMARY, summary)
-    doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, store.rows), "noise_floor": noise_floor(summary),
+    doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, ci), "noise_floor": noise_floor(summary),
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"]}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
@@ -362,7 +364,7 @@ def finish(store, bench_files=()) -> dict:
             console.print(f"[yellow]warning:[/] bench point {point} has no evaluated configuration")
         meta = {"kind": "sparsecal-curves", "eval_provenance": json.dumps(prov),
                 "bench_provenance": json.dumps(bench_prov)}
-        write_parquet(store.root / CURVES, curves(summary, bench, store.rows), metadata=meta)
+        write_parquet(store.root / CURVES, curves(summary, bench, ci), metadata=meta)
         written["curves"] = store.root / CURVES
     print_summary(summary, store.root)
     return written

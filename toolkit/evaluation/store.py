@@ -75,7 +75,7 @@ class EvalStore:
         return man
 
     @classmethod
-    def resume(cls, root: Path, manifest: dict) -> "EvalStore | None":
+    def resume(cls, root: Path, manifest: dict) -> EvalStore | None:
         """The evaluation in ``root`` if it holds the same request, model and export as
         ``manifest`` (anything else is refused in one line); None for a new directory."""
         root = Path(root)
@@ -94,7 +94,7 @@ class EvalStore:
         return store
 
     @classmethod
-    def create(cls, root: Path, manifest: dict) -> "EvalStore":
+    def create(cls, root: Path, manifest: dict) -> EvalStore:
         """A new evaluation directory holding ``manifest``."""
         root = Path(root)
         (root / DATA).mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ class EvalStore:
         return store
 
     @classmethod
-    def open(cls, root: Path) -> "EvalStore":
+    def open(cls, root: Path) -> EvalStore:
         """An existing evaluation with its rows, touching nothing (what every rank reads)."""
         store = cls(Path(root), cls.read_manifest(root))
         store.rows = store._read_rows()
@@ -175,7 +175,7 @@ class EvalStore:
             write_parquet(self.part, pl.DataFrame(self.mine, infer_schema_length=None))
 
 
-def merge_shards(root: Path, shards: list) -> "EvalStore":
+def merge_shards(root: Path, shards: list) -> EvalStore:
     """One evaluation directory ``root`` from shard directories of the same export, model and
     methods, each run as its own process over some tasks and lengths (several processes sharing
     one GPU). The manifest lists every shard's prompts; the request's tasks and lengths are the

@@ -44,9 +44,9 @@ def _answer_ll(df: pl.DataFrame) -> pl.DataFrame:
         (pl.col("answer_logprob") - pl.col("_ll_dense")).alias("answer_ll_delta")).drop("_ll_dense")
 
 
-def summarize(rows: list[dict]) -> pl.DataFrame:
+def summarize(rows: list[dict], ci: tuple | None = None) -> pl.DataFrame:
     """Per (method, config, label, length, task) means of the row metrics, with dense's beside
-    and the paired bootstrap intervals."""
+    and the paired bootstrap intervals (``ci``: intervals.cells(rows), computed when not given)."""
     df = _answer_ll(pl.DataFrame(rows, infer_schema_length=None))
     agg = df.group_by(KEYS + ["label", "task"]).agg(
         pl.len().alias("samples"), pl.col("score").mean().alias("accuracy"),
@@ -57,7 +57,7 @@ def summarize(rows: list[dict]) -> pl.DataFrame:
     dense = agg.filter(pl.col("label") == "dense").select(
         "length", "task", pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
     out = agg.join(dense, on=["length", "task"], how="left").join(
-        cells(rows)[0], on=["label", "length", "task"], how="left")
+        (ci or cells(rows))[0], on=["label", "length", "task"], how="left")
     text = pl.col("task") == "text"
     rel = (pl.when(text).then(pl.col("ppl_dense") / pl.col("ppl"))
            .when(pl.col("accuracy_dense") >= MIN_DENSE_SCORE).then(pl.col("accuracy") / pl.col("accuracy_dense"))
@@ -67,23 +67,23 @@ def summarize(rows: list[dict]) -> pl.DataFrame:
                             ).sort(["length", "task", "method", "config"])
 
 
-def points(summary: pl.DataFrame, rows: list[dict]) -> pl.DataFrame:
+def points(summary: pl.DataFrame, ci: tuple) -> pl.DataFrame:
     """Per (method, config, label, length): accuracy_rel_dense averaged over the tasks where it is
     defined, with its paired bootstrap interval (null where no task defines it), the tasks
     averaged, prefill and decode sparsity, top-1 and KL averaged over every task."""
     acc = summary.group_by(KEYS + ["label"]).agg(
         pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("top1").mean(), pl.col("kl").mean(),
         pl.col("task").filter(pl.col("accuracy_rel_dense").is_not_null()).sort().str.join(",").alias("tasks"))
-    rel = cells(rows)[1].drop("tasks")
+    rel = ci[1].drop("tasks")
     return acc.join(rel, on=["label", "length"], how="left").sort(KEYS)
 
 
-def result_rows(summary: pl.DataFrame, rows: list[dict]) -> list[dict]:
+def result_rows(summary: pl.DataFrame, ci: tuple) -> list[dict]:
     """The dashboard's Accuracy-speedup rows (toolkit/formats/results.py): one per (method,
     config, length), the relative accuracy averaged over tasks with its 95% interval."""
     cols = KEYS + ["label", "accuracy_rel_dense", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "sparsity",
                    "decode_sparsity", "top1", "kl", "tasks"]
-    return points(summary, rows).select(cols).rename({"tasks": "task"}).to_dicts()
+    return points(summary, ci).select(cols).rename({"tasks": "task"}).to_dicts()
 
 
 def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
@@ -116,9 +116,10 @@ def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
     return pl.concat(frames) if frames else pl.DataFrame(), prov
 
 
-def curves(summary: pl.DataFrame, bench: pl.DataFrame, rows: list[dict]) -> pl.DataFrame:
-    """Accuracy per (method, config, length) left-joined to the bench speedups of that point."""
-    acc = points(summary, rows)
+def curves(summary: pl.DataFrame, bench: pl.DataFrame, ci: tuple) -> pl.DataFrame:
+    """Accuracy per (method, config, length) left-joined to the bench speedups of that point
+    (``ci``: intervals.cells of the summary's rows)."""
+    acc = points(summary, ci)
     if not bench.height:
         return acc.sort(KEYS)
     speed = bench.group_by(KEYS).agg(

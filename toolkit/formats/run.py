@@ -87,7 +87,7 @@ class RunStore:
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
-    def open(cls, root) -> "RunStore":
+    def open(cls, root) -> RunStore:
         """Open an existing run for reading; validates the manifest's kind and schema version."""
         root = Path(root)
         path = root / MANIFEST
@@ -99,7 +99,7 @@ class RunStore:
 
     @classmethod
     def create_or_resume(cls, root, model: dict, config: dict, dtype: str, backend: str,
-                         scope: dict | None = None) -> "RunStore":
+                         scope: dict | None = None) -> RunStore:
         """Open RUN for writing: a new directory, or an existing run with the same model, config and
         ``scope`` ({"layers": captured layer indices, "layer_notes": {layer: why not captured}})."""
         root = Path(root)

@@ -81,7 +81,7 @@ class StatsConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StatsConfig":
+    def from_dict(cls, d: dict) -> StatsConfig:
         d = dict(d)
         d["orders"] = tuple(d["orders"])
         d["k_values"] = tuple(d["k_values"])

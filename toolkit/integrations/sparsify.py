@@ -62,12 +62,15 @@ class _State:
     precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
     topk: int | None = None                        # BSFA decode=topk: key blocks kept per decode row
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
-    _on_device: dict = field(default_factory=dict)  # device -> thresholds there
+    _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
 
-    def thresholds_on(self, device) -> torch.Tensor:
-        if device not in self._on_device:
-            self._on_device[device] = self.thresholds.to(device=device, dtype=torch.float32)
-        return self._on_device[device]
+    def thresholds_on(self, device, decode: bool = False) -> torch.Tensor:
+        """The BSFA thresholds (``decode``: those calibrated on decode rows) on ``device``, cached."""
+        key = (device, decode)
+        if key not in self._on_device:
+            thr = self.decode_thresholds if decode else self.thresholds
+            self._on_device[key] = thr.to(device=device, dtype=torch.float32)
+        return self._on_device[key]
 
     def stats_on(self, device, layers: int, heads: int) -> dict:
         """The stats tensors, (re)allocated on ``device``; the dict object stays the same."""
@@ -248,8 +251,8 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
         AttentionInterface.register(name, sparse_attention_fn)
     if export_dir is None:
         return None
-    source = dict(export_dir=export_dir, method=method, k=k, target=target, blocks=blocks, backend=backend,
-                  decode=decode, precision=precision)
+    source = {"export_dir": export_dir, "method": method, "k": k, "target": target, "blocks": blocks,
+              "backend": backend, "decode": decode, "precision": precision}
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
     _REGISTERED[METHODS[method]] = state
@@ -387,9 +390,7 @@ def call_args(state: _State, layer: int, mode: str, length: int, device) -> dict
     if mode == "decode" and state.decode == "topk":
         return {"topk": state.topk}
     if mode == "decode" and state.decode == "thresholds":
-        if state.decode_thresholds.device != torch.device(device):
-            state.decode_thresholds = state.decode_thresholds.to(device=device, dtype=torch.float32)
-        return {"thresholds": state.decode_thresholds[layer]}
+        return {"thresholds": state.thresholds_on(device, decode=True)[layer]}
     return method_args(state, layer, mode, length, device)
 
 
