@@ -1,0 +1,152 @@
+"""GPU benchmark of the Gluon prefill kernel (kernels/sparse/prefill_gluon.py) and issue 17's
+kernel targets, in one run on one Hopper GPU.
+
+1. check: the Gluon kernel against the plain-torch reference (outputs within dtype tolerance, skip
+   counts equal) on ragged lengths, GQA 1/4/8, D 64/128, fp16/bf16, batch 2, both TMA views
+   ([B, H, N, D] storage and the [B, N, H, D] storage transformers hands over), every method it
+   takes (dense, BSFA, BLASST forward, window). Runs first, every time.
+2. targets: per head dim, length and GQA group (bf16, causal, B=1, H=32, run geometry 128 x 64),
+   round-robin timings of cuDNN and FLASH SDPA, the dense Triton kernel at its tuned tile, the
+   Triton sparse kernel (skipping off, BSFA / BLASST at ~0 / 50 / 75% sparsity) and the Gluon
+   kernel (skipping off per ring depth, the same BSFA / BLASST points). Each sparse row carries
+   the sparsity its kernel counted, the ideal 1 / (1 - s/2) and its ratio to the dense baseline.
+
+    python -m sparsecal.bench.prefill_gluon [--sections check,targets] [--dims 128,64]
+        [--lengths 16384,32768,65536] [--groups 1,4,8] [--rounds 2] [--nbuf 2,3] --out FILE
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from sparsecal.bench.harness import log, result_file, run_section
+from sparsecal.bench.sparse import BM, BN, HEADS, SPARSITIES, ideal, time_round_robin
+from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
+from sparsecal.kernels.dense import attention_dense, flops_causal
+from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
+from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
+from sparsecal.kernels.sparse.reference import sparse_attention
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# (N, Hkv, G, D, dtype, batch, transposed storage)
+CHECK_CASES = ((1000, 2, 4, 128, torch.bfloat16, 1, False), (777, 1, 8, 64, torch.float16, 1, True),
+               (1300, 3, 1, 64, torch.bfloat16, 2, False), (640, 2, 4, 128, torch.float16, 1, True),
+               (2049, 1, 4, 128, torch.bfloat16, 1, True))
+
+
+def _storage(t: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """t [B, H, N, D] as a view of [B, N, H, D] storage when ``transposed`` (what sparsify passes)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if transposed else t.contiguous()
+
+
+def check_gluon() -> dict:
+    rows, ok = [], True
+    for n, kv, group, d, dtype, batch, transposed in CHECK_CASES:
+        q, k, v = structured_qkv(n, d, kv * group, kv, seed=n + d, dtype=dtype, batch=batch)
+        q, k, v = (_storage(t, transposed) for t in (q, k, v))
+        scale = d ** -0.5
+        bmax, gap = tile_stats(q[:1], k[:1], v[:1], scale, BM, BN)
+        cases = [{"dense": True}, {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, 0.5)},
+                 {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, 0.5)}, {"window": 2}]
+        for kw in cases:
+            got, sk = sparse_attention_gluon(q, k, v, scale, BM, BN, **kw)
+            ref_kw = dict(kw, log_lambda=-math.inf) if "dense" in kw else kw
+            ref_kw.pop("dense", None)
+            errs, same = [], True
+            for i in range(batch):
+                want, c = sparse_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale, BM, BN, **ref_kw)
+                errs.append(float((got[i:i + 1].double() - want.double()).abs().max()))
+                same &= "dense" in kw or bool(torch.equal(sk[i].cpu(), c.skipped.cpu()))
+            err = max(errs)
+            ok &= err < TOL[dtype] and same
+            rows.append({"n": n, "d": d, "group": group, "dtype": str(dtype), "batch": batch, "transposed": transposed,
+                         "method": sorted(kw)[0], "max_abs_err": err, "skip_counts_equal": same,
+                         "skipped": int(sk.sum())})
+        log(f"gluon check n={n} d={d} G={group} {dtype} B={batch} transposed={transposed}: "
+            + ", ".join(f"{r['method']} {r['max_abs_err']:.1e}{'' if r['skip_counts_equal'] else ' COUNTS DIFFER'}"
+                        for r in rows[-len(cases):]))
+    return {"ok": bool(ok), "rows": rows}
+
+
+def _variants(q, k, v, d: int, n: int, nbufs) -> dict:
+    """name -> (callable, kernel-counted sparsity or None, info)."""
+    from sparsecal.bench.harness import sdpa_fns
+
+    scale = d ** -0.5
+    bmax, gap = tile_stats(q, k, v, scale, BM, BN)
+    reach = candidate_tiles(n, BM, BN)[1] * q.shape[1]
+    out = torch.empty_like(q)
+    variants = {"dense_triton": (lambda: attention_dense(q, k, v, scale, out=out), None, {}),
+                "triton_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})}
+    for nb in nbufs:
+        variants[f"gluon_off_nbuf{nb}"] = (
+            lambda nb=nb: sparse_attention_gluon(q, k, v, scale, BM, BN, dense=True, out=out, nbuf=nb), 0.0, {})
+    for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
+        variants[name] = (fn, None, {"gqa": mode})
+    kernels = {"triton": (sparse_attention_triton, {}), "gluon": (sparse_attention_gluon, {"nbuf": nbufs[-1]})}
+    for s in SPARSITIES:
+        points = {"bsfa": {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, s)},
+                  "blasst": {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, s)}}
+        for method, kw in points.items():
+            for kname, (kern, extra) in kernels.items():
+                _, sk = kern(q, k, v, scale, BM, BN, out=out, **extra, **kw)
+
+                def fn(kern=kern, kw=kw, extra=extra):
+                    return kern(q, k, v, scale, BM, BN, out=out, **extra, **kw)
+
+                variants[f"{kname}_{method}_s{int(s * 100)}"] = (fn, float(sk.sum()) / reach, {"target": s})
+    return variants
+
+
+def targets_shape(d: int, n: int, group: int, rounds: int, nbufs) -> dict:
+    q, k, v = structured_qkv(n, d, HEADS, HEADS // group, seed=n + d + group)
+    variants = _variants(q, k, v, d, n, nbufs)
+    ms = time_round_robin(variants, rounds)
+    sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
+    dense = min(ms["dense_triton"], *(ms[f"gluon_off_nbuf{nb}"] for nb in nbufs))
+    rows = []
+    for name, (_, sp, info) in variants.items():
+        row = {"variant": name, "ms": ms[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
+               "vs_sdpa": sdpa / ms[name], "vs_dense_triton": ms["dense_triton"] / ms[name], **info}
+        if sp is not None:
+            row.update(sparsity=sp, ideal=ideal(sp), vs_dense=dense / ms[name], of_ideal=dense / ms[name] / ideal(sp))
+        rows.append(row)
+    del q, k, v
+    torch.cuda.empty_cache()
+    log(f"D={d} N={n} G={group}: sdpa {sdpa:.3f} ms, dense triton {ms['dense_triton']:.3f}, "
+        + ", ".join(f"{r['variant']} {r['ms']:.3f}" for r in rows if r["variant"].startswith("gluon")))
+    return {"d": d, "n": n, "group": group, "heads": HEADS, "best_sdpa_ms": sdpa, "dense_ms": dense, "rows": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.prefill_gluon")
+    ap.add_argument("--sections", default="check,targets")
+    ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--lengths", default="16384,32768,65536")
+    ap.add_argument("--groups", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--nbuf", default="2,3")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    sections = args.sections.split(",")
+    result, save = result_file("prefill_gluon", args.out, args.commit)
+    if "check" in sections:
+        run_section(result, "check", check_gluon, save)
+        log(f"gluon check ok: {result.get('check', {}).get('ok')}")
+    if "targets" in sections:
+        nbufs = [int(x) for x in args.nbuf.split(",")]
+        result["targets"] = []
+        for d in (int(x) for x in args.dims.split(",")):
+            for n in (int(x) for x in args.lengths.split(",")):
+                for g in (int(x) for x in args.groups.split(",")):
+                    run_section(result, f"_shape", lambda: targets_shape(d, n, g, args.rounds, nbufs), save)
+                    if "_shape" in result:
+                        result["targets"].append(result.pop("_shape"))
+                    save()
+
+
+if __name__ == "__main__":
+    main()
