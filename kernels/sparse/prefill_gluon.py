@@ -96,6 +96,15 @@ def _issue(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, b, hk, num_kv, KV
 
 
 @gluon.jit
+def _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
+    """At tile j (ordinal t), once every warp is done with tile t - 1: copy tile j + NBUF - 1 into its slot."""
+    if t + NBUF - 1 < t_end:
+        _issue(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t + NBUF - 1, j + NBUF - 1, b, hk, num_kv, KV_ROWS,
+               HEAD_DIM, BN, NBUF)
+
+
+@gluon.jit
 def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv,
           rows, row_ok, n_ctx, qk_scale, thr,
           MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -104,11 +113,9 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     (DECIDE 0 compute, 1 BSFA, 2 BLASST), then the online-softmax update and P.V when kept.
     carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
-    _cta_barrier()  # every warp is done with tile t - 1, whose slot the refill below overwrites
-    t_next = t + NBUF - 1
-    if t_next < t_end:
-        _issue(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t_next, j + NBUF - 1, b, hk, num_kv,
-               KV_ROWS, HEAD_DIM, BN, NBUF)
+    if DECIDE == 0:  # no decision, no cross-warp reduction: a barrier orders the refill after tile t - 1
+        _cta_barrier()
+        _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_bar.index(slot), phase)
@@ -129,6 +136,8 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     elif DECIDE == 2:
         gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
         keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
+    if DECIDE != 0:  # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
+        _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     if keep:
         if MASKED:
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -85,7 +85,8 @@ def _variants(q, k, v, d: int, n: int, nbufs) -> dict:
             lambda nb=nb: sparse_attention_gluon(q, k, v, scale, BM, BN, dense=True, out=out, nbuf=nb), 0.0, {})
     for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
         variants[name] = (fn, None, {"gqa": mode})
-    kernels = {"triton": (sparse_attention_triton, {}), "gluon": (sparse_attention_gluon, {"nbuf": nbufs[-1]})}
+    kernels = {"triton": (sparse_attention_triton, {})}
+    kernels.update({f"gluon{nb}": (sparse_attention_gluon, {"nbuf": nb}) for nb in nbufs})
     for s in SPARSITIES:
         points = {"bsfa": {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, s)},
                   "blasst": {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, s)}}
