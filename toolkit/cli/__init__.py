@@ -196,14 +196,22 @@ def export(
     per_layer: bool = typer.Option(False, "--per-layer", help="Add each layer's own BLASST factor to blasst.json."),
     min_layer_sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Leave a layer dense when it skips less "
                                              "than this at every length at the exported factor (0: never)."),
+    break_even: Optional[Path] = typer.Option(None, "--break-even", help="A break-even file of the serving GPU "
+                                              "(`sparsecal bench break-even --run RUN --out FILE`): blasst.json gets "
+                                              "a dispatch record, sparse only where a layer's calibrated sparsity "
+                                              "reaches the break-even, the best SDPA path elsewhere."),
+    dispatch_margin: float = typer.Option(0.0, min=0.0, max=1.0, help="With --break-even: run sparse only where the "
+                                          "calibrated sparsity >= break-even + this margin."),
 ):
     """Write thresholds.bsfa.pt, thresholds.safetensors, blasst.json and report.txt (the engines'
-    rule replayed on the held-out samples) from RUN's fit; with --format, the engines' files too."""
+    rule replayed on the held-out samples) from RUN's fit; with --format, the engines' files too;
+    with --break-even, where each layer runs sparse (the dispatch record and its table)."""
     from sparsecal.cli.calibrate import export_command
     from sparsecal.formats.engines import parse_formats
 
     export_command(run, out, target, max_length, force, formats=parse_formats(format), patch_config=patch_config,
-                   per_layer=per_layer, min_layer_sparsity=min_layer_sparsity)
+                   per_layer=per_layer, min_layer_sparsity=min_layer_sparsity, break_even=break_even,
+                   margin=dispatch_margin)
 
 
 @app.command()
@@ -318,10 +326,19 @@ def bench(ctx: typer.Context):
     """Benchmark the sparse kernels on a CUDA GPU against dense Triton and SDPA; writes JSON with
     provenance. Options (all optional): --dims 128,64 --lengths 16384,32768,65536 --groups 1,4,8
     --rounds 3 --decode-batch 16 --decode-length 32768 --sections check,sweep,prefill,decode
-    --smollm2 (captured SmolLM2 Q/K/V and TTFT with --export DIR, --model-lengths) --out FILE."""
+    --smollm2 (captured SmolLM2 Q/K/V and TTFT with --export DIR, --model-lengths) --out FILE.
+    `sparsecal bench break-even --run RUN --out FILE [--lengths ...] [--methods bsfa,blasst]
+    [--sparsities 0,0.25,0.5,0.75,0.9] [--rounds 3]`: where the sparse prefill kernel pays against the
+    best SDPA backend at the run's model geometry (the file `sparsecal export --break-even` reads)."""
+    args = list(ctx.args)
+    if args[:1] == ["break-even"]:
+        from sparsecal.bench.breakeven import main as break_even_main
+
+        break_even_main(args[1:])
+        return
     from sparsecal.bench.sparse import main as bench_main
 
-    bench_main(list(ctx.args))
+    bench_main(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

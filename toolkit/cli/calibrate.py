@@ -133,8 +133,10 @@ def print_bsfa_fitted(out, fit_dir: Path, doc: dict) -> None:
 
 
 def export_command(run: Path, out: Path, target, max_length, force: bool = False, formats=(), patch_config=None,
-                   per_layer: bool = False, min_layer_sparsity: float = 0.05) -> dict:
-    """``sparsecal export``: the files, a summary line on stderr, the simulated-sparsity report on stdout."""
+                   per_layer: bool = False, min_layer_sparsity: float = 0.05, break_even=None,
+                   margin: float = 0.0) -> dict:
+    """``sparsecal export``: the files, a summary line on stderr, the simulated-sparsity report on
+    stdout, and with ``break_even`` the dispatch table (which layers run sparse at which lengths)."""
     from sparsecal.formats.run import RunStore
     from sparsecal.integrations.export import export_run
 
@@ -142,7 +144,8 @@ def export_command(run: Path, out: Path, target, max_length, force: bool = False
     res = export_run(store, out, target, max_length, force, formats=formats, patch_config=patch_config,
                      per_layer=per_layer, min_layer_sparsity=min_layer_sparsity,
                      hf_config=_model_config(store.manifest["model"]) if formats else None,
-                     warn=lambda line: console.print(f"[yellow]warning:[/] {line}"))
+                     warn=lambda line: console.print(f"[yellow]warning:[/] {line}"), break_even=break_even,
+                     margin=margin)
     console.print(f"exported to {out}: thresholds.bsfa.pt and thresholds.safetensors {res['bsfa_shape']} "
                   f"(k {','.join(map(str, res['k_values']))}), blasst.json "
                   + "; ".join(f"target {t:g}: a = {f['prefill']:.4g} prefill, "
@@ -152,7 +155,38 @@ def export_command(run: Path, out: Path, target, max_length, force: bool = False
     if res["patched"]:
         console.print(f"patched {res['patched'][0]} (the original is kept as {res['patched'][1].name})")
     print(res["report"], end="")
+    if res["dispatch"] is not None:
+        print_dispatch(res["dispatch"])
     return res
+
+
+def print_dispatch(rec: dict) -> None:
+    """Per method its break-even per calibrated length (* taken from the nearest measured length),
+    then per config how many layers run sparse there and which."""
+    from sparsecal.formats.dispatch import layer_ranges
+
+    src = rec["break_even_file"]
+    out = Console(width=max(110, Console().width))
+    t = Table(title=f"Dispatch: a layer runs sparse where its calibrated prefill sparsity >= break-even + "
+                    f"{rec['margin']:g} ({src['name']}: {src['gpu']}, commit {src['commit']}; * = nearest measured "
+                    "length); elsewhere SDPA")
+    t.add_column("config")
+    for n in rec["lengths"]:
+        t.add_column(f"{n} tokens", justify="left")
+    said = set()
+    for e in rec["configs"]:
+        if e["method"] not in said:
+            said.add(e["method"])
+            t.add_row(f"{e['method']} break-even", *[("never" if be is None else f"{be:.3f}") + ("*" if x else "")
+                                                     for be, x in zip(e["break_even"], e["extrapolated"])])
+        cells = []
+        for j in range(len(rec["lengths"])):
+            layers = [i for i, row in enumerate(e["sparse"]) if row[j]]
+            cells.append(f"{len(layers)}/{len(e['sparse'])}: {layer_ranges(layers)}")
+        t.add_row(f"{e['method']} {e['config']}", *cells)
+    out.print(t)
+    if not rec["configs"]:
+        out.print("no config has break-even rows: every exported layer runs sparse (no dispatch).")
 
 
 def _model_config(model: dict):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparsecal.formats.dispatch import check_dispatch
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write, check_schema
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
@@ -351,6 +352,8 @@ def validate_blasst(path, doc) -> None:
     check_layer_lists(path, doc.get("ignored_layers", {}), doc.get("sparse_layers"), doc["num_layers"])
     for where, entry in [("the main calibration", doc)] + [(f"targets[{i}]", e) for i, e in enumerate(targets)]:
         _check_per_layer(path, entry.get("per_layer"), where, doc["num_layers"])
+    if doc.get("dispatch") is not None:  # optional (sparsecal export --break-even); absent: no dispatch
+        check_dispatch(path, doc["dispatch"], doc["num_layers"])
 
 
 def _check_per_layer(path, per_layer, where: str, num_layers: int) -> None:

@@ -32,6 +32,7 @@ from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import load_arrays
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 from sparsecal.integrations import engine_export as E
+from sparsecal.integrations import export_dispatch as XD
 from sparsecal.integrations.exports import write_bsfa
 
 
@@ -243,15 +244,44 @@ def _checked(store, out: Path, max_length: int | None) -> dict:
     return fit
 
 
+def _engines(formats, tiles, doc: dict, fit: dict, cal: dict, ignored: dict, sparse_layers, hf_config) -> tuple:
+    """(the engine files built, their context) for ``formats``, or (None, None) without formats."""
+    if not formats:
+        return None, None
+    model = fit["model"]
+    classes, names = E.attention_modules(model, hf_config)
+    ctx = {"model": model, "run": doc["run"], "target": doc["target_sparsity"], "config": fit["config"],
+           "sparse": cal["sparse"], "ignored": ignored, "names": names, "classes": classes, "held": cal["held"],
+           "edges": cal["edges"], "validation": fit["validation"], "sparse_layers": sparse_layers}
+    built = E.build(formats, tiles, doc, ctx)
+    E.check_factors_finite(built)
+    return built, ctx
+
+
+def _write_bsfa(out: Path, root: Path, fit: dict, thr, meta: dict, layers, structural: dict, max_length) -> None:
+    """thresholds.bsfa.pt and thresholds.safetensors (with the decode thresholds when fitted)."""
+    cfg, model = fit["config"], fit["model"]
+    st_meta = {"model": model["id"], "samples": meta["samples"], "lengths": meta["lengths"],
+               "max_length": str(max_length or max(fit["lengths"])), "run": root.name,
+               "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())},
+               "score_scale": SCALED_SCORES}
+    write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta,
+               decode=_decode_thresholds(root, layers, model["num_layers"], thr.shape[-1]))
+
+
 def export_run(store, out: Path, target: float | None = None, max_length: int | None = None, force: bool = False,
                formats=(), patch_config=None, per_layer: bool = False, min_layer_sparsity: float = MIN_LAYER_SPARSITY,
-               hf_config=None, warn=None) -> dict:
+               hf_config=None, warn=None, break_even=None, margin: float = 0.0) -> dict:
     """Write the three threshold files and report.txt into ``out`` (plus the engine ``formats`` and,
     with ``patch_config``, Model-Optimizer's block into that checkpoint's config.json); everything
     is checked before the first write. An export of another run in ``out`` is refused unless ``force``.
-    ``hf_config``: the model's transformers config, for the attention module names."""
+    ``hf_config``: the model's transformers config, for the attention module names. ``break_even``:
+    a break-even file (``sparsecal bench break-even``): blasst.json gets the ``dispatch`` record
+    (sparse where the calibrated sparsity >= break-even + ``margin``)."""
     root, out = Path(store.root), Path(out)
     fit = _checked(store, out, max_length)
+    be_doc = XD.load_for_run(break_even, store.manifest) if break_even is not None else None
+    notes = []  # warnings said once the files are written: a refused export prints only its error line
     cfg, model = fit["config"], fit["model"]
     formats = list(dict.fromkeys(list(formats) + (["modelopt"] if patch_config is not None else [])))
     tiles = E.formats_tiles(formats, root, cfg, model)
@@ -270,35 +300,26 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
                ignored_layers={str(i): why for i, why in sorted(ignored.items())})
     if per_layer:
         add_per_layer(root, doc, layers, ignored)
+    if be_doc is not None:
+        doc["dispatch"] = XD.dispatch(root, fit, doc, cal, layers, layers, break_even, be_doc, margin, notes.append)
     rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
                     cal["sparse"], "sparsecal: blasst.json",
                     min_lengths={m: v["min_length"] for m, v in doc["validity"].items()}) if cal["held"] is not None else []
-    built = None
-    if formats:
-        classes, names = E.attention_modules(model, hf_config)
-        ctx = {"model": model, "run": doc["run"], "target": doc["target_sparsity"], "config": cfg,
-               "sparse": cal["sparse"], "ignored": ignored, "names": names, "classes": classes, "held": cal["held"],
-               "edges": cal["edges"], "validation": fit["validation"], "sparse_layers": sparse_layers}
-        built = E.build(formats, tiles, doc, ctx)
-        E.check_factors_finite(built)
-        rows += built["rows"]
+    built, ctx = _engines(formats, tiles, doc, fit, cal, ignored, sparse_layers, hf_config)
+    rows += built["rows"] if built else []
     doc["simulation"] = rows
     check_overwrite(out, model["id"], doc["run"], force)
     out.mkdir(parents=True, exist_ok=True)
-    st_meta = {"model": model["id"], "samples": meta["samples"], "lengths": meta["lengths"],
-               "max_length": str(max_length or max(fit["lengths"])), "run": root.name,
-               "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())},
-               "score_scale": SCALED_SCORES}
-    write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta,
-               decode=_decode_thresholds(root, layers, model["num_layers"], thr.shape[-1]))
+    _write_bsfa(out, root, fit, thr, meta, layers, structural, max_length)
     write_blasst(out, doc)
     text = report(doc, rows, ignored, cfg, root)
     atomic_write_text(out / F.REPORT, text)
     written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
     patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
-    for line in length_lines(doc):  # once written: a refused export prints its error line alone
+    for line in length_lines(doc) + notes:  # once written: a refused export prints its error line alone
         warn and warn(line)
     return {"out": str(out), "bsfa_shape": list(thr.shape), "k_values": fit["k_values"],
             "blasst": {e["target_sparsity"]: e["threshold_scale_factor"] for e in doc["targets"]},
             "threshold_finite_share": float(np.isfinite(thr).mean()), "report": text, "rows": rows,
-            "ignored_layers": ignored, "engine_files": written, "patched": patched, "block": built and built["block"]}
+            "ignored_layers": ignored, "engine_files": written, "patched": patched, "block": built and built["block"],
+            "dispatch": doc.get("dispatch")}

@@ -18,11 +18,20 @@ cache length (decode), and runs dense (ln lambda = -inf) below the export's vali
 wherever lambda > 1 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
 (the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
 candidate key blocks nearest to it, with the export's block sizes.
+
+Dispatch (``dispatch=True``, the default): when blasst.json holds a ``dispatch`` record
+(``sparsecal export --break-even FILE``, formats.dispatch) with an entry for the operating point
+(BSFA k, BLASST target), a prefill of N tokens runs a layer sparse only where the plan says so at
+the bucket of the largest calibrated length <= N (dense below the shortest); elsewhere the layer
+runs PyTorch SDPA (kernels/layer_dense.py) with the break-even file's fastest backend tried first
+(the others, MATH last, as fall-backs) and counts nothing. Decode steps are not dispatched.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -62,6 +71,7 @@ class _State:
     precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
     topk: int | None = None                        # BSFA decode=topk: key blocks kept per decode row
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
+    plan: dict | None = None                       # dispatch: {"lengths" [NL], "sparse" [L][NL], "backends" [NL]}
     _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
 
     def thresholds_on(self, device, decode: bool = False) -> torch.Tensor:
@@ -88,7 +98,7 @@ def _geometry(config) -> dict:
 
 def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
                blocks: int | None = None, expect: dict | None = None, backend: str = "auto",
-               decode: str | None = None, precision: str = "model") -> _State:
+               decode: str | None = None, precision: str = "model", dispatch: bool = True) -> _State:
     """Read and check an export for one method's operating point (see ``sparsify``)."""
     if method not in METHODS:
         raise UserError(f"method {method!r} is not one of {', '.join(METHODS)}.")
@@ -106,7 +116,27 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
         state.topk = int(k)
     if method == "bsfa" and decode == "thresholds":
         state.decode_thresholds = _decode_thresholds(export_dir, k, expect or {})
+    if dispatch and method in ("bsfa", "blasst"):
+        state.plan = _dispatch_plan(export_dir, method, k if method == "bsfa" else target, expect or {})
     return state
+
+
+def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
+    """The dispatch plan of one operating point from blasst.json's ``dispatch`` record (BLASST
+    ``value`` None: the file's target), or None: no record, or none for this point (every exported
+    layer sparse)."""
+    from sparsecal.formats.dispatch import find_config
+    from sparsecal.formats.exports import BLASST_JSON, load_blasst
+
+    folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
+    if not (folder / BLASST_JSON).is_file():
+        return None
+    doc = load_blasst(folder, expect)
+    rec = doc.get("dispatch")
+    entry = find_config(rec, method, doc["target_sparsity"] if value is None else value)
+    if entry is None:
+        return None
+    return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"]}
 
 
 def _decode_thresholds(export_dir, k: int, expect: dict) -> torch.Tensor:
@@ -170,7 +200,7 @@ def _check_layers(state: _State, config) -> None:
 
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
              model_id: str | None = None, blocks: int | None = None, backend: str = "auto",
-             decode: str | None = None, precision: str = "model"):
+             decode: str | None = None, precision: str = "model", dispatch: bool = True):
     """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
 
     BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
@@ -179,9 +209,12 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     evaluation's reference), from float32 Q, K, V with ``precision="fp32"``. ``decode``: how decode
     steps run, DECODES[method] (the first is the default: BSFA decodes dense, as the BSFA paper).
     ``model_id`` (optional) is checked against the export's model.
-    ``backend``: auto (Triton on CUDA, else the reference), triton, reference."""
+    ``backend``: auto (Triton on CUDA, else the reference), triton, reference. ``dispatch``: follow
+    the export's dispatch record (prefill sparse only where it pays, SDPA elsewhere); False runs
+    every exported layer sparse at every length."""
     geo = _geometry(model.config)
-    state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision)
+    state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
+                       dispatch)
     state.previous = model.config._attn_implementation
     if hasattr(model, _STATE_ATTR):
         state.previous = getattr(model, _STATE_ATTR).previous
@@ -238,7 +271,7 @@ def densify(model):
 
 def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
              blocks: int | None = None, model_id: str | None = None, backend: str = "auto",
-             decode: str | None = None, precision: str = "model"):
+             decode: str | None = None, precision: str = "model", dispatch: bool = True):
     """Register the sparse attention functions with transformers' AttentionInterface.
 
     With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
@@ -252,7 +285,7 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
     if export_dir is None:
         return None
     source = {"export_dir": export_dir, "method": method, "k": k, "target": target, "blocks": blocks,
-              "backend": backend, "decode": decode, "precision": precision}
+              "backend": backend, "decode": decode, "precision": precision, "dispatch": dispatch}
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
     _REGISTERED[METHODS[method]] = state
@@ -277,8 +310,9 @@ def _module_state(module) -> _State:
 def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """AttentionInterface function. query [B, H, Nq, D], key/value [B, Hkv, Nk, D] -> ([B, Nq, H, D], None).
 
-    Layers the export leaves alone, and sliding or chunked layers whose window binds at this
-    length, run their exact dense attention (kernels/layer_dense.py) and count nothing."""
+    Layers the export leaves alone, sliding or chunked layers whose window binds at this length,
+    and prefills the dispatch plan runs dense, run their exact dense attention (kernels/layer_dense.py)
+    and count nothing."""
     state = _module_state(module)
     _, h, nq, d = query.shape
     nk = key.shape[2]
@@ -296,11 +330,13 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         stats["reachable"].zero_()
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
-    if not _runs_sparse(state, layer, spec, window, nk):
+    first = dispatched_dense(state, layer, mode, nk)
+    if first is not None or not _runs_sparse(state, layer, spec, window, nk):
         from sparsecal.kernels.layer_dense import layer_attention
 
-        out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
-                              softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+        with _sdpa_first(first) if first else contextlib.nullcontext():
+            out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
+                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
         return out.transpose(1, 2).contiguous(), None
     kw = call_args(state, layer, mode, nk, query.device)
     if kwargs.get("softcap"):
@@ -324,6 +360,30 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
     if window and window <= length:  # a decode step's sliding cache holds at most the window
         return False
     return spec is None or spec.kind in ("full_attention", "sliding_attention") or not spec.binds(length)
+
+
+def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str | None:
+    """The SDPA backend to try first when the dispatch plan runs this prefill dense (the bucket's
+    fastest; below the shortest calibrated length, the shortest's), None when it runs sparse or
+    there is no plan (decode is never dispatched)."""
+    if state.plan is None or mode != "prefill":
+        return None
+    from sparsecal.formats.dispatch import bucket
+
+    j = bucket(state.plan["lengths"], length)
+    if j is not None and state.plan["sparse"][layer][j]:
+        return None
+    return state.plan["backends"][0 if j is None else j]
+
+
+def _sdpa_first(backend: str):
+    """sdpa_kernel with ``backend`` first and the others after it (MATH last: it always runs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sparsecal.formats.dispatch import SDPA_BACKENDS
+
+    names = [backend] + [b for b in SDPA_BACKENDS if b != backend]
+    return sdpa_kernel([getattr(SDPBackend, n) for n in names], set_priority=True)
 
 
 def _use_triton(state: _State, query, mode: str) -> bool:

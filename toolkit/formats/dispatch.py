@@ -1,0 +1,304 @@
+"""Calibration-driven dispatch: where the sparse prefill kernel pays on a GPU, and which layers
+run it (docs/formats.md "Break-even file" and "Dispatch record").
+
+**Break-even file** (``sparsecal bench break-even``; kind ``sparsecal-break-even``): per (method,
+head_dim, group = H / Hkv, length) the best SDPA backend's time of one layer's causal prefill
+attention (``dense_ms``, ``dense_backend``), the sparse prefill kernel's time at measured
+(kernel-counted) sparsities (``points``) and ``break_even``: the smallest sparsity from which on
+the sparse kernel is no slower than that dense path (``break_even``; JSON null = never in the
+measured range).
+
+**Rule** (pure, here): a layer runs sparse at a length bucket iff its calibrated prefill sparsity
+there >= break-even there + margin. Break-even between measured lengths is interpolated linearly
+in log(length) (never at either end: never); outside the measured range the nearest measured
+length's value is used and flagged ``extrapolated``. A prefill of N tokens uses the bucket of the
+largest calibrated length <= N; below the shortest calibrated length it runs dense.
+
+Shape legend: L model layers, NL calibrated lengths (the buckets), NM measured lengths.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.files import atomic_write_text, read_json_manifest
+from sparsecal.formats.version import SCHEMA_VERSION, __version__
+
+KIND = "sparsecal-break-even"
+METHODS = ("bsfa", "blasst")
+SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+NEVER = math.inf  # break-even in memory when the sparse kernel never pays (JSON null)
+GEOMETRY_KEYS = ("block_m", "block_n", "heads", "kv_heads", "head_dim")
+REMEDY = "measure it again with `sparsecal bench break-even --run RUN --out FILE`"
+RULE = ("a layer runs its sparse prefill at a length bucket iff its calibrated prefill sparsity there >= "
+        "break_even + margin; a prefill of N tokens uses the bucket of the largest calibrated length <= N (dense "
+        "below the shortest); elsewhere the best SDPA path runs; decode steps are not dispatched")
+
+
+def break_even(points, dense_ms: float) -> float:
+    """The smallest sparsity from which on the sparse kernel is no slower than ``dense_ms``.
+
+    points: [{"sparsity", "ms"}] of the sparse kernel (any order). Sorted by sparsity, the last
+    point slower than dense and the next one bound the crossing, found by linear interpolation of
+    ms in sparsity (so a noisy dip below dense followed by a slower point does not count).
+    Returns the first point's sparsity when no point is slower (it pays from there on; below it is
+    not measured), NEVER when the densest-skipping point is still slower (or there are no points)."""
+    pts = sorted((float(p["sparsity"]), float(p["ms"])) for p in points)
+    slower = [i for i, (_, ms) in enumerate(pts) if ms > dense_ms]
+    if not pts or (slower and slower[-1] == len(pts) - 1):
+        return NEVER
+    if not slower:
+        return pts[0][0]
+    (s0, t0), (s1, t1) = pts[slower[-1]], pts[slower[-1] + 1]
+    return s0 + (t0 - dense_ms) / (t0 - t1) * (s1 - s0)
+
+
+def _json_be(x: float):
+    return None if math.isinf(x) else float(x)
+
+
+def _mem_be(x) -> float:
+    return NEVER if x is None else float(x)
+
+
+def break_even_rows(measured) -> list[dict]:
+    """Rows of the file from timings. measured: [{"method", "head_dim", "group", "length",
+    "dense": {SDPA backend name: ms}, "points": [{"sparsity", "ms"}]}]; the fastest backend is
+    the dense path."""
+    rows = []
+    for m in measured:
+        if not m["dense"]:
+            raise UserError(f"no SDPA backend ran at {m['method']} length {m['length']}: nothing to break even with.")
+        backend = min(m["dense"], key=m["dense"].get)
+        pts = sorted(({"sparsity": float(p["sparsity"]), "ms": float(p["ms"])} for p in m["points"]),
+                     key=lambda p: p["sparsity"])
+        rows.append({"method": m["method"], "head_dim": int(m["head_dim"]), "group": int(m["group"]),
+                     "length": int(m["length"]), "dense_ms": float(m["dense"][backend]), "dense_backend": backend,
+                     "dense": {k: float(v) for k, v in m["dense"].items()}, "points": pts,
+                     "break_even": _json_be(break_even(pts, m["dense"][backend]))})
+    return sorted(rows, key=lambda r: (r["method"], r["head_dim"], r["group"], r["length"]))
+
+
+def break_even_file(measured, geometry: dict, provenance: dict, run: dict | None = None) -> dict:
+    """The break-even document: rows from ``measured`` (see break_even_rows), the measured
+    ``geometry`` (GEOMETRY_KEYS, dtype), ``provenance`` (formats.provenance) and the run it was
+    made for ({"name", "model"})."""
+    doc = {"kind": KIND, "schema_version": SCHEMA_VERSION, "sparsecal": __version__,
+           "gpu": provenance.get("gpu"), "provenance": provenance, "geometry": geometry, "run": run,
+           "rows": break_even_rows(measured)}
+    check_break_even("break-even document", doc)
+    return doc
+
+
+def write_break_even(path, doc: dict) -> None:
+    check_break_even(path, doc)
+    atomic_write_text(Path(path), json.dumps(doc, indent=1, allow_nan=False))
+
+
+def load_break_even(path) -> dict:
+    """A break-even file, checked (kind, schema version, rows as break_even_rows writes them)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; {REMEDY}.")
+    doc = read_json_manifest(path, KIND, REMEDY)
+    check_break_even(path, doc)
+    return doc
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _pos_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _row_ok(r) -> bool:
+    pts = r.get("points") if isinstance(r, dict) else None
+    return (isinstance(r, dict) and r.get("method") in METHODS and all(_pos_int(r.get(k)) for k in
+            ("head_dim", "group", "length")) and _num(r.get("dense_ms")) and r["dense_ms"] > 0
+            and r.get("dense_backend") in SDPA_BACKENDS and isinstance(pts, list) and bool(pts)
+            and all(isinstance(p, dict) and _num(p.get("sparsity")) and 0 <= p["sparsity"] <= 1 and _num(p.get("ms"))
+                    and p["ms"] > 0 for p in pts)
+            and (r.get("break_even") is None or (_num(r["break_even"]) and 0 <= r["break_even"] <= 1)))
+
+
+def check_break_even(path, doc) -> None:
+    """Geometry of positive integers, rows of known methods with positive times, sparsities in
+    [0, 1], one row per (method, head_dim, group, length), and each break_even what its points give."""
+    geo = doc.get("geometry") if isinstance(doc, dict) else None
+    if not isinstance(geo, dict) or not all(_pos_int(geo.get(k)) for k in GEOMETRY_KEYS):
+        raise UserError(f"{path}: geometry must give {', '.join(GEOMETRY_KEYS)} as positive integers; {REMEDY}.")
+    rows = doc.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise UserError(f"{path} holds no rows; {REMEDY}.")
+    seen = set()
+    for i, r in enumerate(rows):
+        if not _row_ok(r):
+            raise UserError(f"{path}: rows[{i}] is not a (method {'/'.join(METHODS)}, head_dim, group, length, "
+                            f"dense_ms, dense_backend, points, break_even) row; {REMEDY}.")
+        key = (r["method"], r["head_dim"], r["group"], r["length"])
+        if key in seen:
+            raise UserError(f"{path}: two rows for {key}; {REMEDY}.")
+        seen.add(key)
+        want = break_even(r["points"], r["dense_ms"])
+        got = _mem_be(r["break_even"])
+        if not (got == want or abs(got - want) <= 1e-9):
+            raise UserError(f"{path}: rows[{i}] break_even {r['break_even']} is not what its points give "
+                            f"({_json_be(want)}); the file was edited: {REMEDY}.")
+
+
+def rows_for(doc: dict, method: str, head_dim: int, group: int) -> list[dict]:
+    """The rows of one method at one head_dim and group, by length."""
+    return sorted((r for r in doc["rows"] if (r["method"], r["head_dim"], r["group"]) == (method, head_dim, group)),
+                  key=lambda r: r["length"])
+
+
+def check_model(path, doc: dict, head_dim: int, group: int, block_m: int, block_n: int) -> None:
+    """Refuse a break-even file measured for another head_dim, GQA group or tile geometry (one line)."""
+    have = sorted({(r["head_dim"], r["group"]) for r in doc["rows"]})
+    geo = doc["geometry"]
+    if (head_dim, group) not in have:
+        got = ", ".join(f"head_dim {d} group {g}" for d, g in have)
+        raise UserError(f"{path} was measured for {got}, but the model has head_dim {head_dim} group {group} "
+                        "(H / Hkv); measure it for this model with `sparsecal bench break-even --run RUN --out FILE`.")
+    if (geo["block_m"], geo["block_n"]) != (block_m, block_n):
+        raise UserError(f"{path} was measured with {geo['block_m']} x {geo['block_n']} tiles, but the run is "
+                        f"calibrated at {block_m} x {block_n}; measure it with `sparsecal bench break-even --run RUN`.")
+
+
+def interpolate(rows: list[dict], length: int) -> tuple[float, bool, str]:
+    """(break-even, extrapolated, fastest dense backend) at ``length`` from one method's rows sorted
+    by length: linear in log(length) between measured lengths (NEVER if either end is), the
+    nearest measured length outside the range (extrapolated = True). Backend: the nearer row's."""
+    lens = [r["length"] for r in rows]
+    vals = [_mem_be(r["break_even"]) for r in rows]
+    if length <= lens[0] or length >= lens[-1]:
+        i = 0 if length <= lens[0] else len(lens) - 1
+        return vals[i], length not in (lens[0], lens[-1]), rows[i]["dense_backend"]
+    i = bisect.bisect_right(lens, length) - 1
+    t = (math.log(length) - math.log(lens[i])) / (math.log(lens[i + 1]) - math.log(lens[i]))
+    backend = rows[i if length * length <= lens[i] * lens[i + 1] else i + 1]["dense_backend"]  # nearer in log
+    if t == 0.0:
+        return vals[i], False, backend
+    if math.isinf(vals[i]) or math.isinf(vals[i + 1]):
+        return NEVER, False, backend
+    return vals[i] + t * (vals[i + 1] - vals[i]), False, backend
+
+
+def break_even_at(rows: list[dict], lengths) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """``interpolate`` at each length: (break-even [NL] float, NEVER = inf; extrapolated [NL] bool;
+    fastest dense backend per length)."""
+    got = [interpolate(rows, int(n)) for n in lengths]
+    return (np.array([g[0] for g in got], float), np.array([g[1] for g in got], bool), [g[2] for g in got])
+
+
+def plan(sparsity, break_even_values, margin: float = 0.0) -> np.ndarray:
+    """sparsity [L, NL] (NaN: the layer is not sparse in the export), break-even [NL] (inf: never)
+    -> [L, NL] bool: sparse iff sparsity >= break-even + margin."""
+    s = np.asarray(sparsity, float)
+    be = np.asarray(break_even_values, float)
+    return np.where(np.isnan(s), False, s >= be[None, :] + float(margin))
+
+
+def bucket(lengths, n: int) -> int | None:
+    """Index of the largest calibrated length <= n in ascending ``lengths``; None below the shortest."""
+    i = bisect.bisect_right(list(lengths), int(n)) - 1
+    return None if i < 0 else i
+
+
+def config_name(method: str, value) -> str:
+    """The operating point as eval and bench name it: ``k=16``, ``target=0.5``."""
+    return f"k={int(value)}" if method == "bsfa" else f"target={float(value):g}"
+
+
+def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_dim: int, group: int,
+                    margin: float = 0.0) -> tuple[dict, list[str]]:
+    """The export's ``dispatch`` record and the methods the break-even file lacks rows for (their
+    configs are left out: they run sparse as without dispatch).
+
+    configs: [{"method", "config", "value" (k or target), "source", "sparsity" [L, NL] (NaN: not
+    sparse in the export)}]; lengths: the calibrated lengths [NL], ascending."""
+    lengths = [int(n) for n in lengths]
+    out, missing = [], []
+    for c in configs:
+        rows = rows_for(be_doc, c["method"], head_dim, group)
+        if not rows:
+            missing.append(c["method"])
+            continue
+        be, ext, backends = break_even_at(rows, lengths)
+        s = np.asarray(c["sparsity"], float)
+        out.append({"method": c["method"], "config": c["config"], "value": c["value"], "source": c["source"],
+                    "break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
+                    "dense_backend": backends,
+                    "sparsity": [[None if math.isnan(x) else float(x) for x in row] for row in s],
+                    "sparse": plan(s, be, margin).tolist()})
+    prov = be_doc.get("provenance") or {}
+    measured = {m: sorted({r["length"] for r in rows_for(be_doc, m, head_dim, group)}) for m in METHODS}
+    rec = {"rule": RULE, "margin": float(margin), "lengths": lengths,
+           "break_even_file": {"name": name, "gpu": be_doc.get("gpu"), "commit": prov.get("commit"),
+                               "date": prov.get("date"), "geometry": be_doc["geometry"],
+                               "measured_lengths": {m: v for m, v in measured.items() if v}, "provenance": prov},
+           "configs": out}
+    return rec, sorted(set(missing))
+
+
+def _grid_ok(grid, n_layers: int, n_len: int, cell) -> bool:
+    return (isinstance(grid, list) and len(grid) == n_layers
+            and all(isinstance(r, list) and len(r) == n_len and all(map(cell, r)) for r in grid))
+
+
+def _entry_ok(e, n_layers: int, n_len: int) -> bool:
+    if not isinstance(e, dict) or e.get("method") not in METHODS or not isinstance(e.get("config"), str):
+        return False
+    be, ext, backends = e.get("break_even"), e.get("extrapolated"), e.get("dense_backend")
+    return (isinstance(be, list) and len(be) == n_len and all(x is None or (_num(x) and 0 <= x <= 1) for x in be)
+            and isinstance(ext, list) and len(ext) == n_len and all(isinstance(x, bool) for x in ext)
+            and isinstance(backends, list) and len(backends) == n_len and all(b in SDPA_BACKENDS for b in backends)
+            and _grid_ok(e.get("sparsity"), n_layers, n_len, lambda x: x is None or (_num(x) and 0 <= x <= 1))
+            and _grid_ok(e.get("sparse"), n_layers, n_len, lambda x: isinstance(x, bool)))
+
+
+def check_dispatch(path, rec, num_layers: int) -> None:
+    """blasst.json's optional ``dispatch`` record: ascending positive lengths, per config the
+    break-even per length, a sparsity and a sparse flag per layer and length, the flags being
+    exactly ``plan`` of the sparsities (an edited flag is refused)."""
+    bad = f"{path}: dispatch "
+    if not isinstance(rec, dict):
+        raise UserError(f"{bad}is not an object; export it again with `sparsecal export --break-even FILE`.")
+    lens = rec.get("lengths")
+    if not (isinstance(lens, list) and lens and all(map(_pos_int, lens)) and lens == sorted(set(lens))
+            and _num(rec.get("margin")) and isinstance(rec.get("configs"), list)):
+        raise UserError(f"{bad}needs ascending positive lengths, a margin and configs; export it again.")
+    for i, e in enumerate(rec["configs"]):
+        if not _entry_ok(e, num_layers, len(lens)):
+            raise UserError(f"{bad}configs[{i}] does not hold a break-even, sparsity and sparse flag per layer "
+                            f"({num_layers}) and length ({len(lens)}); export it again.")
+        s = np.array([[np.nan if x is None else x for x in r] for r in e["sparsity"]], float).reshape(num_layers, -1)
+        if plan(s, [_mem_be(x) for x in e["break_even"]], rec["margin"]).tolist() != e["sparse"]:
+            raise UserError(f"{bad}configs[{i}] ({e['config']}): the sparse flags are not the rule applied to its "
+                            "sparsities; the file was edited: export it again.")
+
+
+def find_config(rec: dict | None, method: str, value) -> dict | None:
+    """The dispatch entry of one operating point (BSFA k, BLASST target), or None."""
+    if not rec:
+        return None
+    want = config_name(method, value)
+    return next((e for e in rec["configs"] if e["method"] == method and e["config"] == want), None)
+
+
+def layer_ranges(layers) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8' ('-' when empty)."""
+    xs, out = sorted(int(x) for x in layers), []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out) or "-"
