@@ -27,6 +27,7 @@ from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds
 from sparsecal.kernels.dense import attention_dense, flops_causal
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
+from sparsecal.kernels.sparse.prefill_gluon_v1 import sparse_attention_gluon as sparse_attention_gluon_v1
 from sparsecal.kernels.sparse.reference import sparse_attention
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -50,8 +51,9 @@ def check_gluon() -> dict:
         bmax, gap = tile_stats(q[:1], k[:1], v[:1], scale, BM, BN)
         cases = [{"dense": True}, {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, 0.5)},
                  {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, 0.5)}, {"window": 2}]
-        for kw in cases:
-            got, sk = sparse_attention_gluon(q, k, v, scale, BM, BN, **kw)
+        for kw in cases + [dict(c, v1=True) for c in cases]:
+            kern = sparse_attention_gluon_v1 if kw.pop("v1", False) else sparse_attention_gluon
+            got, sk = kern(q, k, v, scale, BM, BN, **kw)
             ref_kw = dict(kw, log_lambda=-math.inf) if "dense" in kw else kw
             ref_kw.pop("dense", None)
             errs, same = [], True
@@ -66,7 +68,7 @@ def check_gluon() -> dict:
                          "skipped": int(sk.sum())})
         log(f"gluon check n={n} d={d} G={group} {dtype} B={batch} transposed={transposed}: "
             + ", ".join(f"{r['method']} {r['max_abs_err']:.1e}{'' if r['skip_counts_equal'] else ' COUNTS DIFFER'}"
-                        for r in rows[-len(cases):]))
+                        for r in rows[-2 * len(cases):]))
     return {"ok": bool(ok), "rows": rows}
 
 
@@ -80,13 +82,12 @@ def _variants(q, k, v, d: int, n: int, nbufs) -> dict:
     out = torch.empty_like(q)
     variants = {"dense_triton": (lambda: attention_dense(q, k, v, scale, out=out), None, {}),
                 "triton_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})}
-    for nb in nbufs:
-        variants[f"gluon_off_nbuf{nb}"] = (
-            lambda nb=nb: sparse_attention_gluon(q, k, v, scale, BM, BN, dense=True, out=out, nbuf=nb), 0.0, {})
+    gluons = {"gluon": sparse_attention_gluon, "gluonv1": sparse_attention_gluon_v1}
+    for gname, kern in gluons.items():
+        variants[f"{gname}_off"] = (lambda kern=kern: kern(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})
     for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
         variants[name] = (fn, None, {"gqa": mode})
-    kernels = {"triton": (sparse_attention_triton, {})}
-    kernels.update({f"gluon{nb}": (sparse_attention_gluon, {"nbuf": nb}) for nb in nbufs})
+    kernels = {"triton": (sparse_attention_triton, {}), **{g: (kern, {}) for g, kern in gluons.items()}}
     for s in SPARSITIES:
         points = {"bsfa": {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, s)},
                   "blasst": {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, s)}}
@@ -106,7 +107,7 @@ def targets_shape(d: int, n: int, group: int, rounds: int, nbufs) -> dict:
     variants = _variants(q, k, v, d, n, nbufs)
     ms = time_round_robin(variants, rounds)
     sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
-    dense = min(ms["dense_triton"], *(ms[f"gluon_off_nbuf{nb}"] for nb in nbufs))
+    dense = min(ms["dense_triton"], ms["gluon_off"], ms["gluonv1_off"])
     rows = []
     for name, (_, sp, info) in variants.items():
         row = {"variant": name, "ms": ms[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
