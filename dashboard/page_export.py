@@ -1,7 +1,9 @@
 """Export: download the threshold files (thresholds.bsfa.pt, thresholds.safetensors, blasst.json)
 with their metadata, look at what they hold, copy the serving engines' files (``sparsecal export
---format``), see the layers left dense and why, and the engines' rule simulated per length.
-Controls: export directory, k and layer of the thresholds heatmap, BLASST target."""
+--format``), see the layers left dense and why, the engines' rule simulated per length, and the
+dispatch plan (``sparsecal export --break-even``: which layers run the sparse prefill kernel at
+which lengths, SDPA elsewhere). Controls: export directory, k and layer of the thresholds heatmap,
+BLASST target, dispatch config."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import streamlit as st
 
-from sparsecal.dashboard import charts_run, data, derive, ui
+from sparsecal.dashboard import charts_dispatch, charts_run, data, derive, ui
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.errors import UserError
 
@@ -129,6 +131,29 @@ def _layers_and_simulation(d: Path) -> None:
                  hide_index=True)
 
 
+def _dispatch(d: Path) -> None:
+    """The dispatch plan per config (layer x length heatmap) and its summary, or one line when the
+    export has none."""
+    rec = data.export_blasst(d).get("dispatch")
+    if not rec:
+        st.info("This export has no dispatch record: every exported layer runs sparse at every length. Measure "
+                "the break-even on the serving GPU with `sparsecal bench break-even --run RUN --out FILE` and "
+                "export with `--break-even FILE`.", icon=":material/info:")
+        return
+    src = rec["break_even_file"]
+    st.markdown(f"**Dispatch** (break-even measured on {src.get('gpu')}, commit `{src.get('commit')}`, "
+                f"{src.get('date')}; margin {rec['margin']:g}): a layer runs the sparse prefill kernel at a length "
+                "bucket where its calibrated sparsity reaches the break-even there, SDPA elsewhere; a prefill of N "
+                "tokens takes the bucket of the largest calibrated length <= N (below the shortest: SDPA).")
+    if not rec["configs"]:
+        st.info("The break-even file had rows for none of the exported methods: no config is dispatched.")
+        return
+    st.dataframe(charts_dispatch.dispatch_table(rec), hide_index=True)
+    names = [f"{e['method']} {e['config']}" for e in rec["configs"]]
+    pick = ui.choose("Dispatch config", names, key="ex_dispatch")
+    ui.plot(charts_dispatch.dispatch_heatmap(rec["configs"][names.index(pick)], rec["lengths"]), key="ex_disp_map")
+
+
 def render() -> None:
     root = ui.header("Export", "The files kernels and serving engines read; formats in the README's "
                      "\"Fit and export\".")
@@ -142,6 +167,8 @@ def render() -> None:
             _blasst(d)
         with ui.section():
             _layers_and_simulation(d)
+        with ui.section():
+            _dispatch(d)
         with ui.section():
             _engines(d)
 
