@@ -15,6 +15,11 @@ issue 5 and the count-only runs). Here the pipeline is written out: a ring of NB
 slots is filled by TMA copies issued NBUF - 1 tiles ahead, for every tile, whatever the decisions;
 a skipped tile only gives its slot back. The decision itself is one cross-warp max per tile.
 
+Rejected after measuring (NOTES.md): issuing the next tile's Q.K^T before this tile's decision
+(FA3's intra-warpgroup overlap) needs two score tiles in registers (160-175 a thread at D = 128, one
+program per SM) and ptxas serializes the async wgmma around the loop-carried accumulator: 1.2-1.5x
+slower than this form at every shape.
+
 One program owns one query block of one (batch, head): BM = 128 rows over ``num_warps`` = 8 warps
 (two warpgroups of 64 rows each issue wgmma), key tiles of BN rows. Q, K, V are read through
 3-D TMA descriptors (see ``_tma_view``); the output is stored from registers.
@@ -42,7 +47,11 @@ from sparsecal.kernels.sparse.prefill import _check_args
 NUM_WARPS = 8
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed in Triton 3.9
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # named thread_barrier in Triton 3.6, barrier in 3.9
-NBUF = {64: 2, 128: 2}  # ring slots per head dim (shared memory: Q + NBUF x (K + V) tiles)
+# Ring slots per head dim. Two slots keep a program at 98 KiB of shared memory and 128 registers a
+# thread at D = 128 (compiled for sm_90, Triton 3.6), so two programs share an SM and one's decision
+# overlaps the other's tensor-core work; three slots (1 program per SM) ran 1.2x slower on an H100
+# (data/bench/prefill-gluon-h100-*.json, NOTES.md).
+NBUF = {64: 2, 128: 2}
 
 
 def gluon_supported(q: torch.Tensor, block_m: int, block_n: int, method: int, order: str, softcap) -> bool:
@@ -84,40 +93,44 @@ def _coords(b, h, n0, HEADS_IN_ROWS: gl.constexpr, num_heads, HEAD_DIM: gl.const
 
 
 @gluon.jit
-def _load(desc, ring, bars, u, j, b, hk, num_kv, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr,
-          NBUF: gl.constexpr):
-    """TMA copy of key (or value) tile j, the program's tile ordinal u, into ring slot u % NBUF."""
-    slot = u % NBUF
-    mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
-    _tma_load(desc, _coords(b, hk, j * BN, KV_ROWS, num_kv, HEAD_DIM), bars.index(slot), ring.index(slot))
+def _issue(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, b, hk, num_kv, KV_ROWS: gl.constexpr,
+           HEAD_DIM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
+    """TMA copies of key/value tile j into ring slot t % NBUF (t: the tile's ordinal in this program)."""
+    slot = t % NBUF
+    c = _coords(b, hk, j * BN, KV_ROWS, num_kv, HEAD_DIM)
+    mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+    _tma_load(k_desc, c, k_bar.index(slot), k_ring.index(slot))
+    mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+    _tma_load(v_desc, c, v_bar.index(slot), v_ring.index(slot))
 
 
 @gluon.jit
-def _qk(q_smem, k_ring, k_bar, u, pred, NBUF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-        s_layout: gl.constexpr):
-    """Issue S = Q.K^T of tile ordinal u (async wgmma; waits for its K copy when ``pred``)."""
-    slot = u % NBUF
-    mbarrier.wait(k_bar.index(slot), (u // NBUF) & 1, pred=pred)
-    k_t = k_ring.index(slot).reshape([BN, q_smem.shape[1]]).permute((1, 0))
-    return warpgroup_mma(q_smem, k_t, gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+def _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
+    """At tile j (ordinal t), once every warp is done with tile t - 1: copy tile j + NBUF - 1 into its slot."""
+    if t + NBUF - 1 < t_end:
+        _issue(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t + NBUF - 1, j + NBUF - 1, b, hk, num_kv, KV_ROWS,
+               HEAD_DIM, BN, NBUF)
 
 
 @gluon.jit
-def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, j_lo, t_end, b, hk, num_kv,
+def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv,
           rows, row_ok, n_ctx, qk_scale, thr,
           MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
           BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One key tile j (ordinal t of t_end). S_t was issued one tile earlier; S_{t+1} is issued before
-    the decision on S_t (the tensor cores work while the warps synchronize); once every warp has
-    passed the decision's cross-warp max (or a barrier), the ring is refilled: K_{t+NBUF} into
-    K_t's slot, V_{t+NBUF-1} into V_{t-1}'s. Then, when kept, the online-softmax update and P.V.
-    DECIDE 0 computes, 1 BSFA, 2 BLASST. carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2
-    units), n_skip, S_t in flight)."""
-    acc, l_i, m_i, n_skip, s_tok = carry
+    """One key tile j (ordinal t of t_end): refill the ring NBUF - 1 tiles ahead, S = Q.K^T, decide
+    (DECIDE 0 compute, 1 BSFA, 2 BLASST), then the online-softmax update and P.V when kept.
+    carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
+    acc, l_i, m_i, n_skip = carry
+    if DECIDE == 0:  # no decision, no cross-warp reduction: a barrier orders the refill after tile t - 1
+        _cta_barrier()
+        _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     slot = t % NBUF
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
-    more = t + 1 < t_end  # the last tile issues a throwaway product on its own K, keeping the carry's type
-    s_tok = _qk(q_smem, k_ring, k_bar, gl.where(more, t + 1, t), more, NBUF, BM, BN, s_layout)
+    phase = (t // NBUF) & 1
+    mbarrier.wait(k_bar.index(slot), phase)
+    zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, q_smem.shape[1]]).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
     if MASKED:
         keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         vis = (keys[None, :] <= rows[:, None]) & (keys[None, :] < n_ctx)
@@ -132,13 +145,8 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, j_l
     elif DECIDE == 2:
         gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
         keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
-    else:
-        _cta_barrier()
-    if t + NBUF < t_end:
-        _load(k_desc, k_ring, k_bar, t + NBUF, j + NBUF, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
-    if t + NBUF - 1 < t_end:
-        _load(v_desc, v_ring, v_bar, t + NBUF - 1, j + NBUF - 1, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
-    mbarrier.wait(v_bar.index(slot), (t // NBUF) & 1)  # skipped or not: the slot's copy lands before its refill
+    if DECIDE != 0:  # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
+        _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     if keep:
         if MASKED:
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -150,24 +158,26 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, j_l
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, o_layout, 2))
+        mbarrier.wait(v_bar.index(slot), phase)
         acc = warpgroup_mma(p_op, v_ring.index(slot).reshape([BN, q_smem.shape[1]]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))  # P.V done (S_{t+1}, issued first, is done too)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
         m_i = m_new
-    else:
+    else:  # the slot's V copy must land before the slot is refilled
+        mbarrier.wait(v_bar.index(slot), phase)
         n_skip += 1
-    return acc, l_i, m_i, n_skip, s_tok
+    return acc, l_i, m_i, n_skip
 
 
 @gluon.jit
-def _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, j0, count, j_lo, t_end, b, hk, num_kv,
+def _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t0, j0, count, t_end, b, hk, num_kv,
              rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
              BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tiles j0 .. j0 + count - 1 (ordinals j - j_lo: one ring and one tile order across segments)."""
+    """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
     for u in range(count):
-        carry = _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, j0 + u - j_lo, j0 + u, j_lo,
-                      t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, KV_ROWS, HEAD_DIM,
-                      BM, BN, NBUF, s_layout, o_layout)
+        carry = _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t0 + u, j0 + u, t_end, b, hk,
+                      num_kv, rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, KV_ROWS, HEAD_DIM, BM, BN, NBUF,
+                      s_layout, o_layout)
     return carry
 
 
@@ -208,11 +218,10 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     t_end = n_reach - j_lo
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
     _tma_load(q_desc, _coords(b, h, i * BM, Q_ROWS, num_heads, HEAD_DIM), q_bar.index(0), q_buf)
-    for u in gl.static_range(NBUF):
-        if u < t_end:
-            _load(k_desc, k_ring, k_bar, u, j_lo + u, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
-        if u < gl.minimum(t_end, NBUF - 1):
-            _load(v_desc, v_ring, v_bar, u, j_lo + u, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
+    for t in gl.static_range(NBUF - 1):
+        if t < t_end:
+            _issue(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j_lo + t, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN,
+                   NBUF)
 
     rows = i * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
@@ -224,18 +233,17 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     n_skip = i * 0 + j_lo
+    carry = (acc, l_i, m_i, n_skip)
     mbarrier.wait(q_bar.index(0), 0)
     q_smem = q_buf.reshape([BM, HEAD_DIM])
-    carry = (acc, l_i, m_i, n_skip, _qk(q_smem, k_ring, k_bar, 0, True, NBUF, BM, BN, s_layout))
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
-    carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, j_lo, n_cand - j_lo, j_lo, t_end,
+    carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, 0, j_lo, n_cand - j_lo, t_end,
                      b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, False, DECIDE, KV_ROWS,
                      HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
-    carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, n_cand, n_reach - n_cand, j_lo,
-                     t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, True, 0, KV_ROWS,
+    carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, n_cand - j_lo, n_cand,
+                     n_reach - n_cand, t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, True, 0, KV_ROWS,
                      HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
-    acc, l_i, m_i, n_skip, s_tok = carry
-    warpgroup_mma_wait(0, deps=(s_tok,))  # the last tile's throwaway product
+    acc, l_i, m_i, n_skip = carry
     mbarrier.invalidate(q_bar.index(0))
     for s in gl.static_range(NBUF):
         mbarrier.invalidate(k_bar.index(s))

@@ -8,11 +8,11 @@ kernel targets, in one run on one Hopper GPU.
 2. targets: per head dim, length and GQA group (bf16, causal, B=1, H=32, run geometry 128 x 64),
    round-robin timings of cuDNN and FLASH SDPA, the dense Triton kernel at its tuned tile, the
    Triton sparse kernel (skipping off, BSFA / BLASST at ~0 / 50 / 75% sparsity) and the Gluon
-   kernel (skipping off per ring depth, the same BSFA / BLASST points). Each sparse row carries
+   kernel (skipping off, the same BSFA / BLASST points). Each sparse row carries
    the sparsity its kernel counted, the ideal 1 / (1 - s/2) and its ratio to the dense baseline.
 
     python -m sparsecal.bench.prefill_gluon [--sections check,targets] [--dims 128,64]
-        [--lengths 16384,32768,65536] [--groups 1,4,8] [--rounds 2] [--nbuf 2,3] --out FILE
+        [--lengths 16384,32768,65536] [--groups 1,4,8] [--rounds 2] --out FILE
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds
 from sparsecal.kernels.dense import attention_dense, flops_causal
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
-from sparsecal.kernels.sparse.prefill_gluon_v1 import sparse_attention_gluon as sparse_attention_gluon_v1
 from sparsecal.kernels.sparse.reference import sparse_attention
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -51,9 +50,8 @@ def check_gluon() -> dict:
         bmax, gap = tile_stats(q[:1], k[:1], v[:1], scale, BM, BN)
         cases = [{"dense": True}, {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, 0.5)},
                  {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, 0.5)}, {"window": 2}]
-        for kw in cases + [dict(c, v1=True) for c in cases]:
-            kern = sparse_attention_gluon_v1 if kw.pop("v1", False) else sparse_attention_gluon
-            got, sk = kern(q, k, v, scale, BM, BN, **kw)
+        for kw in cases:
+            got, sk = sparse_attention_gluon(q, k, v, scale, BM, BN, **kw)
             ref_kw = dict(kw, log_lambda=-math.inf) if "dense" in kw else kw
             ref_kw.pop("dense", None)
             errs, same = [], True
@@ -68,11 +66,11 @@ def check_gluon() -> dict:
                          "skipped": int(sk.sum())})
         log(f"gluon check n={n} d={d} G={group} {dtype} B={batch} transposed={transposed}: "
             + ", ".join(f"{r['method']} {r['max_abs_err']:.1e}{'' if r['skip_counts_equal'] else ' COUNTS DIFFER'}"
-                        for r in rows[-2 * len(cases):]))
+                        for r in rows[-len(cases):]))
     return {"ok": bool(ok), "rows": rows}
 
 
-def _variants(q, k, v, d: int, n: int, nbufs) -> dict:
+def _variants(q, k, v, d: int, n: int) -> dict:
     """name -> (callable, kernel-counted sparsity or None, info)."""
     from sparsecal.bench.harness import sdpa_fns
 
@@ -82,7 +80,7 @@ def _variants(q, k, v, d: int, n: int, nbufs) -> dict:
     out = torch.empty_like(q)
     variants = {"dense_triton": (lambda: attention_dense(q, k, v, scale, out=out), None, {}),
                 "triton_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})}
-    gluons = {"gluon": sparse_attention_gluon, "gluonv1": sparse_attention_gluon_v1}
+    gluons = {"gluon": sparse_attention_gluon}
     for gname, kern in gluons.items():
         variants[f"{gname}_off"] = (lambda kern=kern: kern(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})
     for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
@@ -102,12 +100,12 @@ def _variants(q, k, v, d: int, n: int, nbufs) -> dict:
     return variants
 
 
-def targets_shape(d: int, n: int, group: int, rounds: int, nbufs) -> dict:
+def targets_shape(d: int, n: int, group: int, rounds: int) -> dict:
     q, k, v = structured_qkv(n, d, HEADS, HEADS // group, seed=n + d + group)
-    variants = _variants(q, k, v, d, n, nbufs)
+    variants = _variants(q, k, v, d, n)
     ms = time_round_robin(variants, rounds)
     sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
-    dense = min(ms["dense_triton"], ms["gluon_off"], ms["gluonv1_off"])
+    dense = min(ms["dense_triton"], ms["gluon_off"])
     rows = []
     for name, (_, sp, info) in variants.items():
         row = {"variant": name, "ms": ms[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
@@ -129,7 +127,6 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", default="16384,32768,65536")
     ap.add_argument("--groups", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--nbuf", default="2,3")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -139,12 +136,11 @@ def main(argv=None) -> None:
         run_section(result, "check", check_gluon, save)
         log(f"gluon check ok: {result.get('check', {}).get('ok')}")
     if "targets" in sections:
-        nbufs = [int(x) for x in args.nbuf.split(",")]
         result["targets"] = []
         for d in (int(x) for x in args.dims.split(",")):
             for n in (int(x) for x in args.lengths.split(",")):
                 for g in (int(x) for x in args.groups.split(",")):
-                    run_section(result, f"_shape", lambda: targets_shape(d, n, g, args.rounds, nbufs), save)
+                    run_section(result, "_shape", lambda: targets_shape(d, n, g, args.rounds), save)
                     if "_shape" in result:
                         result["targets"].append(result.pop("_shape"))
                     save()
