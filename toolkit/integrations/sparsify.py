@@ -410,15 +410,16 @@ def _use_triton(state: _State, query, mode: str) -> bool:
 
 
 def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict):
-    """Triton kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+    """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
     from sparsecal.kernels.sparse.decode import sparse_decode_triton
-    from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
+    from sparsecal.kernels.sparse.prefill import candidate_tiles
+    from sparsecal.kernels.sparse.prefill_gluon import sparse_prefill
 
     b, h, nq, d = query.shape
-    if mode == "prefill":
+    if mode == "prefill":  # the Gluon kernel where it is the faster one (Hopper, D = 128), else Triton
         out = torch.empty((b, nq, h, d), dtype=query.dtype, device=query.device)
-        _, skipped = sparse_attention_triton(query, key, value, scale, state.block_m, state.block_n,
-                                             order=state.order, out=out.transpose(1, 2), **kw)
+        _, skipped = sparse_prefill(query, key, value, scale, state.block_m, state.block_n,
+                                    order=state.order, out=out.transpose(1, 2), **kw)
         return out, skipped.sum(dim=0), candidate_tiles(nq, state.block_m, state.block_n)[1] * b
     o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
     return o.transpose(1, 2), skipped.sum(dim=0), ((key.shape[2] - 1) // state.block_n + 1) * b
