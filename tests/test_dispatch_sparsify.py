@@ -130,3 +130,19 @@ def test_registered_export_dispatches(tiny_model, tmp_path, seed):
         model(ids)
     cand = 4 * int(block_counts_torch(333, 128, 64)[0].sum())
     assert state.stats["skipped"][0].sum() == cand and state.stats["skipped"][1].sum() == 0
+
+
+def test_sdpa_first_puts_one_backend_first_and_restores_the_order(rng):
+    from sparsecal.integrations.sparsify import _sdpa_first
+
+    before = torch._C._get_sdp_priority_order()
+    q, k, v = torch.randn(1, 4, 70, 16, generator=rng), torch.randn(1, 2, 70, 16, generator=rng), \
+        torch.randn(1, 2, 70, 16, generator=rng)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for name in D.SDPA_BACKENDS:
+        with _sdpa_first(name):
+            order = torch._C._get_sdp_priority_order()
+            got = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert order[0] == int(getattr(torch.nn.attention.SDPBackend, name)) and sorted(order) == sorted(before)
+        assert torch._C._get_sdp_priority_order() == before
+        torch.testing.assert_close(got, want)  # on the CPU the first backend that can run does

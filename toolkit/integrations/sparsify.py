@@ -24,7 +24,7 @@ Dispatch (``dispatch=True``, the default): when blasst.json holds a ``dispatch``
 (BSFA k, BLASST target), a prefill of N tokens runs a layer sparse only where the plan says so at
 the bucket of the largest calibrated length <= N (dense below the shortest); elsewhere the layer
 runs PyTorch SDPA (kernels/layer_dense.py) with the break-even file's fastest backend tried first
-(the others, MATH last, as fall-backs) and counts nothing. Decode steps are not dispatched.
+(the others in PyTorch's order as fall-backs) and counts nothing. Decode steps are not dispatched.
 """
 from __future__ import annotations
 
@@ -376,14 +376,42 @@ def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str |
     return state.plan["backends"][0 if j is None else j]
 
 
-def _sdpa_first(backend: str):
-    """sdpa_kernel with ``backend`` first and the others after it (MATH last: it always runs)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+class _SdpaFirst:
+    """SDPA's backend priority with one backend first (the rest in their current order, so MATH
+    still runs whatever the others cannot), restored on exit. Only the order changes, not which
+    backends are enabled; sdpa_kernel(set_priority=True) does the same at ~3x the host cost per
+    call, and is the fall-back where torch lacks the priority accessors."""
 
-    from sparsecal.formats.dispatch import SDPA_BACKENDS
+    __slots__ = ("ctx", "prev", "want")
 
-    names = [backend] + [b for b in SDPA_BACKENDS if b != backend]
-    return sdpa_kernel([getattr(SDPBackend, n) for n in names], set_priority=True)
+    def __init__(self, backend: str):
+        from torch.nn.attention import SDPBackend
+
+        self.want, self.prev, self.ctx = getattr(SDPBackend, backend), None, None
+
+    def __enter__(self):
+        get = getattr(torch._C, "_get_sdp_priority_order", None)
+        if get is None or not hasattr(torch._C, "_set_sdp_priority_order"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            from sparsecal.formats.dispatch import SDPA_BACKENDS
+
+            rest = [getattr(SDPBackend, b) for b in SDPA_BACKENDS if getattr(SDPBackend, b) != self.want]
+            self.ctx = sdpa_kernel([self.want, *rest], set_priority=True)
+            return self.ctx.__enter__()
+        self.prev = get()
+        torch._C._set_sdp_priority_order([int(self.want)] + [b for b in self.prev if b != int(self.want)])
+        return self
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        torch._C._set_sdp_priority_order(self.prev)
+        return False
+
+
+def _sdpa_first(backend: str) -> _SdpaFirst:
+    return _SdpaFirst(backend)
 
 
 def _use_triton(state: _State, query, mode: str) -> bool:
