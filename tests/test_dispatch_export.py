@@ -112,3 +112,28 @@ def test_a_break_even_file_of_another_geometry_is_refused(exported, tmp_path, he
     res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "x"), "--break-even",
                               str(tmp_path / "bad.json")])
     assert res.exit_code == 2 and "not a sparsecal-break-even" in res.output
+
+
+def test_without_the_runs_samples_blasst_falls_back_to_the_pooled_fit_table(exported, tmp_path):
+    """The run's samples gone: BLASST's per-layer sparsity is blasst_heads' (all samples pooled, the
+    target's a/L; heads averaged) and the record says so; BSFA's still comes from bsfa_heads."""
+    import shutil
+
+    run, out, _ = exported
+    bare = tmp_path / "run"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("samples"))
+    res = runner.invoke(app, ["export", str(bare), "--out", str(tmp_path / "e"), "--break-even",
+                              str(_be_file(tmp_path / "be.json"))])
+    assert res.exit_code == 0, res.output
+    rec = load_blasst(tmp_path / "e")["dispatch"]
+    held = load_blasst(out)["dispatch"]
+    heads = pl.read_parquet(run / "fit" / "blasst_heads.parquet").filter(pl.col("mode") == "prefill")
+    for e, h in zip(rec["configs"], held["configs"]):
+        if e["method"] == "bsfa":
+            assert e["sparsity"] == h["sparsity"] and e["source"] == h["source"]
+            continue
+        assert "samples are gone" in e["source"]
+        for layer in range(2):
+            want = heads.filter(((pl.col("target") - e["value"]).abs() < 1e-9) & (pl.col("layer") == layer)).group_by(
+                "length").agg(pl.col("sparsity").mean()).sort("length")["sparsity"].to_numpy()
+            np.testing.assert_allclose(e["sparsity"][layer], want, rtol=1e-12)
