@@ -129,7 +129,8 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     phase = (t // NBUF) & 1
     mbarrier.wait(k_bar.index(slot), phase)
     zero = gl.zeros([BM, BN], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, q_smem.shape[1]]).permute((1, 0)), zero, use_acc=False, is_async=True)
+    k_t = k_ring.index(slot).reshape([BN, q_smem.shape[1]]).permute((1, 0))
+    s = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     if MASKED:
         keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
