@@ -15,7 +15,10 @@ import torch
 from typer.testing import CliRunner
 
 from sparsecal.cli import app
+from sparsecal.formats import dispatch as D
+from sparsecal.formats.exports import write_blasst
 from sparsecal.formats.geometry import block_counts, cdiv
+from sparsecal.integrations.exports import write_bsfa
 from sparsecal.kernels.capture.reduce_reference import reduce_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,3 +413,39 @@ def write_results(folder: Path) -> Path:
               "speedup": 1.0 + (1.0 - r["accuracy_rel_dense"]) * 10, "sparsity": 0.1} for r in rows]
     (folder / "bench.json").write_text(json.dumps({"kind": "sparsecal-bench", "rows": bench, "provenance": {}}))
     return folder
+
+
+DISPATCH_LENGTHS = [256, 512]
+
+
+def _dispatch_be_doc():
+    """Break-even 0.5 at 256 and 512 tokens for both methods (dense 6 ms; 10 ms unskipped, 2 ms all skipped);
+    cuDNN the faster dense backend at 256, FLASH at 512."""
+    pts = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]
+    dense = {256: {"CUDNN_ATTENTION": 6.0, "FLASH_ATTENTION": 7.0}, 512: {"CUDNN_ATTENTION": 7.0, "FLASH_ATTENTION": 6.0}}
+    measured = [{"method": m, "head_dim": 64, "group": 2, "length": n, "dense": dense[n], "points": pts}
+                for m in D.METHODS for n in DISPATCH_LENGTHS]
+    geo = {"block_m": 128, "block_n": 64, "heads": 4, "kv_heads": 2, "head_dim": 64}
+    return D.break_even_file(measured, geo, {"gpu": "test", "commit": "c0ffee1"})
+
+
+def dispatch_export(out, sparse_layers=(0, 1), dispatch=True, layer1=(0.1, 0.9)):
+    """For a 2-layer, 4-head model of make_checkpoint(heads=4, kv_heads=2, layers=2):
+    BSFA k=1 thresholds 1e30 (every candidate skipped) and a blasst.json whose dispatch record
+    runs layer 0 sparse at both buckets and layer 1 (calibrated ``layer1``) sparse where >= 0.5."""
+    out.mkdir()
+    thr = torch.full((1, 2, 4, 8), 1e30)
+    ignored = {str(i): "test" for i in range(2) if i not in sparse_layers}
+    write_bsfa(out, thr, [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": list(sparse_layers),
+                                                 "ignored_layers": ignored})
+    doc = {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR, "decode": None},
+           "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
+           "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": list(sparse_layers),
+           "ignored_layers": ignored}
+    if dispatch:
+        s = np.array([[0.9, 0.9], list(layer1)])
+        cfgs = [{"method": "bsfa", "config": "k=1", "value": 1, "source": "test", "sparsity": s},
+                {"method": "blasst", "config": "target=0.5", "value": 0.5, "source": "test", "sparsity": s}]
+        doc["dispatch"], _ = D.dispatch_record(cfgs, DISPATCH_LENGTHS, _dispatch_be_doc(), "be.json", 64, 2)
+    write_blasst(out, doc)
+    return out

@@ -1,19 +1,14 @@
 """sparsify / register with an export's dispatch record, on a tiny random Llama (reference backend):
 a prefill runs a layer sparse only where the plan says so at its length bucket, else exactly
 PyTorch SDPA counting nothing; dispatch=False and decode steps run as without a plan."""
-import numpy as np
 import pytest
 import torch
 
 import sparsecal
 from sparsecal.formats import dispatch as D
-from sparsecal.formats.exports import write_blasst
-from sparsecal.integrations.exports import write_bsfa
 from sparsecal.integrations.sparsify import dispatched_dense
 
-from helpers import NOOP_BLASST_FACTOR, block_counts_torch, make_checkpoint
-
-LENGTHS = [256, 512]
+from helpers import block_counts_torch, dispatch_export, make_checkpoint
 
 
 @pytest.fixture
@@ -22,38 +17,6 @@ def tiny_model(tmp_path, seed):
 
     path = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
     return path, AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-
-
-def _be_doc():
-    """Break-even 0.5 at 256 and 512 tokens for both methods (dense 6 ms; 10 ms unskipped, 2 ms all skipped);
-    cuDNN the faster dense backend at 256, FLASH at 512."""
-    pts = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]
-    dense = {256: {"CUDNN_ATTENTION": 6.0, "FLASH_ATTENTION": 7.0}, 512: {"CUDNN_ATTENTION": 7.0, "FLASH_ATTENTION": 6.0}}
-    measured = [{"method": m, "head_dim": 64, "group": 2, "length": n, "dense": dense[n], "points": pts}
-                for m in D.METHODS for n in LENGTHS]
-    geo = {"block_m": 128, "block_n": 64, "heads": 4, "kv_heads": 2, "head_dim": 64}
-    return D.break_even_file(measured, geo, {"gpu": "test", "commit": "c0ffee1"})
-
-
-def _export(out, sparse_layers=(0, 1), dispatch=True, layer1=(0.1, 0.9)):
-    """BSFA k=1 thresholds 1e30 (every candidate skipped) and a blasst.json whose dispatch record
-    runs layer 0 sparse at both buckets and layer 1 (calibrated ``layer1``) sparse where >= 0.5."""
-    out.mkdir()
-    thr = torch.full((1, 2, 4, 8), 1e30)
-    ignored = {str(i): "test" for i in range(2) if i not in sparse_layers}
-    write_bsfa(out, thr, [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": list(sparse_layers),
-                                                 "ignored_layers": ignored})
-    doc = {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR, "decode": None},
-           "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
-           "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": list(sparse_layers),
-           "ignored_layers": ignored}
-    if dispatch:
-        s = np.array([[0.9, 0.9], list(layer1)])
-        cfgs = [{"method": "bsfa", "config": "k=1", "value": 1, "source": "test", "sparsity": s},
-                {"method": "blasst", "config": "target=0.5", "value": 0.5, "source": "test", "sparsity": s}]
-        doc["dispatch"], _ = D.dispatch_record(cfgs, LENGTHS, _be_doc(), "be.json", 64, 2)
-    write_blasst(out, doc)
-    return out
 
 
 def _run(model, n, seed):
@@ -68,13 +31,13 @@ def test_dense_dispatched_layer_is_sdpa_and_counts_nothing(tiny_model, tmp_path,
     with torch.no_grad():
         sdpa = {n: model(torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))).logits
                 for n in (200, 333)}
-    exp = _export(tmp_path / "e")
+    exp = dispatch_export(tmp_path / "e")
     sparsecal.sparsify(model, exp, method="bsfa", k=1)
     cand = 4 * int(block_counts_torch(333, 128, 64)[0].sum())
     logits, st = _run(model, 333, seed)  # bucket 256: layer 0 sparse, layer 1 dense
     assert st["skipped"][0].sum() == cand and st["skipped"][1].sum() == 0 and st["reachable"][1].sum() == 0
     # the same as an export that leaves layer 1 alone (its exact dense attention), bit for bit
-    sparsecal.sparsify(model, _export(tmp_path / "ref", sparse_layers=(0,), dispatch=False), method="bsfa", k=1)
+    sparsecal.sparsify(model, dispatch_export(tmp_path / "ref", sparse_layers=(0,), dispatch=False), method="bsfa", k=1)
     assert torch.equal(_run(model, 333, seed)[0], logits)
     sparsecal.sparsify(model, exp, method="bsfa", k=1)
     logits, st = _run(model, 200, seed)  # below the shortest calibrated length: every layer dense
@@ -94,7 +57,7 @@ def test_decode_is_not_dispatched(tiny_model, tmp_path, seed):
     """Layer 1 runs its 333-token prefill dense, but the decode step through the kernels (BSFA
     decodes dense: nothing skipped, the reachable tiles counted) as without a plan."""
     _, model = tiny_model
-    sparsecal.sparsify(model, _export(tmp_path / "e"), method="bsfa", k=1)
+    sparsecal.sparsify(model, dispatch_export(tmp_path / "e"), method="bsfa", k=1)
     ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False)
@@ -105,7 +68,7 @@ def test_decode_is_not_dispatched(tiny_model, tmp_path, seed):
 
 def test_plan_lookup_and_backends(tiny_model, tmp_path):
     _, model = tiny_model
-    sparsecal.sparsify(model, _export(tmp_path / "e", layer1=(0.5, 0.2)), method="blasst")
+    sparsecal.sparsify(model, dispatch_export(tmp_path / "e", layer1=(0.5, 0.2)), method="blasst")
     state = model._sparsecal_state
     assert state.plan["sparse"] == [[True, True], [True, False]]
     got = {n: [dispatched_dense(state, layer, "prefill", n) for layer in (0, 1)] for n in (100, 256, 511, 512, 9000)}
@@ -123,7 +86,7 @@ def test_registered_export_dispatches(tiny_model, tmp_path, seed):
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_model
-    state = sparsecal.register(_export(tmp_path / "e"), method="bsfa", k=1)
+    state = sparsecal.register(dispatch_export(tmp_path / "e"), method="bsfa", k=1)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparsecal_bsfa").eval()
     ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

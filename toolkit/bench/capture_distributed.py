@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from sparsecal.bench.harness import log, result_file, run_section
+from sparsecal.bench.random_model import llama_config, save_checkpoint, write_prompts
 
 TARGET_RATIO = 1.8
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "COLUMNS": "300",
@@ -65,42 +66,13 @@ class Setup:
         return self.deadline - time.monotonic()
 
 
-def llama_config(layers: int, tiny: bool):
-    from transformers import LlamaConfig
-
-    if tiny:
-        return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096)
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                       rope_theta=500000.0)
-
-
 def build_model(s: Setup) -> dict:
     """Save the random-weight checkpoint and the prompt files; returns what was built."""
-    from transformers import LlamaForCausalLM
-
     cfg = llama_config(s.args.layers, s.tiny)
-    dtype = torch.float32 if s.tiny else torch.bfloat16
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cpu" if s.tiny else "cuda"):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.save_pretrained(s.ckpt)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    g = torch.Generator().manual_seed(1)
-    for path, count in ((s.prompts, s.args.samples), (s.warm, 1)):
-        with open(path, "w") as f:
-            for _ in range(count):
-                f.write(json.dumps({"input_ids": torch.randint(0, cfg.vocab_size, (s.args.length,), generator=g)
-                                    .tolist()}) + "\n")
+    weights = save_checkpoint(cfg, s.ckpt, torch.float32 if s.tiny else torch.bfloat16, "cpu" if s.tiny else "cuda")
+    write_prompts(s.prompts, cfg.vocab_size, [s.args.length], s.args.samples, seed=1)
+    write_prompts(s.warm, cfg.vocab_size, [s.args.length], 1, seed=2)
     log(f"checkpoint: {s.args.layers} layers, {weights / 2**30:.2f} GiB of weights, "
         f"in {time.perf_counter() - t0:.1f} s")
     return {"layers": s.args.layers, "weights_bytes": weights, "config": cfg.to_diff_dict(),

@@ -2,12 +2,13 @@
 
 captured   Q/K/V of a few layers of SmolLM2-135M-Instruct (bf16) on an 8K-token task prompt,
            captured at the attention interface (after RoPE), run through the sparse prefill kernel
+           sparsify runs (kernels.sparse.prefill_gluon.sparse_prefill)
            with the calibrated export (BSFA k, BLASST targets, window) against the dense Triton
            forward and the best SDPA backend: real sparsity, counted in the kernel;
-ttft       end-to-end prefill time (the forward that yields the first new token) at each length,
-           SDPA vs the model switched with ``sparsify`` to each configuration, with the sparsity
-           counted over all layers; eager (transformers as is: Python launch cost bounds it) and
-           replayed from a CUDA graph (the device time of the same forward).
+ttft       end-to-end prefill time (the forward that yields the first new token) at each length
+           through bench/ttft.py: the best SDPA vs the model switched with ``sparsify`` to each
+           configuration, with and without dispatch, replayed from a CUDA graph (the device time
+           of the forward; eager, Python's launch cost bounds a 135M model).
 
 Each writes rows in the dashboard's Accuracy-speedup format (toolkit/formats/results.py; kind
 ``sparsecal-bench``) to its own file next to the result (``*-captured-rows.json``,
@@ -17,28 +18,17 @@ Each writes rows in the dashboard's Accuracy-speedup format (toolkit/formats/res
 from __future__ import annotations
 
 import json
-import statistics
 
 import torch
 
 from sparsecal.bench.harness import bench_ms, log, sdpa_fns
+from sparsecal.bench.ttft import configs
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.kernels.dense import attention_dense
-from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
+from sparsecal.kernels.sparse.prefill import candidate_tiles
+from sparsecal.kernels.sparse.prefill_gluon import sparse_prefill
 
 CAPTURE_LAYERS = (0, 7, 15, 22, 29)
-
-
-def configs(export_dir) -> list[tuple[str, str, dict]]:
-    """(method, config, sparsify kwargs) for every operating point of the export, plus window:32."""
-    from sparsecal.formats.exports import load_blasst
-    from sparsecal.integrations.exports import load_bsfa
-
-    ks = load_bsfa(export_dir, {}).k_values
-    targets = [t["target_sparsity"] for t in load_blasst(export_dir, {})["targets"]]
-    out = [("bsfa", f"k={k}", {"method": "bsfa", "k": k}) for k in ks if k >= 16]
-    out += [("blasst", f"target={t:g}", {"method": "blasst", "target": t}) for t in targets]
-    return out + [("window", "blocks=32", {"method": "window", "blocks": 32})]
 
 
 def _model_and_prompts(lengths):
@@ -87,9 +77,9 @@ def captured_section(model, ids, export_dir) -> dict:
         sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
         for method, config, state in points:
             args = method_args(state, layer, "prefill", n, q.device)
-            _, sk = sparse_attention_triton(q, k, v, scale, state.block_m, state.block_n, order=state.order, **args)
-            t = bench_ms(lambda: sparse_attention_triton(q, k, v, scale, state.block_m, state.block_n,
-                                                         order=state.order, **args))
+            _, sk = sparse_prefill(q, k, v, scale, state.block_m, state.block_n, order=state.order, **args)
+            t = bench_ms(lambda: sparse_prefill(q, k, v, scale, state.block_m, state.block_n, order=state.order,
+                                                **args))
             sp = float(sk.sum()) / reach
             rows.append({"layer": layer, "method": method, "config": config, "ms": t, "sparsity": sp,
                          "speedup_vs_dense": ms["dense_triton"] / t, "speedup_vs_sdpa": sdpa / t})
@@ -101,101 +91,18 @@ def captured_section(model, ids, export_dir) -> dict:
     return {"length": n, "layers": list(CAPTURE_LAYERS), "rows": rows, "bench_rows": bench_rows}
 
 
-def _time_forward(model, ids, reps: int = 10) -> float:
-    with torch.no_grad():
-        for _ in range(3):
-            model(ids, logits_to_keep=1)
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            model(ids, logits_to_keep=1)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def _time_graph(model, ids, reps: int = 10) -> float:
-    """Median ms of the same forward (no KV cache) captured once in a CUDA graph and replayed: the
-    device time of prefill without Python's per-op launch cost (which bounds a 135M model's eager
-    forward at every length)."""
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                model(ids, logits_to_keep=1, use_cache=False)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model(ids, logits_to_keep=1, use_cache=False)
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times)
-
-
-def _timings(model, ids) -> dict:
-    """{"eager": ms, "graph": ms or None} of one prefill forward (graph None when capture fails)."""
-    out = {"eager": _time_forward(model, ids), "graph": None}
-    try:
-        out["graph"] = _time_graph(model, ids)
-    except Exception as e:  # recorded: the eager time still stands
-        out["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    return out
-
-
-def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """The dense baseline as an attention function: SDPA causal, no mask tensor (like the sparse
-    functions, which transformers gives no mask; unpadded prompts). Under CUDA-graph capture the
-    built-in "sdpa" path was measured to get a materialized mask and a slower kernel (38 ms at 8K
-    replayed vs 22 ms eager), so both timings use this."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-
-
 def ttft_section(model, prompts: dict, export_dir) -> dict:
-    """TTFT eager (HF forward as is) and in a CUDA graph; the joinable rows use the graph times
-    when both SDPA and the configuration captured, else the eager ones (``timing`` says which)."""
-    from transformers import AttentionInterface
+    """TTFT per length through bench/ttft.py (best SDPA vs each operating point with and without
+    dispatch, replayed from CUDA graphs); ``bench_rows`` are its joinable rows."""
+    import argparse
 
-    from sparsecal.integrations.sparsify import densify, sparsify
+    from sparsecal.bench.ttft import joinable, length_rows
 
-    AttentionInterface.register("sparsecal_causal_sdpa", _causal_sdpa)
-    rows, bench_rows = [], []
+    opts = argparse.Namespace(graph=True, reps=10, warmup=3)
+    rows = []
     for n, ids in sorted(prompts.items()):
-        model.set_attn_implementation("sparsecal_causal_sdpa")
-        base = _timings(model, ids)
-        model.set_attn_implementation("sdpa")
-        rows.append({"length": n, "method": "dense", "config": "sdpa", "ms": base["eager"], "graph_ms": base["graph"],
-                     **({"graph_error": base["graph_error"]} if "graph_error" in base else {})})
-        for method, config, kw in configs(export_dir):
-            sparsify(model, export_dir, **kw)
-            t = _timings(model, ids)
-            st = model.sparsecal_stats
-            sp = float(st["skipped"].sum()) / float(st["reachable"].sum())
-            densify(model)
-            timing = "graph" if base["graph"] and t["graph"] else "eager"
-            rows.append({"length": n, "method": method, "config": config, "ms": t["eager"], "graph_ms": t["graph"],
-                         "sparsity": sp, "speedup_vs_sdpa": base["eager"] / t["eager"],
-                         "graph_speedup_vs_sdpa": base["graph"] / t["graph"] if timing == "graph" else None,
-                         **({"graph_error": t["graph_error"]} if "graph_error" in t else {})})
-            bench_rows.append({"method": method, "config": config, "length": n, "speedup": base[timing] / t[timing],
-                               "sparsity": sp, "task": "ttft", "timing": timing})
-        log(f"  ttft {n}: sdpa {base['eager']:.2f} ms (graph {base['graph']}); " + ", ".join(
-            f"{r['config']} {r['ms']:.2f} ms (graph {r['graph_ms']}) s={r['sparsity']:.2f}"
-            for r in rows if r["length"] == n and "sparsity" in r))
-    return {"rows": rows, "bench_rows": bench_rows}
+        rows += length_rows(model, ids, export_dir, opts)
+    return {"rows": rows, "bench_rows": joinable(rows)}
 
 
 def model_sections(result: dict, args, save) -> None:

@@ -1,0 +1,276 @@
+"""End-to-end prefill time (TTFT) of a model switched with ``sparsify``, against SDPA, with the
+attention share of the forward and the ideal speedup it implies (``python -m sparsecal.bench.ttft``).
+
+Per prompt length, one prefill forward (batch 1, last-position logits, no KV cache in graph mode),
+median of ``--reps`` after ``--warmup``, every variant of a length in one process:
+
+    sdpa         the model's attention as causal SDPA in PyTorch's backend order (FLASH first)
+    sdpa_cudnn   the same with cuDNN first; the faster of the two is the baseline ("best SDPA")
+    rest         the forward with the attention kernel replaced by a copy of Q (what SDPA's own
+                 output copy costs): attention share a = 1 - rest / best SDPA
+    per operating point of the export (``configs``), ``sparsify`` with dispatch
+    (the export's dispatch record: sparse only where the calibrated sparsity reaches the measured
+    break-even) and, unless ``--no-all-sparse``, without it (every layer sparse)
+
+Sparsity: skipped / reachable candidate tiles counted in the kernels over ALL layers (a layer run
+dense by dispatch counts its reachable tiles and no skips). The ideal TTFT speedup of a sparsity s
+is 1 / (1 - a * s / 2): the attention share a shrinks as the kernel ideal 1 / (1 - s/2) says
+(skipping a tile saves its V load and P.V, about half its work); it is taken at the every-layer
+run's sparsity, so dispatch that runs a layer dense is charged for what the layer could have saved.
+
+    python -m sparsecal.bench.ttft --model DIR|smollm2 --export DIR --lengths 32768,65536
+        [--graph] [--reps 5] [--warmup 2] [--no-all-sparse] [--commit SHA] --out FILE
+
+Prompts: the model's tokenizer on the niah_single task when it has one, else random token ids
+(seed 20261123). Writes FILE (rows per length and variant, provenance) and FILE's ``*-rows.json``
+in the Accuracy-speedup format (task "ttft", the dispatched speedup) for ``sparsecal eval --bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sparsecal.bench.harness import log, result_file
+
+PROMPT_SEED = 20261123
+
+
+def ideal_speedup(share: float, sparsity: float) -> float:
+    """TTFT speedup if the attention (share ``share`` of the forward) ran at the kernel ideal."""
+    return 1.0 / (1.0 - share * sparsity / 2.0)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_ms(model, ids, reps: int, warmup: int) -> float:
+    """Median wall ms of one prefill forward (synchronized; CUDA events on the GPU)."""
+    cuda = ids.device.type == "cuda"
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + reps):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            t0 = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            if cuda:
+                b.record()
+            _sync(ids.device)
+            if i >= warmup:
+                times.append(a.elapsed_time(b) if cuda else 1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def graph_ms(model, ids, reps: int, warmup: int) -> float:
+    """Median ms of the same forward (no KV cache) captured in a CUDA graph and replayed: device
+    time without Python's launch cost (which bounds a small model's eager forward)."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 1)):
+                model(ids, logits_to_keep=1, use_cache=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(ids, logits_to_keep=1, use_cache=False)
+        times = []
+        for i in range(warmup + reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """Causal SDPA without a mask tensor (unpadded prompts; the sparse functions get none either)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def _causal_cudnn(module, query, key, value, attention_mask, **kwargs):
+    from sparsecal.integrations.sparsify import _sdpa_first
+
+    with _sdpa_first("CUDNN_ATTENTION"):
+        return _causal_sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """Q copied to SDPA's output layout [B, N, H, D]: the forward without the attention kernel."""
+    return query.transpose(1, 2).contiguous(), None
+
+
+BASELINES = {"sdpa": _causal_sdpa, "sdpa_cudnn": _causal_cudnn, "rest": _no_attention}
+
+
+def configs(export_dir, min_k: int = 16) -> list[tuple[str, str, dict]]:
+    """(method, config, sparsify kwargs) for every operating point of the export (BSFA k >= ``min_k``),
+    plus window:32."""
+    from sparsecal.formats.exports import load_blasst
+    from sparsecal.integrations.exports import load_bsfa
+
+    ks = load_bsfa(export_dir, {}).k_values
+    targets = [t["target_sparsity"] for t in load_blasst(export_dir, {})["targets"]]
+    out = [("bsfa", f"k={k}", {"method": "bsfa", "k": k}) for k in ks if k >= min_k]
+    out += [("blasst", f"target={t:g}", {"method": "blasst", "target": t}) for t in targets]
+    return out + [("window", "blocks=32", {"method": "window", "blocks": 32})]
+
+
+def _time(model, ids, args) -> dict:
+    """{"ms": eager median, "graph_ms": replayed median (with --graph; None and "graph_error"
+    when capture fails: the eager time still stands)}."""
+    out = {"ms": forward_ms(model, ids, args.reps, args.warmup)}
+    if args.graph:
+        try:
+            out["graph_ms"] = graph_ms(model, ids, args.reps, args.warmup)
+        except RuntimeError as e:  # recorded: graph capture can fail where eager runs
+            out["graph_ms"], out["graph_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def baselines(model, ids, args) -> dict:
+    """{name: timing} of BASELINES (cuDNN first only on a GPU); the model is left on "sdpa"."""
+    from transformers import AttentionInterface
+
+    out = {}
+    for name, fn in BASELINES.items():
+        if name == "sdpa_cudnn" and ids.device.type != "cuda":
+            continue
+        AttentionInterface.register(f"sparsecal_{name}", fn)
+        model.set_attn_implementation(f"sparsecal_{name}")
+        out[name] = _time(model, ids, args)
+    model.set_attn_implementation("sdpa")
+    return out
+
+
+def sparse_point(model, ids, export, kw: dict, dispatch: bool, args) -> dict:
+    """One operating point through ``sparsify``: timing, then one more eager forward whose kernel
+    counts give skipped [L, H] and reachable [L, H] (a layer run dense by dispatch counts none)."""
+    from sparsecal.integrations.sparsify import densify, sparsify
+
+    sparsify(model, export, dispatch=dispatch, **kw)
+    try:
+        t = _time(model, ids, args)
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+        st = model.sparsecal_stats
+        t["skipped"] = st["skipped"].sum(1).tolist()
+        t["reachable"] = st["reachable"].sum(1).tolist()
+    finally:
+        densify(model)
+    t["sparse_layers"] = sum(1 for r in t["reachable"] if r > 0)
+    return t
+
+
+def _speed(t: dict, base: float, graph: bool) -> float | None:
+    ms = t.get("graph_ms") if graph else t["ms"]
+    return base / ms if ms else None
+
+
+def length_rows(model, ids, export, args) -> list[dict]:
+    """Every variant at one length; rows with speedups against the best SDPA, the attention share,
+    the sparsity over all layers and the ideal speedup (module docstring)."""
+    n = ids.shape[1]
+    base = baselines(model, ids, args)
+    graph = bool(args.graph) and all(base[b].get("graph_ms") for b in base)
+    pick = "graph_ms" if graph else "ms"
+    best = min((b for b in base if b != "rest"), key=lambda b: base[b][pick])
+    ref = base[best][pick]
+    share = 1.0 - base["rest"][pick] / ref
+    rows = [{"length": n, "variant": b, **t, "speedup": _speed(t, ref, graph)} for b, t in base.items()]
+    for method, config, kw in configs(export, getattr(args, "min_k", 16)):
+        every = sparse_point(model, ids, export, kw, False, args)
+        disp = sparse_point(model, ids, export, kw, True, args) if method in ("bsfa", "blasst") else every
+        total = max(sum(every["reachable"]), 1)
+        s_all = sum(every["skipped"]) / total
+        ideal = ideal_speedup(share, s_all)
+        for name, t in (("every_layer", every), ("dispatch", disp)):
+            sp = _speed(t, ref, graph)
+            rows.append({"length": n, "variant": name, "method": method, "config": config, **t,
+                         "sparsity": sum(t["skipped"]) / total, "sparsity_every_layer": s_all,
+                         "speedup": sp, "ideal": ideal, "of_ideal": sp / ideal if sp else None})
+        log(f"  N={n} {method}:{config}: s={s_all:.2f} ideal {ideal:.3f}x, every layer "
+            f"{rows[-2]['speedup']:.3f}x, dispatch {rows[-1]['speedup']:.3f}x ({disp['sparse_layers']} sparse layers)")
+    for r in rows:
+        r.update(baseline=best, timing="graph" if graph else "eager", attention_share=share)
+    log(f"N={n}: best SDPA {best} {ref:.2f} ms ({'graph' if graph else 'eager'}), attention share {share:.3f}")
+    return rows
+
+
+def prompts(ms, vocab_size: int, lengths, device) -> dict:
+    """{length: ids [1, N]}: the niah_single task with the model's tokenizer, else random ids."""
+    from sparsecal.capture.models import load_tokenizer
+    from sparsecal.capture.prompts import build_task_prompts
+    from sparsecal.formats.errors import UserError
+
+    try:
+        tok = load_tokenizer(ms)
+    except UserError:
+        g = torch.Generator().manual_seed(PROMPT_SEED)
+        return {n: torch.randint(0, vocab_size, (1, n), generator=g).to(device) for n in lengths}
+    found = build_task_prompts(tok, ["niah_single"], lengths, 1, seed=PROMPT_SEED)
+    return {p.length: torch.tensor([p.input_ids], device=device) for p in found}
+
+
+def joinable(rows: list[dict]) -> list[dict]:
+    """The dispatched rows in the Accuracy-speedup format (toolkit/formats/results.py)."""
+    return [{"method": r["method"], "config": r["config"], "length": r["length"], "speedup": r["speedup"],
+             "sparsity": r["sparsity_every_layer"], "task": "ttft", "timing": r["timing"], "dispatch": True}
+            for r in rows if r["variant"] == "dispatch" and r["speedup"]]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="'smollm2' or a checkpoint directory")
+    ap.add_argument("--export", type=Path, required=True, help="a `sparsecal export` directory of that model")
+    ap.add_argument("--lengths", default="32768,65536,131072")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (the speedups use them)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--min-k", type=int, default=16, help="the smallest BSFA k of the export to time")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", type=Path, required=True)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from sparsecal.capture.models import load_config, load_model, resolve_model
+    from sparsecal.formats.files import atomic_write_text
+
+    args = parse(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    result, save = result_file("ttft", args.out, args.commit)
+    ms = resolve_model(args.model)
+    model = load_model(ms, dtype=args.dtype, device=args.device, attn="sdpa")
+    vocab = load_config(ms).get_text_config().vocab_size
+    result.update(model=ms.model_id, export=str(args.export), request=vars(args) | {"out": str(args.out),
+                  "export": str(args.export)}, rows=[])
+    for n, ids in sorted(prompts(ms, vocab, lengths, args.device).items()):
+        result["rows"] += length_rows(model, ids, args.export, args)
+        save()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    doc = {"kind": "sparsecal-bench", "rows": joinable(result["rows"]), "provenance": result["provenance"]}
+    path = args.out.with_name(f"{args.out.stem}-rows.json")
+    atomic_write_text(path, json.dumps(doc, indent=1, default=str))
+    log(f"wrote {args.out} and {len(doc['rows'])} joinable rows to {path}")
+
+
+if __name__ == "__main__":
+    main()
