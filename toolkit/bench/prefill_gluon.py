@@ -11,12 +11,19 @@ kernel targets, in one run on one Hopper GPU.
    kernel (skipping off, the same BSFA / BLASST points). Each sparse row carries
    the sparsity its kernel counted, the ideal 1 / (1 - s/2) and its ratio to the dense baseline.
 
+3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names
+   (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
+   form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off). A
+   variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
+   raised is left out of the timings (``check.variants[name].error``); neither stops the others.
+
     python -m sparsecal.bench.prefill_gluon [--sections check,targets] [--dims 128,64]
-        [--lengths 16384,32768,65536] [--groups 1,4,8] [--rounds 2] --out FILE
+        [--lengths 16384,32768,65536] [--groups 1,4,8] [--rounds 2] [--variants gluon_ws,...] --out FILE
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import torch
@@ -27,6 +34,7 @@ from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds
 from sparsecal.kernels.dense import attention_dense, flops_causal
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
+from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
 from sparsecal.kernels.sparse.reference import sparse_attention
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -34,6 +42,10 @@ TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 CHECK_CASES = ((1000, 2, 4, 128, torch.bfloat16, 1, False), (777, 1, 8, 64, torch.float16, 1, True),
                (1300, 3, 1, 64, torch.bfloat16, 2, False), (640, 2, 4, 128, torch.float16, 1, True),
                (2049, 1, 4, 128, torch.bfloat16, 1, True))
+# Extra Gluon kernels (--variants): name -> callable with sparse_attention_gluon's arguments and results.
+EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
+                  "gluon_ws_prod": functools.partial(sparse_attention_gluon_ws, producer=True),
+                  "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False)}
 
 
 def _storage(t: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -41,37 +53,62 @@ def _storage(t: torch.Tensor, transposed: bool) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2) if transposed else t.contiguous()
 
 
-def check_gluon() -> dict:
-    rows, ok = [], True
-    for n, kv, group, d, dtype, batch, transposed in CHECK_CASES:
-        q, k, v = structured_qkv(n, d, kv * group, kv, seed=n + d, dtype=dtype, batch=batch)
-        q, k, v = (_storage(t, transposed) for t in (q, k, v))
-        scale = d ** -0.5
-        bmax, gap = tile_stats(q[:1], k[:1], v[:1], scale, BM, BN)
-        cases = [{"dense": True}, {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, 0.5)},
-                 {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, 0.5)}, {"window": 2}]
-        for kw in cases:
-            got, sk = sparse_attention_gluon(q, k, v, scale, BM, BN, **kw)
-            ref_kw = dict(kw, log_lambda=-math.inf) if "dense" in kw else kw
-            ref_kw.pop("dense", None)
-            errs, same = [], True
-            for i in range(batch):
-                want, c = sparse_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale, BM, BN, **ref_kw)
-                errs.append(float((got[i:i + 1].double() - want.double()).abs().max()))
-                same &= "dense" in kw or bool(torch.equal(sk[i].cpu(), c.skipped.cpu()))
-            err = max(errs)
-            ok &= err < TOL[dtype] and same
-            rows.append({"n": n, "d": d, "group": group, "dtype": str(dtype), "batch": batch, "transposed": transposed,
-                         "method": sorted(kw)[0], "max_abs_err": err, "skip_counts_equal": same,
-                         "skipped": int(sk.sum())})
-        log(f"gluon check n={n} d={d} G={group} {dtype} B={batch} transposed={transposed}: "
-            + ", ".join(f"{r['method']} {r['max_abs_err']:.1e}{'' if r['skip_counts_equal'] else ' COUNTS DIFFER'}"
-                        for r in rows[-len(cases):]))
-    return {"ok": bool(ok), "rows": rows}
+def _check_shape(kern, n, kv, group, d, dtype, batch, transposed) -> list[dict]:
+    """Rows of one check shape for kernel ``kern``: dense, BSFA, BLASST and window against the reference."""
+    q, k, v = structured_qkv(n, d, kv * group, kv, seed=n + d, dtype=dtype, batch=batch)
+    q, k, v = (_storage(t, transposed) for t in (q, k, v))
+    scale = d ** -0.5
+    bmax, gap = tile_stats(q[:1], k[:1], v[:1], scale, BM, BN)
+    cases = [{"dense": True}, {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, 0.5)},
+             {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, 0.5)}, {"window": 2}]
+    rows = []
+    for kw in cases:
+        got, sk = kern(q, k, v, scale, BM, BN, **kw)
+        ref_kw = dict(kw, log_lambda=-math.inf) if "dense" in kw else kw
+        ref_kw.pop("dense", None)
+        errs, same = [], True
+        for i in range(batch):
+            want, c = sparse_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale, BM, BN, **ref_kw)
+            errs.append(float((got[i:i + 1].double() - want.double()).abs().max()))
+            same &= "dense" in kw or bool(torch.equal(sk[i].cpu(), c.skipped.cpu()))
+        err = max(errs)
+        rows.append({"n": n, "d": d, "group": group, "dtype": str(dtype), "batch": batch, "transposed": transposed,
+                     "method": min(kw), "max_abs_err": err, "skip_counts_equal": same,
+                     "skipped": int(sk.sum()), "ok": bool(err < TOL[dtype] and same)})
+    return rows
 
 
-def _variants(q, k, v, d: int, n: int) -> dict:
-    """name -> (callable, kernel-counted sparsity or None, info)."""
+def check_gluon(extra: tuple = ()) -> dict:
+    """The Gluon kernel (``ok``, ``rows``) and each extra variant (``variants[name]``: ok, error, rows)
+    against the reference; an extra variant that raises is recorded, not propagated."""
+    out = {"ok": True, "rows": [], "variants": {}}
+    for name in ("gluon", *extra):
+        kern = sparse_attention_gluon if name == "gluon" else EXTRA_VARIANTS[name]
+        rows, error = [], None
+        for case in CHECK_CASES:
+            try:
+                got = _check_shape(kern, *case)
+            except Exception as e:  # an extra variant's failure must not stop the run
+                if name == "gluon":
+                    raise
+                error = f"{type(e).__name__}: {e}"[:2000]
+                log(f"{name} check n={case[0]} d={case[3]} FAILED: {error}")
+                break
+            rows += [dict(r, kernel=name) for r in got]
+            log(f"{name} check n={case[0]} d={case[3]} G={case[2]} {case[4]} B={case[5]} transposed={case[6]}: "
+                + ", ".join(f"{r['method']} {r['max_abs_err']:.1e}{'' if r['skip_counts_equal'] else ' COUNTS DIFFER'}"
+                            for r in got))
+        ok = error is None and all(r["ok"] for r in rows)
+        if name == "gluon":
+            out.update(ok=ok, rows=rows)
+        else:
+            out["variants"][name] = {"ok": ok, "error": error, "rows": rows}
+    return out
+
+
+def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
+    """name -> (callable, kernel-counted sparsity or None, info); extra: name -> (kernel, info) of the
+    --variants timed beside ``gluon``."""
     from sparsecal.bench.harness import sdpa_fns
 
     scale = d ** -0.5
@@ -80,29 +117,29 @@ def _variants(q, k, v, d: int, n: int) -> dict:
     out = torch.empty_like(q)
     variants = {"dense_triton": (lambda: attention_dense(q, k, v, scale, out=out), None, {}),
                 "triton_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})}
-    gluons = {"gluon": sparse_attention_gluon}
-    for gname, kern in gluons.items():
-        variants[f"{gname}_off"] = (lambda kern=kern: kern(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})
+    gluons = {"gluon": (sparse_attention_gluon, {}), **extra}
+    for gname, (kern, info) in gluons.items():
+        variants[f"{gname}_off"] = (lambda kern=kern: kern(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, info)
     for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
         variants[name] = (fn, None, {"gqa": mode})
-    kernels = {"triton": (sparse_attention_triton, {}), **{g: (kern, {}) for g, kern in gluons.items()}}
+    kernels = {"triton": (sparse_attention_triton, {}), **gluons}
     for s in SPARSITIES:
         points = {"bsfa": {"thresholds": bsfa_thresholds_for(bmax, n, BM, BN, s)},
                   "blasst": {"log_lambda": blasst_log_lambda_for(gap, n, BM, BN, s)}}
         for method, kw in points.items():
-            for kname, (kern, extra) in kernels.items():
-                _, sk = kern(q, k, v, scale, BM, BN, out=out, **extra, **kw)
+            for kname, (kern, info) in kernels.items():
+                _, sk = kern(q, k, v, scale, BM, BN, out=out, **kw)
 
-                def fn(kern=kern, kw=kw, extra=extra):
-                    return kern(q, k, v, scale, BM, BN, out=out, **extra, **kw)
+                def fn(kern=kern, kw=kw):
+                    return kern(q, k, v, scale, BM, BN, out=out, **kw)
 
-                variants[f"{kname}_{method}_s{int(s * 100)}"] = (fn, float(sk.sum()) / reach, {"target": s})
+                variants[f"{kname}_{method}_s{int(s * 100)}"] = (fn, float(sk.sum()) / reach, {"target": s, **info})
     return variants
 
 
-def targets_shape(d: int, n: int, group: int, rounds: int) -> dict:
+def targets_shape(d: int, n: int, group: int, rounds: int, extra: dict | None = None) -> dict:
     q, k, v = structured_qkv(n, d, HEADS, HEADS // group, seed=n + d + group)
-    variants = _variants(q, k, v, d, n)
+    variants = _variants(q, k, v, d, n, extra or {})
     ms = time_round_robin(variants, rounds)
     sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
     dense = min(ms["dense_triton"], ms["gluon_off"])
@@ -120,6 +157,31 @@ def targets_shape(d: int, n: int, group: int, rounds: int) -> dict:
     return {"d": d, "n": n, "group": group, "heads": HEADS, "best_sdpa_ms": sdpa, "dense_ms": dense, "rows": rows}
 
 
+def _extra_for_timing(result: dict, names: list[str]) -> dict:
+    """name -> (kernel, info) of the --variants to time: all of them, less those whose check raised."""
+    checked = result.get("check", {}).get("variants", {})
+    extra = {}
+    for name in names:
+        rec = checked.get(name)
+        if rec is not None and rec["error"] is not None:
+            log(f"{name}: left out of the timings, its check raised ({rec['error'][:200]})")
+            continue
+        extra[name] = (EXTRA_VARIANTS[name], {} if rec is None else {"check_ok": rec["ok"]})
+    return extra
+
+
+def _run_shape(result: dict, save, d: int, n: int, g: int, rounds: int, extra: dict) -> None:
+    """One targets shape; when it fails with extra variants, again without them (the error is recorded)."""
+    run_section(result, "_shape", lambda: targets_shape(d, n, g, rounds, extra), save)
+    if "_shape" not in result and extra:
+        log(f"D={d} N={n} G={g}: again without {', '.join(extra)}")
+        result.setdefault("errors", {})[f"_shape_extra_d{d}_n{n}_g{g}"] = result["errors"].pop("_shape", None)
+        run_section(result, "_shape", lambda: targets_shape(d, n, g, rounds, {}), save)
+    if "_shape" in result:
+        result["targets"].append(result.pop("_shape"))
+    save()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.prefill_gluon")
     ap.add_argument("--sections", default="check,targets")
@@ -127,23 +189,28 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", default="16384,32768,65536")
     ap.add_argument("--groups", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="", help=f"extra kernels, comma-separated: {', '.join(EXTRA_VARIANTS)}")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
+    names = [x for x in args.variants.split(",") if x]
+    unknown = [x for x in names if x not in EXTRA_VARIANTS]
+    if unknown:
+        ap.error(f"unknown --variants {', '.join(unknown)} (known: {', '.join(EXTRA_VARIANTS)})")
     result, save = result_file("prefill_gluon", args.out, args.commit)
+    result["variants"] = names
     if "check" in sections:
-        run_section(result, "check", check_gluon, save)
-        log(f"gluon check ok: {result.get('check', {}).get('ok')}")
+        run_section(result, "check", lambda: check_gluon(tuple(names)), save)
+        log(f"gluon check ok: {result.get('check', {}).get('ok')}; "
+            + ", ".join(f"{k} ok: {v['ok']}" for k, v in result.get("check", {}).get("variants", {}).items()))
     if "targets" in sections:
         result["targets"] = []
+        extra = _extra_for_timing(result, names)
         for d in (int(x) for x in args.dims.split(",")):
             for n in (int(x) for x in args.lengths.split(",")):
                 for g in (int(x) for x in args.groups.split(",")):
-                    run_section(result, "_shape", lambda: targets_shape(d, n, g, args.rounds), save)
-                    if "_shape" in result:
-                        result["targets"].append(result.pop("_shape"))
-                    save()
+                    _run_shape(result, save, d, n, g, args.rounds, extra)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,373 @@
+"""Warp-specialized variant of the Gluon Hopper prefill kernel (``prefill_gluon``): a 1-warp TMA
+producer and two consumer warpgroups that never wait for each other except to agree on a decision.
+
+Same semantics, arguments and results as ``prefill_gluon.sparse_attention_gluon`` (query blocks of
+BM = 128 rows, the BSFA / BLASST-forward / window rule evaluated over all 128 rows of the block,
+identical skip counts), so it can be swapped in. Experimental: built for sm_90 on CPU machines
+(tests/test_prefill_gluon_ws.py), checked and timed on the GPU by bench/prefill_gluon.py
+(``--variants gluon_ws``).
+
+What it changes (NOTES.md "prefill-gluon": the cross-warp max of the decision put both warpgroups
+in lockstep twice per tile, and the refill waited for it):
+
+- A producer warp (``_producer``) copies K and V of every tile into an NBUF-slot ring, guarded per
+  slot by ready barriers (TMA transaction counts) and empty barriers (one arrival per consumer
+  warpgroup). K and V have separate barriers, so a K slot is refilled as soon as both warpgroups
+  finished Q.K^T on it, without waiting for their P.V. No consumer issues a copy or orders one.
+- Each consumer warpgroup (``_consumer``, 4 warps, 64 of the block's 128 query rows) is its own
+  partition with its own Q half, accumulator and softmax state; it runs Q.K^T, softmax and P.V for
+  its rows at its own pace.
+- The decision (``_agree``) needs the max over all 128 rows: each warpgroup writes its 64 per-row
+  values to a 2-entry shared-memory exchange, syncs its own 4 warps, arrives on the entry's
+  mbarrier (2 arrivals a phase), waits for the other warpgroup's arrival, and reduces the 128
+  values in every thread (no cross-warp reduction, no CTA-wide barrier). Both warpgroups read the
+  same 128 values, so they take the same decision: the BM = 128 semantics are unchanged.
+- A skipped tile only arrives on its V slot's empty barrier; the producer waits for that slot's
+  previous V copy to land before refilling it (a skipped tile never waits for its V).
+
+Phases: tile t (its ordinal in the program, 0 ..) uses ring slot t % NBUF in use n = t // NBUF; the
+consumer waits ready[slot] with parity n & 1, the producer waits empty[slot] with parity (n - 1) & 1
+before use n >= 1 (both consumers have released use n - 1), and the decision of tile t uses exchange
+entry t % 2 with parity (t // 2) & 1 (the decided tiles are ordinals 0 .. n_cand - 1, consecutive).
+No barrier can run two phases ahead of a waiter: a slot is refilled only after both consumers
+released its previous use, and a warpgroup writes exchange entry t % 2 again (tile t + 2) only after
+the other warpgroup arrived for tile t + 1, which it does after reading tile t's values.
+
+Shape legend
+    B batch   H query heads   Hkv KV heads   N tokens   D head dim   P = ceil(N/BM) query blocks
+    Pt threshold positions   BM = 128 query rows a program (HALF = 64 a consumer warpgroup)
+    BN key rows a tile   NBUF ring slots
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from sparsecal.kernels.jit import LOG2E, log2_lambda
+from sparsecal.kernels.sparse.prefill import _check_args
+from sparsecal.kernels.sparse.prefill_gluon import _coords, _cta_barrier, _descriptor, _tma_load, gluon_supported
+
+CONSUMER_WARPS = 4  # one warpgroup per consumer partition (the launch's num_warps: the default partition)
+PRODUCER_WARPS = gl.constexpr(1)
+# Per head dim and producer choice: (ring slots, launch registers a thread (.maxnreg), registers the
+# worker partitions ask setmaxnreg for: consumer warpgroup 1 [, producer]). Two programs per SM need
+# launch registers x threads <= 32768: with a producer warp the program has 12 warps (the producer's
+# warpgroup is padded, 24 registers), so 80 launch registers leave the consumers 104 + 112; a consumer
+# needs ~96 at D = 64 and 128 at D = 128 (fewer spill), so D = 128 runs without a producer warp (warpgroup 0
+# issues the copies) at 2 programs per SM, or with one at 1 program per SM and a deep ring.
+CONFIG = {(64, True): (4, 80, 112), (64, False): (4, 128, 128),
+          (128, True): (5, None, 240), (128, False): (2, 128, 128)}
+PRODUCER_REGS = 24
+PRODUCER = {64: True, 128: False}  # default per head dim
+
+
+@gluon.jit
+def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr):
+    """TMA copy of one tile (ordinal tn) into slot tn % NBUF once the slot's previous use (tn - NBUF) was
+    released by both warpgroups and its copy landed (a skipped tile does not wait for its V)."""
+    slot = tn % NBUF
+    if tn >= NBUF:
+        prev = ((tn // NBUF) + 1) & 1  # parity of use tn // NBUF - 1 of this slot
+        mbarrier.wait(empty.index(slot), prev)
+        mbarrier.wait(ready.index(slot), prev)
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+    _tma_load(desc, c, ready.index(slot), bufs.index(slot))
+
+
+@gluon.jit
+def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+           BN: gl.constexpr, NBUF: gl.constexpr):
+    """K and/or V of tile ordinal tn (key tile j_lo + tn); nothing past the program's last tile.
+    ring = (k_ring, v_ring [NBUF, 1, BN, D], k_ready, k_empty, v_ready, v_empty [NBUF, 1] mbarriers),
+    src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end)."""
+    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    k_desc, v_desc, b, hk, num_kv, j_lo, t_end = src
+    if tn < t_end:
+        c = _coords(b, hk, (j_lo + tn) * BN, KV_ROWS, num_kv, HEAD_DIM)
+        if DO_K:
+            _load(k_desc, k_ring, k_ready, k_empty, tn, c, NBUF)
+        if DO_V:
+            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF)
+
+
+@gluon.jit
+def _load_q(q_desc, q_buf, q_bar, b, h, i, num_heads, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+            BM: gl.constexpr):
+    """Both halves [HALF, D] of query block i into q_buf [2, 1, HALF, D], on one barrier."""
+    HALF: gl.constexpr = BM // 2
+    mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(q_desc, _coords(b, h, i * BM + w * HALF, Q_ROWS, num_heads, HEAD_DIM), q_bar.index(0),
+                  q_buf.index(w))
+
+
+@gluon.jit
+def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
+    """1 warp: Q, then K and V of every tile of the program, in order, as fast as the ring frees."""
+    _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
+    for t in range(src[6]):
+        _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+
+
+@gluon.jit
+def _agree(red, dec_bar, t, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
+    """The block's decision at decided tile t: max over its 128 rows of vals (this warpgroup's 64 rows
+    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, BM]."""
+    HALF: gl.constexpr = BM // 2
+    entry = red.index(t % 2)
+    entry.slice(WG * HALF, HALF).store(vals)
+    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
+    mbarrier.arrive(dec_bar.index(t % 2))
+    mbarrier.wait(dec_bar.index(t % 2), (t // 2) & 1)
+    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
+    return gl.max(entry.load(every), 0) >= thr
+
+
+@gluon.jit
+def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
+             MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
+             KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
+    (DECIDE 0 compute, 1 BSFA, 2 BLASST), online-softmax update and P.V when kept, release V. The
+    ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before and its V
+    after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
+    acc, l_i, m_i, n_skip = carry
+    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    d: gl.constexpr = q_smem.shape[1]
+    if ISSUER:
+        _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
+    slot = t % NBUF
+    phase = (t // NBUF) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    zero = gl.zeros([BM // 2, BN], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(slot))
+    if MASKED:
+        keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        vis = (keys[None, :] <= rows[:, None]) & (keys[None, :] < n_ctx)
+        s = gl.where(vis, s * qk_scale, float("-inf"))
+        m_ij = gl.max(s, 1)
+    else:
+        m_ij = gl.max(s, 1) * qk_scale
+    m_new = gl.maximum(m_i, m_ij)
+    keep = True
+    if DECIDE == 1:
+        keep = _agree(red, dec_bar, t, gl.where(row_ok, m_ij, float("-inf")), thr, WG, BM, NW)
+    elif DECIDE == 2:
+        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
+        keep = _agree(red, dec_bar, t, gl.where(row_ok, gap, float("-inf")), thr, WG, BM, NW)
+    if ISSUER:
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    if keep:
+        if MASKED:
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_ref[:, None])
+        else:
+            m_ref = m_new
+            p = gl.exp2(s * qk_scale - m_ref[:, None])
+        alpha = gl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, o_layout, 2))
+        mbarrier.wait(v_ready.index(slot), phase)
+        acc = warpgroup_mma(p_op, v_ring.index(slot).reshape([BN, d]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        m_i = m_new
+    else:
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(slot))
+    return acc, l_i, m_i, n_skip
+
+
+@gluon.jit
+def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
+                MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
+                KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
+    for u in range(count):
+        carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
+    return carry
+
+
+@gluon.jit
+def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, n_ctx, WG: gl.constexpr,
+              BM: gl.constexpr, NW: gl.constexpr, o_layout: gl.constexpr):
+    """acc / l_i [HALF, D] into this warpgroup's rows of O [B, H, N, D] (by strides), through its own
+    (dead) Q half q_half [HALF, D] in shared memory; warpgroup 0 stores the skip count in SKIP [B * H, P]."""
+    HALF: gl.constexpr = BM // 2
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    q_half.store(o.to(q_half.dtype))
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    o = q_half.load(out_layout)
+    orow = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+    ocol = gl.arange(0, q_half.shape[1], layout=gl.SliceLayout(0, out_layout))
+    base = O + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
+    gl.store(base + orow.to(gl.int64)[:, None] * so_n + ocol[None, :], o.to(O.dtype.element_ty),
+             mask=(orow < n_ctx)[:, None])
+    if WG == 0:
+        gl.store(SKIP + bh.to(gl.int64) * gl.num_programs(0) + i, n_skip)
+
+
+@gluon.jit
+def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
+              n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
+              Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
+    """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
+    (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
+    HALF: gl.constexpr = BM // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    j_lo = src[5]
+    n_reach = j_lo + src[6]
+    if ISSUER:
+        _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
+        for t in gl.static_range(NBUF - 1):
+            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+    rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    row_ok = rows < n_ctx
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    carry = (acc, l_i, m_i, i * 0 + j_lo)
+    mbarrier.wait(q_bar.index(0), 0)
+    q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
+    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
+    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
+                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout,
+                        o_layout)
+    acc, l_i, m_i, n_skip = carry
+    _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers [n, 1], each initialized to expect ``count`` arrivals a phase."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(n):
+        mbarrier.init(bars.index(s), count=count)
+    return bars
+
+
+@gluon.jit
+def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
+                   n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
+                   METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
+                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
+    partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
+    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel`` except q_desc, whose
+    block is one consumer's half [1, BM / 2, D]."""
+    i = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    dtype: gl.constexpr = q_desc.dtype
+    q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
+    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bar = _barriers(1, 1)
+    k_ready = _barriers(NBUF, 1)
+    v_ready = _barriers(NBUF, 1)
+    k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
+    v_empty = _barriers(NBUF, 2)
+    dec_bar = _barriers(2, 2)
+    fence_async_shared()
+
+    n_cand = (i * BM) // BN
+    n_reach = (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+    j_lo = n_cand * 0
+    if METHOD == 3:
+        j_lo = gl.maximum(n_cand - window, 0)
+    thr = log_lambda2
+    if METHOD == 1:
+        thr = gl.load(THR + h * n_thr + gl.minimum(i, n_thr - 1)) * 1.4426950408889634
+    ring = (k_ring, v_ring, k_ready, k_empty, v_ready, v_empty)
+    src = (k_desc, v_desc, b, h // group, num_kv, j_lo, n_reach - j_lo)
+    DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    ISSUER: gl.constexpr = not PRODUCER
+    NOT_ISSUER: gl.constexpr = False
+    if PRODUCER:
+        gl.warp_specialize([
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+            (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
+                         NBUF)),
+        ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+        ], [num_warps], [WORKER_REGS])
+
+
+def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None) -> dict:
+    """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
+    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice)."""
+    producer = PRODUCER[d] if producer is None else bool(producer)
+    slots, maxnreg, worker = CONFIG[(d, producer)]
+    kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
+          "num_warps": CONSUMER_WARPS}
+    if maxnreg is not None:
+        kw["maxnreg"] = maxnreg
+    return kw
+
+
+def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                              log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                              dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
+                              producer: bool | None = None):
+    """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
+    results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
+    ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
+    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG)."""
+    b, h, hkv, n, d, method, thr = _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense,
+                                               False)
+    if not gluon_supported(q, block_m, block_n, method, order, None):
+        raise ValueError("the Gluon prefill kernel does not take this call (gluon_supported)")
+    p = triton.cdiv(n, block_m)
+    if out is None:
+        out = torch.empty_like(q)
+    skip = torch.empty((b * h, p), dtype=torch.int32, device=q.device)
+    q_desc, q_rows = _descriptor(q, block_m // 2)
+    k_desc, k_rows = _descriptor(k, block_n)
+    v_desc, v_rows = _descriptor(v, block_n)
+    if k_rows != v_rows:
+        v_desc, v_rows = _descriptor(v.contiguous() if k_rows else v.transpose(1, 2).contiguous().transpose(1, 2),
+                                     block_n)
+    ll2 = 0.0 if log_lambda is None else log2_lambda(log_lambda)
+    _ws_fwd_kernel[(p, b * h)](
+        q_desc, k_desc, v_desc, out, thr, skip, *out.stride()[:3], n, h, hkv, h // hkv, thr.shape[1],
+        scale * LOG2E, ll2, 0 if window is None else int(window),
+        METHOD=method, Q_ROWS=q_rows, KV_ROWS=k_rows, HEAD_DIM=d, BM=block_m, BN=block_n,
+        **ws_config(d, producer, nbuf))
+    return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
