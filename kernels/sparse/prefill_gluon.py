@@ -286,24 +286,3 @@ def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *,
         METHOD=method, Q_ROWS=q_rows, KV_ROWS=k_rows, HEAD_DIM=d, BM=block_m, BN=block_n,
         NBUF=nbuf or NBUF[d], num_warps=NUM_WARPS)
     return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
-
-
-# Head dims where the Gluon kernel is the faster sparse prefill (data/bench/prefill-gluon-h100-*.json):
-# at D = 128 it wins at every sparsity; at D = 64 the Triton kernel is faster from ~50% sparsity on,
-# which is where calibration-driven dispatch runs a sparse kernel at all.
-GLUON_HEAD_DIMS = (128,)
-
-
-def sparse_prefill(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
-                   log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                   dense: bool = False, out: torch.Tensor | None = None, softcap: float = 0.0):
-    """The fastest sparse prefill kernel for this call: the Gluon kernel where it is supported and
-    measured faster (GLUON_HEAD_DIMS), else ``sparse_attention_triton``; same arguments and results
-    (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64))."""
-    from sparsecal.kernels.sparse.prefill import method_code, sparse_attention_triton
-
-    method = method_code(thresholds, log_lambda, window, dense)
-    kw = dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order, dense=dense, out=out)
-    if q.shape[-1] in GLUON_HEAD_DIMS and gluon_supported(q, block_m, block_n, method, order, softcap):
-        return sparse_attention_gluon(q, k, v, scale, block_m, block_n, **kw)
-    return sparse_attention_triton(q, k, v, scale, block_m, block_n, softcap=softcap, **kw)

@@ -4,7 +4,7 @@ Per length (the run's calibrated lengths, or ``--lengths``) and method (bsfa, bl
 inputs at the run's geometry (B = 1, the model's H, Hkv, D, bf16; bench/sparse_inputs.structured_qkv),
 the time of one layer's causal prefill attention by each SDPA backend (cuDNN, FLASH;
 bench/harness.sdpa_fns) and by the project's sparse prefill kernel
-(kernels.sparse.prefill_gluon.sparse_prefill, the kernel sparsify runs, at the run's BM x BN) at each ``--sparsities``
+(kernels.sparse.prefill_pick.sparse_prefill, the kernel sparsify runs, at the run's BM x BN) at each ``--sparsities``
 operating point, read from the input's own tile statistics as bench/sparse.py's prefill_variants
 does; each point records the sparsity the kernel counted. Times are medians over ``--rounds``
 round-robin rounds of bench_ms. The file (formats/dispatch.py: rows with dense_ms, dense_backend,
@@ -99,7 +99,7 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int) -> list[
     from sparsecal.bench.harness import PREFILL_SDPA, bench_ms, log, sdpa_fns
     from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
     from sparsecal.kernels.sparse.prefill import candidate_tiles
-    from sparsecal.kernels.sparse.prefill_gluon import sparse_prefill
+    from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
 
     h, hkv, d, bm, bn = geo["heads"], geo["kv_heads"], geo["head_dim"], geo["block_m"], geo["block_n"]
     q, k, v = structured_qkv(n, d, h, hkv, seed=n + d + h)

@@ -2,7 +2,7 @@
 
 captured   Q/K/V of a few layers of SmolLM2-135M-Instruct (bf16) on an 8K-token task prompt,
            captured at the attention interface (after RoPE), run through the sparse prefill kernel
-           sparsify runs (kernels.sparse.prefill_gluon.sparse_prefill)
+           sparsify runs (kernels.sparse.prefill_pick.sparse_prefill)
            with the calibrated export (BSFA k, BLASST targets, window) against the dense Triton
            forward and the best SDPA backend: real sparsity, counted in the kernel;
 ttft       end-to-end prefill time (the forward that yields the first new token) at each length
@@ -26,7 +26,7 @@ from sparsecal.bench.ttft import configs
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.kernels.dense import attention_dense
 from sparsecal.kernels.sparse.prefill import candidate_tiles
-from sparsecal.kernels.sparse.prefill_gluon import sparse_prefill
+from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
 
 CAPTURE_LAYERS = (0, 7, 15, 22, 29)
 

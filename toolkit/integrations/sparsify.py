@@ -441,7 +441,7 @@ def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: d
     """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
     from sparsecal.kernels.sparse.decode import sparse_decode_triton
     from sparsecal.kernels.sparse.prefill import candidate_tiles
-    from sparsecal.kernels.sparse.prefill_gluon import sparse_prefill
+    from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
 
     b, h, nq, d = query.shape
     if mode == "prefill":  # the Gluon kernel where it is the faster one (Hopper, D = 128), else Triton
