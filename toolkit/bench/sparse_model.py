@@ -98,7 +98,7 @@ def ttft_section(model, prompts: dict, export_dir) -> dict:
 
     from sparsecal.bench.ttft import joinable, length_rows
 
-    opts = argparse.Namespace(graph=True, reps=10, warmup=3)
+    opts = argparse.Namespace(graph=True, rounds=3, reps=5, warmup=3)
     rows = []
     for n, ids in sorted(prompts.items()):
         rows += length_rows(model, ids, export_dir, opts)

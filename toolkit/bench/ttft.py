@@ -2,7 +2,8 @@
 attention share of the forward and the ideal speedup it implies (``python -m sparsecal.bench.ttft``).
 
 Per prompt length, one prefill forward (batch 1, last-position logits, no KV cache in graph mode),
-median of ``--reps`` after ``--warmup``, every variant of a length in one process:
+every variant of a length in one process, timed in ``--rounds`` round-robin rounds (each the
+median of ``--reps`` after ``--warmup``; the median over rounds is kept, so drift hits all alike):
 
     sdpa         the model's attention as causal SDPA in PyTorch's backend order (FLASH first)
     sdpa_cudnn   the same with cuDNN first; the faster of the two is the baseline ("best SDPA")
@@ -10,7 +11,7 @@ median of ``--reps`` after ``--warmup``, every variant of a length in one proces
                  output copy costs): attention share a = 1 - rest / best SDPA
     per operating point of the export (``configs``), ``sparsify`` with dispatch
     (the export's dispatch record: sparse only where the calibrated sparsity reaches the measured
-    break-even) and, unless ``--no-all-sparse``, without it (every layer sparse)
+    break-even; ``dispatch`` rows) and without it (``every_layer`` rows; window has only these)
 
 Sparsity: skipped / reachable candidate tiles counted in the kernels over ALL layers (a layer run
 dense by dispatch counts its reachable tiles and no skips). The ideal TTFT speedup of a sparsity s
@@ -19,11 +20,12 @@ is 1 / (1 - a * s / 2): the attention share a shrinks as the kernel ideal 1 / (1
 run's sparsity, so dispatch that runs a layer dense is charged for what the layer could have saved.
 
     python -m sparsecal.bench.ttft --model DIR|smollm2 --export DIR --lengths 32768,65536
-        [--graph] [--reps 5] [--warmup 2] [--no-all-sparse] [--commit SHA] --out FILE
+        [--graph] [--rounds 3] [--reps 5] [--warmup 2] [--min-k 16] [--commit SHA] --out FILE
 
 Prompts: the model's tokenizer on the niah_single task when it has one, else random token ids
 (seed 20261123). Writes FILE (rows per length and variant, provenance) and FILE's ``*-rows.json``
-in the Accuracy-speedup format (task "ttft", the dispatched speedup) for ``sparsecal eval --bench``.
+in the Accuracy-speedup format (task "ttft": the speedup of what sparsify runs by default, i.e.
+with dispatch) for ``sparsecal eval --bench``.
 """
 from __future__ import annotations
 
@@ -142,38 +144,62 @@ def _time(model, ids, args) -> dict:
     return out
 
 
-def baselines(model, ids, args) -> dict:
-    """{name: timing} of BASELINES (cuDNN first only on a GPU); the model is left on "sdpa"."""
+def variants(model, export, args, cuda: bool) -> dict:
+    """(variant, method, config) -> (enter, leave): switch the model to the variant and back. The
+    BASELINES (cuDNN first only on a GPU), then per operating point ``every_layer`` (dispatch off)
+    and, for BSFA and BLASST, ``dispatch`` (window has no dispatch record: the every-layer row)."""
     from transformers import AttentionInterface
+
+    from sparsecal.integrations.sparsify import densify, sparsify
 
     out = {}
     for name, fn in BASELINES.items():
-        if name == "sdpa_cudnn" and ids.device.type != "cuda":
-            continue
-        AttentionInterface.register(f"sparsecal_{name}", fn)
-        model.set_attn_implementation(f"sparsecal_{name}")
-        out[name] = _time(model, ids, args)
-    model.set_attn_implementation("sdpa")
+        if name != "sdpa_cudnn" or cuda:
+            AttentionInterface.register(f"sparsecal_{name}", fn)
+            out[(name, None, None)] = (lambda n=name: model.set_attn_implementation(f"sparsecal_{n}"),
+                                       lambda: model.set_attn_implementation("sdpa"))
+    for method, config, kw in configs(export, getattr(args, "min_k", 16)):
+        for disp in (False, True) if method in ("bsfa", "blasst") else (False,):
+            out[("dispatch" if disp else "every_layer", method, config)] = (
+                lambda kw=kw, d=disp: sparsify(model, export, dispatch=d, **kw), lambda: densify(model))
     return out
 
 
-def sparse_point(model, ids, export, kw: dict, dispatch: bool, args) -> dict:
-    """One operating point through ``sparsify``: timing, then one more eager forward whose kernel
-    counts give skipped [L, H] and reachable [L, H] (a layer run dense by dispatch counts none)."""
-    from sparsecal.integrations.sparsify import densify, sparsify
+def _counts(model, ids) -> dict:
+    """One more eager forward's kernel counts per layer: skipped, reachable (a layer run dense by
+    dispatch counts none) and how many layers ran sparse."""
+    with torch.no_grad():
+        model(ids, logits_to_keep=1)
+    st = model.sparsecal_stats
+    reach = st["reachable"].sum(1).tolist()
+    return {"skipped": st["skipped"].sum(1).tolist(), "reachable": reach, "sparse_layers": sum(r > 0 for r in reach)}
 
-    sparsify(model, export, dispatch=dispatch, **kw)
-    try:
-        t = _time(model, ids, args)
-        with torch.no_grad():
-            model(ids, logits_to_keep=1)
-        st = model.sparsecal_stats
-        t["skipped"] = st["skipped"].sum(1).tolist()
-        t["reachable"] = st["reachable"].sum(1).tolist()
-    finally:
-        densify(model)
-    t["sparse_layers"] = sum(1 for r in t["reachable"] if r > 0)
-    return t
+
+def timed(model, ids, export, args) -> dict:
+    """key -> {"ms", "graph_ms" (medians over ``--rounds`` round-robin rounds, each the median of
+    ``--reps``), "rounds_ms", and the kernel counts of sparse variants}."""
+    table = variants(model, export, args, ids.device.type == "cuda")
+    got = {key: {"rounds": []} for key in table}
+    for _ in range(args.rounds):
+        for key, (enter, leave) in table.items():
+            enter()
+            try:
+                got[key]["rounds"].append(_time(model, ids, args))
+                if key[1] and "skipped" not in got[key]:
+                    got[key].update(_counts(model, ids))
+            finally:
+                leave()
+    for rec in got.values():
+        rs = rec.pop("rounds")
+        rec["rounds_ms"] = [r["ms"] for r in rs]
+        rec["ms"] = statistics.median(rec["rounds_ms"])
+        if args.graph:
+            g = [r["graph_ms"] for r in rs if r.get("graph_ms")]
+            rec["graph_ms"] = statistics.median(g) if len(g) == len(rs) else None
+            errors = [r["graph_error"] for r in rs if "graph_error" in r]
+            if errors:
+                rec["graph_error"] = errors[0]
+    return got
 
 
 def _speed(t: dict, base: float, graph: bool) -> float | None:
@@ -185,26 +211,27 @@ def length_rows(model, ids, export, args) -> list[dict]:
     """Every variant at one length; rows with speedups against the best SDPA, the attention share,
     the sparsity over all layers and the ideal speedup (module docstring)."""
     n = ids.shape[1]
-    base = baselines(model, ids, args)
-    graph = bool(args.graph) and all(base[b].get("graph_ms") for b in base)
+    got = timed(model, ids, export, args)
+    base = {key[0]: t for key, t in got.items() if key[1] is None}
+    graph = bool(args.graph) and all(t.get("graph_ms") for t in got.values())
     pick = "graph_ms" if graph else "ms"
     best = min((b for b in base if b != "rest"), key=lambda b: base[b][pick])
     ref = base[best][pick]
     share = 1.0 - base["rest"][pick] / ref
     rows = [{"length": n, "variant": b, **t, "speedup": _speed(t, ref, graph)} for b, t in base.items()]
-    for method, config, kw in configs(export, getattr(args, "min_k", 16)):
-        every = sparse_point(model, ids, export, kw, False, args)
-        disp = sparse_point(model, ids, export, kw, True, args) if method in ("bsfa", "blasst") else every
+    for (variant, method, config), t in got.items():
+        if method is None:
+            continue
+        every = got[("every_layer", method, config)]
         total = max(sum(every["reachable"]), 1)
         s_all = sum(every["skipped"]) / total
-        ideal = ideal_speedup(share, s_all)
-        for name, t in (("every_layer", every), ("dispatch", disp)):
-            sp = _speed(t, ref, graph)
-            rows.append({"length": n, "variant": name, "method": method, "config": config, **t,
-                         "sparsity": sum(t["skipped"]) / total, "sparsity_every_layer": s_all,
-                         "speedup": sp, "ideal": ideal, "of_ideal": sp / ideal if sp else None})
-        log(f"  N={n} {method}:{config}: s={s_all:.2f} ideal {ideal:.3f}x, every layer "
-            f"{rows[-2]['speedup']:.3f}x, dispatch {rows[-1]['speedup']:.3f}x ({disp['sparse_layers']} sparse layers)")
+        sp, ideal = _speed(t, ref, graph), ideal_speedup(share, s_all)
+        rows.append({"length": n, "variant": variant, "method": method, "config": config, **t,
+                     "sparsity": sum(t["skipped"]) / total, "sparsity_every_layer": s_all, "speedup": sp,
+                     "ideal": ideal, "of_ideal": sp / ideal if sp else None})
+        if method == "window" or variant == "dispatch":
+            log(f"  N={n} {method}:{config}: s={s_all:.2f} ideal {ideal:.3f}x, every layer "
+                f"{_speed(every, ref, graph):.3f}x, this {sp:.3f}x ({t['sparse_layers']} sparse layers)")
     for r in rows:
         r.update(baseline=best, timing="graph" if graph else "eager", attention_share=share)
     log(f"N={n}: best SDPA {best} {ref:.2f} ms ({'graph' if graph else 'eager'}), attention share {share:.3f}")
@@ -227,10 +254,12 @@ def prompts(ms, vocab_size: int, lengths, device) -> dict:
 
 
 def joinable(rows: list[dict]) -> list[dict]:
-    """The dispatched rows in the Accuracy-speedup format (toolkit/formats/results.py)."""
+    """The rows sparsify runs by default (dispatch where the export has a record, window every
+    layer) in the Accuracy-speedup format (toolkit/formats/results.py)."""
     return [{"method": r["method"], "config": r["config"], "length": r["length"], "speedup": r["speedup"],
-             "sparsity": r["sparsity_every_layer"], "task": "ttft", "timing": r["timing"], "dispatch": True}
-            for r in rows if r["variant"] == "dispatch" and r["speedup"]]
+             "sparsity": r["sparsity_every_layer"], "task": "ttft", "timing": r["timing"],
+             "dispatch": r["variant"] == "dispatch"}
+            for r in rows if r["speedup"] and (r["variant"] == "dispatch" or r.get("method") == "window")]
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -239,6 +268,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--export", type=Path, required=True, help="a `sparsecal export` directory of that model")
     ap.add_argument("--lengths", default="32768,65536,131072")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (the speedups use them)")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds over the variants (median kept)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--min-k", type=int, default=16, help="the smallest BSFA k of the export to time")
