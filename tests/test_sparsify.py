@@ -66,7 +66,8 @@ def test_noop_thresholds_reproduce_dense(tiny_model, tmp_path, method, kw, seed)
     assert torch.equal(sparse_gen, dense_gen)
     assert stats["skipped"].sum() == 0
     _, reach = block_counts_torch(333, 128, 64)
-    assert (stats["reachable"] == 2 * int(reach.sum())).all()  # two sequences per forward
+    # two sequences per forward; window:6 holds all 4 candidates of 333 tokens: the dense path, counting nothing
+    assert (stats["reachable"] == (0 if method == "window" else 2 * int(reach.sum()))).all()
     sparsecal.densify(model)
     assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():
@@ -123,6 +124,21 @@ def test_refusals(tiny_model, tmp_path):
         sparsecal.sparsify(model, _noop_export(tmp_path / "f"), method="bsfa")
     with pytest.raises(UserError, match="not one of"):
         sparsecal.sparsify(model, exp, method="topk")
+
+
+def test_window_that_holds_every_candidate_runs_dense_attention(tiny_model, tmp_path, seed):
+    """window:4 at 333 tokens (at most 4 candidates a query block): exactly the model's SDPA, no
+    counts; at 700 tokens (up to 8) the sparse kernel runs and skips."""
+    _, model = tiny_model
+    gen = torch.Generator().manual_seed(seed)
+    short, long = torch.randint(0, 300, (1, 333), generator=gen), torch.randint(0, 300, (1, 700), generator=gen)
+    with torch.no_grad():
+        dense = model(short).logits
+        sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="window", blocks=4)
+        assert torch.equal(model(short).logits, dense) and model.sparsecal_stats["reachable"].sum() == 0
+        model(long)
+    cand, _ = block_counts_torch(700, 128, 64)
+    assert (model.sparsecal_stats["skipped"] == int(np.clip(cand - 4, 0, None).sum())).all()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

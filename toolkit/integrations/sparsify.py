@@ -17,7 +17,8 @@ BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or
 cache length (decode), and runs dense (ln lambda = -inf) below the export's validated lengths and
 wherever lambda > 1 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
 (the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
-candidate key blocks nearest to it, with the export's block sizes.
+candidate key blocks nearest to it, with the export's block sizes; a prefill whose candidates all fit
+the window runs the exact dense attention (SDPA) and counts nothing.
 
 Dispatch (``dispatch=True``, the default): when blasst.json holds a ``dispatch`` record
 (``sparsecal export --break-even FILE``, formats.dispatch) with an entry for the operating point
@@ -331,7 +332,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
     first = dispatched_dense(state, layer, mode, nk)
-    if first is not None or not _runs_sparse(state, layer, spec, window, nk):
+    if first is not None or not _runs_sparse(state, layer, spec, window, nk) or _window_covers(state, mode, nk):
         from sparsecal.kernels.layer_dense import layer_attention
 
         with _sdpa_first(first) if first else contextlib.nullcontext():
@@ -360,6 +361,16 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
     if window and window <= length:  # a decode step's sliding cache holds at most the window
         return False
     return spec is None or spec.kind in ("full_attention", "sliding_attention") or not spec.binds(length)
+
+
+def _window_covers(state: _State, mode: str, length: int) -> bool:
+    """The window baseline skips nothing in this prefill (every query block's candidate key blocks
+    fit its budget), so the exact dense attention runs instead of the sparse kernel."""
+    if state.method != "window" or mode != "prefill":
+        return False
+    from sparsecal.formats.geometry import block_counts
+
+    return int(block_counts(length, state.block_m, state.block_n)[0].max()) <= state.window
 
 
 def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str | None:
