@@ -429,17 +429,17 @@ def _dispatch_be_doc():
     return D.break_even_file(measured, geo, {"gpu": "test", "commit": "c0ffee1"})
 
 
-def dispatch_export(out, sparse_layers=(0, 1), dispatch=True, layer1=(0.1, 0.9)):
+def dispatch_export(out, sparse_layers=(0, 1), dispatch=True, layer1=(0.1, 0.9), model="tiny"):
     """For a 2-layer, 4-head model of make_checkpoint(heads=4, kv_heads=2, layers=2):
     BSFA k=1 thresholds 1e30 (every candidate skipped) and a blasst.json whose dispatch record
     runs layer 0 sparse at both buckets and layer 1 (calibrated ``layer1``) sparse where >= 0.5."""
     out.mkdir()
     thr = torch.full((1, 2, 4, 8), 1e30)
     ignored = {str(i): "test" for i in range(2) if i not in sparse_layers}
-    write_bsfa(out, thr, [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": list(sparse_layers),
+    write_bsfa(out, thr, [1], 128, 64, "mean", {"model": model, "sparse_layers": list(sparse_layers),
                                                  "ignored_layers": ignored})
     doc = {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR, "decode": None},
-           "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
+           "target_sparsity": 0.5, "targets": [], "model": model, "num_layers": 2, "num_heads": 4,
            "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": list(sparse_layers),
            "ignored_layers": ignored}
     if dispatch:

@@ -359,3 +359,16 @@ def test_merge_shards_of_one_evaluation(tmp_path):
     other = EvalStore.create(tmp_path / "other", dict(base, request={"methods": "dense"}, prompts=[]))
     with pytest.raises(UserError, match="other methods"):
         merge_shards(tmp_path / "x", [tmp_path / "text", other.root])
+
+
+def test_export_with_a_dispatch_record_is_recorded(tmp_path):
+    """An export made with --break-even: the evaluation notes the break-even file (its rows then
+    measure what sparsify runs with dispatch); one without has none."""
+    from sparsecal.evaluation.inputs import load_export
+
+    from helpers import dispatch_export
+
+    model = {"id": "tiny", "num_layers": 2, "num_heads": 4}
+    info = load_export(dispatch_export(tmp_path / "with"), model)
+    assert info.dispatch == {"name": "be.json", "gpu": "test", "commit": "c0ffee1", "date": None}
+    assert load_export(dispatch_export(tmp_path / "without", dispatch=False), model).dispatch is None

@@ -148,7 +148,8 @@ def _manifest(req: EvalRequest, plan: Plan, prompts=None) -> dict:
     from sparsecal.formats.run import versions
 
     man = {"request": request_record(req, plan.methods), "model": plan.info, "export": plan.export.identity(),
-           "export_path": str(plan.export.path), "calibration": plan.cal.record(), "versions": versions()}
+           "export_path": str(plan.export.path), "calibration": plan.cal.record(), "versions": versions(),
+           "dispatch": plan.export.dispatch}
     if prompts is not None:
         held = lambda p: None if plan.cal.manifest is None else p.task not in plan.cal.tasks  # noqa: E731
         man["prompts"] = [{"id": _sid(p), "task": p.task, "length": p.length, "index": p.index, "seed": p.seed,
@@ -198,6 +199,10 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
     if plan.cal.manifest is None:
         console.print("[yellow]warning:[/] no calibration run found next to the export; prompts are not "
                       "checked against calibration prompts (pass --calibration RUN)")
+    if plan.export.dispatch:
+        d = plan.export.dispatch
+        console.print(f"the export holds a dispatch record ({d['name']}, {d['gpu']}): BSFA and BLASST prefills run "
+                      "SDPA where it says the sparse kernel does not pay, as sparsify does; the rows measure that")
     store, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None
     if store is None:
         prompts = _prompts(req, plan)[1]
@@ -355,7 +360,8 @@ def finish(store, bench_files=()) -> dict:
                 rows_device=store.manifest["request"].get("device"))  # the rows may come from another machine
     write_parquet(store.root / SUMMARY, summary)
     doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, ci), "noise_floor": noise_floor(summary),
-           "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"]}
+           "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"],
+           "dispatch": store.manifest.get("dispatch")}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
     if bench_files:

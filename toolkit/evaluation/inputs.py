@@ -35,6 +35,7 @@ class ExportInfo:
     calibration_lengths: list = field(default_factory=list)
     run: str | None = None           # calibration run recorded in the export
     bsfa_decode: bool = False        # BSFA thresholds calibrated on decode rows are in the export
+    dispatch: dict | None = None     # blasst.json's dispatch record: its break-even file (name, GPU, commit)
 
     @property
     def nmax(self) -> int | None:
@@ -87,6 +88,9 @@ def load_export(path: Path, model: dict) -> ExportInfo:
             raise UserError(f"export {path}: {BLASST_JSON} and the BSFA thresholds have different block sizes; "
                             "export them again from one run.")
         info.targets = targets
+        if doc.get("dispatch"):
+            src = doc["dispatch"]["break_even_file"]
+            info.dispatch = {k: src.get(k) for k in ("name", "gpu", "commit", "date")}
     info.files = {n: _digest(path / n) for n in present}
     return info
 
