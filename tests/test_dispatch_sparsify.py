@@ -6,6 +6,7 @@ import torch
 
 import sparsecal
 from sparsecal.formats import dispatch as D
+from sparsecal.formats.errors import UserError
 from sparsecal.integrations.sparsify import dispatched_dense
 
 from helpers import block_counts_torch, dispatch_export, make_checkpoint
@@ -109,3 +110,18 @@ def test_sdpa_first_puts_one_backend_first_and_restores_the_order(rng):
         assert order[0] == int(getattr(torch.nn.attention.SDPBackend, name)) and sorted(order) == sorted(before)
         assert torch._C._get_sdp_priority_order() == before
         torch.testing.assert_close(got, want)  # on the CPU the first backend that can run does
+
+
+def test_bsfa_with_a_damaged_blasst_json_says_dispatch_false_runs_without_it(tiny_model, tmp_path, seed):
+    """BSFA reads blasst.json only for the dispatch record: a damaged one is refused in one line
+    that names the way around it, and dispatch=False runs BSFA as before."""
+    _, model = tiny_model
+    exp = dispatch_export(tmp_path / "e")
+    (exp / "blasst.json").write_text("{ not json")
+    with pytest.raises(UserError, match=r"blasst\.json.*dispatch=False"):
+        sparsecal.sparsify(model, exp, method="bsfa", k=1)
+    sparsecal.sparsify(model, exp, method="bsfa", k=1, dispatch=False)
+    ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(ids)
+    assert (model.sparsecal_stats["skipped"].sum(1) == 4 * int(block_counts_torch(333, 128, 64)[0].sum())).all()

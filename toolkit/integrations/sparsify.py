@@ -132,7 +132,13 @@ def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
     folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
     if not (folder / BLASST_JSON).is_file():
         return None
-    doc = load_blasst(folder, expect)
+    try:
+        doc = load_blasst(folder, expect)
+    except UserError as e:
+        if method != "bsfa":
+            raise
+        raise UserError(f"{e} (BSFA reads {BLASST_JSON} only for its dispatch record: sparsify(..., dispatch=False) "
+                        "runs BSFA without it)") from None
     rec = doc.get("dispatch")
     entry = find_config(rec, method, doc["target_sparsity"] if value is None else value)
     if entry is None:
