@@ -7,7 +7,7 @@ import torch
 import sparsecal
 from sparsecal.formats import dispatch as D
 from sparsecal.formats.errors import UserError
-from sparsecal.integrations.sparsify import dispatched_dense
+from sparsecal.integrations.sparsify import dispatched_dense, expected_sparsity
 
 from helpers import block_counts_torch, dispatch_export, make_checkpoint
 
@@ -76,8 +76,13 @@ def test_plan_lookup_and_backends(tiny_model, tmp_path):
     assert got == {100: ["CUDNN_ATTENTION"] * 2, 256: [None, None], 511: [None, None],
                    512: [None, "FLASH_ATTENTION"], 9000: [None, "FLASH_ATTENTION"]}
     assert dispatched_dense(state, 1, "decode", 9000) is None
+    # the kernel pick's hint: the layer's calibrated sparsity at the bucket (none below it, nor in decode)
+    hints = {n: [expected_sparsity(state, layer, "prefill", n) for layer in (0, 1)] for n in (100, 300, 600)}
+    assert hints == {100: [None, None], 300: [0.9, 0.5], 600: [0.9, 0.2]}
+    assert expected_sparsity(state, 0, "decode", 600) is None
     sparsecal.sparsify(model, tmp_path / "e", method="blasst", dispatch=False)
     assert model._sparsecal_state.plan is None
+    assert expected_sparsity(model._sparsecal_state, 0, "prefill", 600) is None
     sparsecal.sparsify(model, tmp_path / "e", method="window", blocks=1)  # no calibrated operating point
     assert model._sparsecal_state.plan is None
     sparsecal.densify(model)

@@ -94,17 +94,3 @@ def test_tma_views_address_both_storages(seed):
     odd = torch.randn(3, 2, 40, 64, generator=g).transpose(0, 1)  # batch and heads swapped in storage
     view, heads_in_rows = pg._tma_view(odd, 64)
     assert heads_in_rows and view.is_contiguous() and torch.equal(view.view(2, 3, 40, 64), odd)
-
-
-def test_sparse_prefill_runs_the_triton_twin_where_gluon_cannot(seed):
-    """On a machine without a GPU (or at D = 64, softcap, fp32, ...) sparse_prefill is exactly the
-    Triton kernel: same output and skip counts."""
-    from sparsecal.kernels.sparse.prefill import sparse_attention_triton
-    from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
-
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, 200, 64, generator=g) for _ in range(3))
-    thr = torch.full((2, 2), 0.5)
-    got, sk = sparse_prefill(q, k, v, 0.125, 128, 64, thresholds=thr)
-    want, sk_want = sparse_attention_triton(q, k, v, 0.125, 128, 64, thresholds=thr)
-    assert torch.equal(got, want) and torch.equal(sk, sk_want)

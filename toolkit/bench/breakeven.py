@@ -116,6 +116,7 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int) -> list[
         for s in sparsities:
             kw = ({"thresholds": bsfa_thresholds_for(bmax, n, bm, bn, s)} if method == "bsfa"
                   else {"log_lambda": blasst_log_lambda_for(gap, n, bm, bn, s)})
+            kw["expected_sparsity"] = s  # the kernel sparsify picks for a layer calibrated at s
             _, sk = sparse_prefill(q, k, v, scale, bm, bn, out=out, **kw)
             counted[(method, s)] = float(sk.sum()) / reach
             fns[(method, s)] = lambda kw=kw: sparse_prefill(q, k, v, scale, bm, bn, out=out, **kw)

@@ -72,7 +72,8 @@ class _State:
     precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
     topk: int | None = None                        # BSFA decode=topk: key blocks kept per decode row
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
-    plan: dict | None = None                       # dispatch: {"lengths" [NL], "sparse" [L][NL], "backends" [NL]}
+    plan: dict | None = None                       # dispatch: {"lengths" [NL], "sparse" [L][NL], "backends" [NL],
+    #                                                "sparsity" [L][NL] calibrated, None where not sparse}
     _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
 
     def thresholds_on(self, device, decode: bool = False) -> torch.Tensor:
@@ -143,7 +144,8 @@ def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
     entry = find_config(rec, method, doc["target_sparsity"] if value is None else value)
     if entry is None:
         return None
-    return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"]}
+    return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"],
+            "sparsity": entry["sparsity"]}
 
 
 def _decode_thresholds(export_dir, k: int, expect: dict) -> torch.Tensor:
@@ -352,7 +354,8 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         dtype = query.dtype
         query, key, value = query.float(), key.float(), value.float()
     if _use_triton(state, query, mode):
-        out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw)
+        out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw,
+                                          expected_sparsity(state, layer, mode, nk))
     else:
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     stats["skipped"][layer] = skipped
@@ -454,17 +457,30 @@ def _use_triton(state: _State, query, mode: str) -> bool:
     return False
 
 
-def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict):
-    """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+def expected_sparsity(state: _State, layer: int, mode: str, length: int) -> float | None:
+    """The layer's calibrated prefill sparsity at this length's bucket in the dispatch plan (the
+    kernel pick's hint, kernels/sparse/prefill_pick.py); None without a plan or for decode."""
+    if state.plan is None or mode != "prefill" or "sparsity" not in state.plan:
+        return None
+    from sparsecal.formats.dispatch import bucket
+
+    j = bucket(state.plan["lengths"], length)
+    return None if j is None else state.plan["sparsity"][layer][j]
+
+
+def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict,
+                expected: float | None = None):
+    """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head);
+    ``expected``: the prefill's calibrated sparsity (the kernel pick's hint)."""
     from sparsecal.kernels.sparse.decode import sparse_decode_triton
     from sparsecal.kernels.sparse.prefill import candidate_tiles
     from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
 
     b, h, nq, d = query.shape
-    if mode == "prefill":  # the Gluon kernel where it is the faster one (Hopper, D = 128), else Triton
+    if mode == "prefill":  # the Gluon kernels where they are the faster ones (Hopper), else Triton
         out = torch.empty((b, nq, h, d), dtype=query.dtype, device=query.device)
         _, skipped = sparse_prefill(query, key, value, scale, state.block_m, state.block_n,
-                                    order=state.order, out=out.transpose(1, 2), **kw)
+                                    order=state.order, out=out.transpose(1, 2), expected_sparsity=expected, **kw)
         return out, skipped.sum(dim=0), candidate_tiles(nq, state.block_m, state.block_n)[1] * b
     o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
     return o.transpose(1, 2), skipped.sum(dim=0), ((key.shape[2] - 1) // state.block_n + 1) * b
