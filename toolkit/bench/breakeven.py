@@ -4,8 +4,8 @@ Per length (the run's calibrated lengths, or ``--lengths``) and method (bsfa, bl
 inputs at the run's geometry (B = 1, the model's H, Hkv, D, bf16; bench/sparse_inputs.structured_qkv),
 the time of one layer's causal prefill attention by each SDPA backend (cuDNN, FLASH;
 bench/harness.sdpa_fns) and by the project's sparse prefill kernel
-(kernels.sparse.prefill_pick.sparse_prefill, the kernel sparsify runs, at the run's BM x BN) at each ``--sparsities``
-operating point, read from the input's own tile statistics as bench/sparse.py's prefill_variants
+(kernels.sparse.prefill_pick.sparse_prefill, the kernel sparsify runs, at the run's BM x BN, with the
+operating point as its expected sparsity) at each ``--sparsities`` operating point, read from the input's own tile statistics as bench/sparse.py's prefill_variants
 does; each point records the sparsity the kernel counted. Times are medians over ``--rounds``
 round-robin rounds of bench_ms. The file (formats/dispatch.py: rows with dense_ms, dense_backend,
 points and break_even) is what ``sparsecal export RUN --out DIR --break-even FILE`` reads.
