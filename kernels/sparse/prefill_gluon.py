@@ -114,6 +114,42 @@ def _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, nu
 
 
 @gluon.jit
+def _scores(s, j, rows, n_ctx, qk_scale, MASKED: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
+    """(s, m_ij) of key tile j: when MASKED (the diagonal, keys past N) s is masked and scaled to
+    log2 units, else left raw (scaled where it is used); m_ij [rows] its row maxima in log2 units."""
+    if MASKED:
+        keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        vis = (keys[None, :] <= rows[:, None]) & (keys[None, :] < n_ctx)
+        s = gl.where(vis, s * qk_scale, float("-inf"))
+        m_ij = gl.max(s, 1)
+    else:
+        m_ij = gl.max(s, 1) * qk_scale
+    return s, m_ij
+
+
+@gluon.jit
+def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
+            o_layout: gl.constexpr):
+    """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
+    m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
+    shared memory, barrier v_ready at ``phase``) has landed."""
+    if MASKED:
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_ref[:, None])
+    else:
+        m_ref = m_new
+        p = gl.exp2(s * qk_scale - m_ref[:, None])
+    alpha = gl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(v_tile.dtype), gl.DotOperandLayout(0, o_layout, 2))
+    mbarrier.wait(v_ready, phase)
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, l_i
+
+
+@gluon.jit
 def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv,
           rows, row_ok, n_ctx, qk_scale, thr,
           MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -132,13 +168,7 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     k_t = k_ring.index(slot).reshape([BN, q_smem.shape[1]]).permute((1, 0))
     s = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    if MASKED:
-        keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        vis = (keys[None, :] <= rows[:, None]) & (keys[None, :] < n_ctx)
-        s = gl.where(vis, s * qk_scale, float("-inf"))
-        m_ij = gl.max(s, 1)
-    else:
-        m_ij = gl.max(s, 1) * qk_scale
+    s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE == 1:
@@ -149,19 +179,8 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     if DECIDE != 0:  # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
         _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     if keep:
-        if MASKED:
-            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_ref[:, None])
-        else:
-            m_ref = m_new
-            p = gl.exp2(s * qk_scale - m_ref[:, None])
-        alpha = gl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, o_layout, 2))
-        mbarrier.wait(v_bar.index(slot), phase)
-        acc = warpgroup_mma(p_op, v_ring.index(slot).reshape([BN, q_smem.shape[1]]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, q_smem.shape[1]]),
+                           v_bar.index(slot), phase, MASKED, o_layout)
         m_i = m_new
     else:  # the slot's V copy must land before the slot is refilled
         mbarrier.wait(v_bar.index(slot), phase)

@@ -53,7 +53,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from sparsecal.kernels.jit import LOG2E, log2_lambda
 from sparsecal.kernels.sparse.prefill import _check_args
-from sparsecal.kernels.sparse.prefill_gluon import _coords, _cta_barrier, _descriptor, _tma_load, gluon_supported
+from sparsecal.kernels.sparse.prefill_gluon import (
+    _attend,
+    _coords,
+    _cta_barrier,
+    _descriptor,
+    _scores,
+    _tma_load,
+    gluon_supported,
+)
 
 CONSUMER_WARPS = 4  # one warpgroup per consumer partition (the launch's num_warps: the default partition)
 PRODUCER_WARPS = gl.constexpr(1)
@@ -154,13 +162,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
                       is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot))
-    if MASKED:
-        keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        vis = (keys[None, :] <= rows[:, None]) & (keys[None, :] < n_ctx)
-        s = gl.where(vis, s * qk_scale, float("-inf"))
-        m_ij = gl.max(s, 1)
-    else:
-        m_ij = gl.max(s, 1) * qk_scale
+    s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE == 1:
@@ -171,19 +173,8 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     if ISSUER:
         _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
-        if MASKED:
-            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_ref[:, None])
-        else:
-            m_ref = m_new
-            p = gl.exp2(s * qk_scale - m_ref[:, None])
-        alpha = gl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(q_smem.dtype), gl.DotOperandLayout(0, o_layout, 2))
-        mbarrier.wait(v_ready.index(slot), phase)
-        acc = warpgroup_mma(p_op, v_ring.index(slot).reshape([BN, d]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           v_ready.index(slot), phase, MASKED, o_layout)
         m_i = m_new
     else:
         n_skip += 1
