@@ -284,6 +284,17 @@ def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *,
                            dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None):
     """The Gluon kernel with ``sparse_attention_triton``'s arguments and results (q [B, H, N, D],
     k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold."""
+    grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
+                                           window, order, dense, out)
+    _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]], num_warps=NUM_WARPS)
+    return out, skip.sum(dim=-1, dtype=torch.int64)
+
+
+def launch(q, k, v, scale: float, block_m: int, block_n: int, q_block: int, thresholds, log_lambda, window,
+           order: str, dense: bool, out):
+    """What both Gluon kernels' hosts share, after the argument checks: (grid, positional arguments,
+    METHOD / Q_ROWS / KV_ROWS / HEAD_DIM / BM / BN, out [B, H, N, D], skip [B, H, P] int32 that the
+    kernel fills); Q is read in q_block-row boxes, K and V in BN-row boxes through TMA views."""
     b, h, hkv, n, d, method, thr = _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense,
                                                False)
     if not gluon_supported(q, block_m, block_n, method, order, None):
@@ -292,16 +303,14 @@ def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *,
     if out is None:
         out = torch.empty_like(q)
     skip = torch.empty((b * h, p), dtype=torch.int32, device=q.device)
-    q_desc, q_rows = _descriptor(q, block_m)
+    q_desc, q_rows = _descriptor(q, q_block)
     k_desc, k_rows = _descriptor(k, block_n)
     v_desc, v_rows = _descriptor(v, block_n)
     if k_rows != v_rows:
         v_desc, v_rows = _descriptor(v.contiguous() if k_rows else v.transpose(1, 2).contiguous().transpose(1, 2),
                                      block_n)
     ll2 = 0.0 if log_lambda is None else log2_lambda(log_lambda)
-    _gluon_fwd_kernel[(p, b * h)](
-        q_desc, k_desc, v_desc, out, thr, skip, *out.stride()[:3], n, h, hkv, h // hkv, thr.shape[1],
-        scale * LOG2E, ll2, 0 if window is None else int(window),
-        METHOD=method, Q_ROWS=q_rows, KV_ROWS=k_rows, HEAD_DIM=d, BM=block_m, BN=block_n,
-        NBUF=nbuf or NBUF[d], num_warps=NUM_WARPS)
-    return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
+    args = (q_desc, k_desc, v_desc, out, thr, skip, *out.stride()[:3], n, h, hkv, h // hkv, thr.shape[1],
+            scale * LOG2E, ll2, 0 if window is None else int(window))
+    consts = {"METHOD": method, "Q_ROWS": q_rows, "KV_ROWS": k_rows, "HEAD_DIM": d, "BM": block_m, "BN": block_n}
+    return (p, b * h), args, consts, out, skip.view(b, h, p)

@@ -41,7 +41,6 @@ Shape legend
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,16 +50,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from sparsecal.kernels.jit import LOG2E, log2_lambda
-from sparsecal.kernels.sparse.prefill import _check_args
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _cta_barrier,
-    _descriptor,
     _scores,
     _tma_load,
-    gluon_supported,
+    launch,
 )
 
 CONSUMER_WARPS = 4  # one warpgroup per consumer partition (the launch's num_warps: the default partition)
@@ -341,24 +337,7 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG)."""
-    b, h, hkv, n, d, method, thr = _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense,
-                                               False)
-    if not gluon_supported(q, block_m, block_n, method, order, None):
-        raise ValueError("the Gluon prefill kernel does not take this call (gluon_supported)")
-    p = triton.cdiv(n, block_m)
-    if out is None:
-        out = torch.empty_like(q)
-    skip = torch.empty((b * h, p), dtype=torch.int32, device=q.device)
-    q_desc, q_rows = _descriptor(q, block_m // 2)
-    k_desc, k_rows = _descriptor(k, block_n)
-    v_desc, v_rows = _descriptor(v, block_n)
-    if k_rows != v_rows:
-        v_desc, v_rows = _descriptor(v.contiguous() if k_rows else v.transpose(1, 2).contiguous().transpose(1, 2),
-                                     block_n)
-    ll2 = 0.0 if log_lambda is None else log2_lambda(log_lambda)
-    _ws_fwd_kernel[(p, b * h)](
-        q_desc, k_desc, v_desc, out, thr, skip, *out.stride()[:3], n, h, hkv, h // hkv, thr.shape[1],
-        scale * LOG2E, ll2, 0 if window is None else int(window),
-        METHOD=method, Q_ROWS=q_rows, KV_ROWS=k_rows, HEAD_DIM=d, BM=block_m, BN=block_n,
-        **ws_config(d, producer, nbuf))
-    return out, skip.view(b, h, p).sum(dim=-1, dtype=torch.int64)
+    grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
+                                           log_lambda, window, order, dense, out)
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf))
+    return out, skip.sum(dim=-1, dtype=torch.int64)
