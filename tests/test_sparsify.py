@@ -252,7 +252,7 @@ def test_bsfa_decode_modes(tiny_model, tmp_path, backend, seed):
     sparsecal.sparsify(model, out, method="dense", backend=backend)
     with torch.no_grad():
         model(ids)
-    cand, reach = block_counts_torch(450, 128, 64)
+    _, reach = block_counts_torch(450, 128, 64)
     assert (model.sparsecal_stats["skipped"] == 0).all() and (model.sparsecal_stats["reachable"] == int(reach.sum())).all()
     with pytest.raises(UserError, match="not a decode mode of bsfa"):
         sparsecal.sparsify(model, out, method="bsfa", k=2, decode="sparse")

@@ -49,7 +49,8 @@ def sparse_prefill(q, k, v, scale: float, block_m: int, block_n: int, *, thresho
     ``sparse_attention_triton``'s arguments and results; ``expected_sparsity``: the share of
     candidate tiles the call is expected to skip (a hint, None when unknown)."""
     method = method_code(thresholds, log_lambda, window, dense)
-    kw = dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order, dense=dense, out=out)
+    kw = {"thresholds": thresholds, "log_lambda": log_lambda, "window": window, "order": order, "dense": dense,
+          "out": out}
     name = pick(q.shape[-1], method, expected_sparsity)
     if name != "triton" and gluon_supported(q, block_m, block_n, method, order, softcap):
         return GLUON_KERNELS[name](q, k, v, scale, block_m, block_n, **kw)

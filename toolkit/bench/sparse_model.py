@@ -62,7 +62,7 @@ def capture_qkv(model, ids, layers) -> dict:
 
 
 def captured_section(model, ids, export_dir) -> dict:
-    from sparsecal.integrations.sparsify import load_state, method_args
+    from sparsecal.integrations.sparsify import expected_sparsity, load_state, method_args
 
     n = ids.shape[1]
     qkv = capture_qkv(model, ids, CAPTURE_LAYERS)
@@ -77,6 +77,7 @@ def captured_section(model, ids, export_dir) -> dict:
         sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
         for method, config, state in points:
             args = method_args(state, layer, "prefill", n, q.device)
+            args["expected_sparsity"] = expected_sparsity(state, layer, "prefill", n)  # sparsify's kernel pick
             _, sk = sparse_prefill(q, k, v, scale, state.block_m, state.block_n, order=state.order, **args)
             t = bench_ms(lambda: sparse_prefill(q, k, v, scale, state.block_m, state.block_n, order=state.order,
                                                 **args))
@@ -98,7 +99,7 @@ def ttft_section(model, prompts: dict, export_dir) -> dict:
 
     from sparsecal.bench.ttft import joinable, length_rows
 
-    opts = argparse.Namespace(graph=True, rounds=3, reps=5, warmup=3)
+    opts = argparse.Namespace(graph=True, rounds=3, reps=5, warmup=3, min_k=16)
     rows = []
     for n, ids in sorted(prompts.items()):
         rows += length_rows(model, ids, export_dir, opts)

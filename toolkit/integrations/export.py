@@ -218,8 +218,8 @@ def report(doc: dict, rows: list, ignored: dict, cfg: dict, root: Path) -> str:
              (f"Simulated: lambda = factor / L on the run's own tiles, over the {doc['validation']} samples; "
               "achieved = skipped / reachable tiles of every captured layer (dense layers count as kept)."), ""]
     lines += [format_table(rows) if rows else "(no simulation: the run's samples are not there)", ""]
-    lines += ["Lengths (the sparsecal rows apply this policy: 'dense' in the lambda column; engines apply factor / L "
-              "at every length, '>1' = every candidate tile skipped):"] + [f"  {x}" for x in length_lines(doc)] + [""]
+    lines += [("Lengths (the sparsecal rows apply this policy: 'dense' in the lambda column; engines apply factor / L "
+               "at every length, '>1' = every candidate tile skipped):")] + [f"  {x}" for x in length_lines(doc)] + [""]
     lines += ["Layers left dense:"] + ([f"  layer {i}: {why}" for i, why in sorted(ignored.items())] or ["  none"])
     return "\n".join(lines) + "\n"
 
