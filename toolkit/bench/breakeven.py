@@ -8,7 +8,8 @@ bench/harness.sdpa_fns) and by the project's sparse prefill kernel
 operating point as its expected sparsity) at each ``--sparsities`` operating point, read from the
 input's own tile statistics as bench/sparse.py's prefill_variants does; each point records the
 sparsity the kernel counted. Times are medians over ``--rounds`` round-robin rounds of bench_ms.
-The file (formats/dispatch.py: rows with dense_ms, dense_backend, points and break_even) is what ``sparsecal export RUN --out DIR --break-even FILE`` reads.
+The file (formats/dispatch.py: rows with dense_ms, dense_backend, points and break_even) is what
+``sparsecal export RUN --out DIR --break-even FILE`` reads.
 
     sparsecal bench break-even --run RUN --out FILE [--lengths 1024,2048] [--methods bsfa,blasst]
         [--sparsities 0,0.25,0.5,0.75,0.9] [--rounds 3]
