@@ -23,7 +23,8 @@ def test_run_counts_sparsity_over_all_layers_and_dispatch(tmp_path, seed):
     # BSFA k=1 with thresholds 1e30 skips every candidate tile of a sparse layer
     export = dispatch_export(tmp_path / "export")
     out = tmp_path / "ttft.json"
-    ttft.main(["--model", str(model), "--export", str(export), "--lengths", "333", "--rounds", "2", "--reps", "1", "--warmup", "0",
+    ttft.main(["--model", str(model), "--export", str(export), "--lengths", "333", "--rounds", "2", "--reps", "1",
+               "--warmup", "0",
                "--min-k", "1", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert doc["provenance"]["versions"]["torch"] and doc["model"].startswith(str(model.resolve()))
@@ -38,7 +39,8 @@ def test_run_counts_sparsity_over_all_layers_and_dispatch(tmp_path, seed):
     assert disp["skipped"] == [cand, 0] and disp["reachable"][1] == 0 and disp["sparse_layers"] == 1
     assert disp["sparsity"] == cand / reach
     share = every["attention_share"]
-    assert all(r["attention_share"] == share and r["baseline"] == "sdpa" and r["timing"] == "eager" for r in rows.values())
+    assert all(r["attention_share"] == share and r["baseline"] == "sdpa" and r["timing"] == "eager"
+               for r in rows.values())
     assert every["ideal"] == pytest.approx(ttft.ideal_speedup(share, 2 * cand / reach)) == disp["ideal"]
     assert disp["speedup"] == pytest.approx(rows["sdpa", None]["ms"] / disp["ms"])
     assert all(len(r["rounds_ms"]) == 2 and r["ms"] == pytest.approx(sum(r["rounds_ms"]) / 2) for r in rows.values())
@@ -46,5 +48,5 @@ def test_run_counts_sparsity_over_all_layers_and_dispatch(tmp_path, seed):
     joined = json.loads((tmp_path / "ttft-rows.json").read_text())
     assert joined["kind"] == "sparsecal-bench"
     assert [(r["method"], r["config"], r["length"], r["sparsity"], r["task"]) for r in joined["rows"]] == [
-        ("bsfa", "k=1", 333, 2 * cand / reach, "ttft"), ("window", "blocks=32", 333, rows["every_layer", "blocks=32"]["sparsity"],
-                                            "ttft")]
+        ("bsfa", "k=1", 333, 2 * cand / reach, "ttft"),
+        ("window", "blocks=32", 333, rows["every_layer", "blocks=32"]["sparsity"], "ttft")]

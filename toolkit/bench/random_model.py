@@ -58,7 +58,8 @@ def write_prompts(path: Path, vocab_size: int, lengths, samples: int, seed: int)
     g = torch.Generator().manual_seed(seed)
     with open(path, "w") as f:
         for n in lengths:
-            f.writelines(json.dumps({"input_ids": torch.randint(0, vocab_size, (n,), generator=g).tolist()}) + "\n" for _ in range(samples))
+            f.writelines(json.dumps({"input_ids": torch.randint(0, vocab_size, (n,), generator=g).tolist()}) + "\n"
+                         for _ in range(samples))
 
 
 def main(argv=None) -> None:
