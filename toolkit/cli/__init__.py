@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -354,16 +355,35 @@ def run() -> None:
     except click_error as e:
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()
-            sys.exit(e.exit_code)
+            _exit(e.exit_code)
         where = e.ctx.command_path if getattr(e, "ctx", None) else "sparsecal"
         message = " ".join(e.format_message().split())
         typer.echo(f"error: {message} (see `{where} --help`)", err=True)
-        sys.exit(2)
+        _exit(2)
     except (typer.Abort, KeyboardInterrupt):
         typer.echo("interrupted: finished samples are kept; run the same command again to resume.", err=True)
-        sys.exit(130)
+        _exit(130)
+    except SystemExit as e:  # None: success, a message: failure
+        _exit(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
     except Exception as e:
         if type(e).__name__ == "Exit":  # typer.Exit / click's Exit in non-standalone mode
-            sys.exit(getattr(e, "exit_code", 0))
+            _exit(getattr(e, "exit_code", 0))
         raise
-    sys.exit(rc if isinstance(rc, int) else 0)
+    _exit(rc if isinstance(rc, int) else 0)
+
+
+def _exit(code: int) -> None:
+    """sys.exit, except in one rank of several (torchrun): its work is written and the ranks have
+    left together, so it ends without interpreter teardown, where gloo's threads were seen to abort a
+    finished rank now and then ("terminate called without an active exception", signal 6)."""
+    from sparsecal.capture.distributed import from_env
+
+    try:
+        several = from_env().several
+    except Exception:  # a malformed torchrun environment: the command itself has said so
+        several = False
+    if several:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
