@@ -321,6 +321,29 @@ def eval_(
     eval_command(req)
 
 
+@app.command()
+@_user_errors
+def verify(
+    export: Path = typer.Argument(..., help="An export directory written with --format modelopt."),
+    engine: str = typer.Option("modelopt", help="The consumer whose own code runs the export: modelopt "
+                               "(Model-Optimizer's loader and Hugging Face skip-softmax path)."),
+    run: Optional[Path] = typer.Option(None, help="The run the export was made from (default: EXPORT's parent)."),
+    targets: Optional[str] = typer.Option(None, help="Target sparsities S (factor = a exp(b S)) [default: the fitted ones]."),
+    lengths: Optional[str] = typer.Option(None, help="Only samples of these lengths [default: every captured one]."),
+    samples: str = typer.Option("held-out", help="held-out (the fit's test split) or all finished samples."),
+    per_length: Optional[int] = typer.Option(None, "--per-length", help="At most this many samples per length."),
+    masks: bool = typer.Option(True, "--masks/--no-masks", help="Also run with each layer's mask applied (one run per target)."),
+    device: str = typer.Option("cpu", help="torch device for the model."),
+):
+    """Run the export through the consumer's own code on the run's samples and print predicted vs measured
+    sparsity per phase, target and length (on dense statistics, and with masks applied); writes
+    EXPORT/verify-modelopt.json, which the dashboard's Export page shows."""
+    from sparsecal.cli.consumers import verify_command
+
+    verify_command(export, run, engine, _float_list(targets, "targets") if targets else None,
+                   _int_list(lengths, "lengths") if lengths else None, samples, per_length, masks, device)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @_user_errors
 def bench(ctx: typer.Context):
