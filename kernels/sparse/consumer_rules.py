@@ -162,8 +162,8 @@ def split_kv_decode(scores: torch.Tensor, factor: float | None = None, *, chunks
     ceil(T / chunks) consecutive tiles (trtllm-gen multi-CTA KV mode: tile offset (numLoopSteps *
     ctaIdxKv + step) * 128 in its generated kernels); "interleaved": tile t goes to CTA t % chunks
     (TensorRT-LLM XQA multi-block: idxKTileInit + idxIter * nbSubSeq in cpp/kernels/xqa/mha_sm90.cu,
-    idxTile % nbSubSeq in cpp/kernels/xqa/test/refAttention.cpp). FlashInfer's own decode kernels
-    do not skip; FlashInfer skips only through trtllm-gen. ``update``: "kept" (trtllm-gen) or "all"
+    idxTile % nbSubSeq in cpp/kernels/xqa/test/refAttention.cpp). FlashInfer's FA2/FA3 decode
+    kernels do not skip (its trtllm-gen path does; its CuTe DSL decode was not read). ``update``: "kept" (trtllm-gen) or "all"
     (XQA's reference updates its skip max before deciding). Counting: total = tiles, skipped =
     tiles every head of the group skipped.
 
