@@ -185,3 +185,32 @@ def test_lambda_arguments_are_checked():
         cr.trtllm_gen(x, lam=0.0)
     with pytest.raises(ValueError, match="one query row"):
         cr.split_kv_decode(x, lam=0.1, chunks=2)
+
+
+@pytest.mark.parametrize("t", [1e-3, 3e-2])
+def test_hf_block_rule_and_triton_tile_rule_agree_on_whole_blocks(rng, t):
+    """For lambda < 1 and lengths that fill the 128 x 128 blocks, the HF rule (inclusive cummax, any
+    row above) and the kernel rule (exclusive running max, all valid rows below) make the same
+    decision on every block the kernel visits."""
+    scores = causal_logits(rng, 640, 640)
+    hf = cr.modelopt_hf(scores, lam=t)
+    tri = cr.modelopt_triton(scores, lam=t, block_m=128, block_n=128)
+    lower = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert torch.equal(hf.kept & lower, tri.kept & lower)
+    assert (hf.skipped, hf.total) == (tri.skipped, tri.total) and hf.skipped > 0
+
+
+def test_running_max_over_kept_or_all_tiles_differs_only_above_one(rng):
+    """Below lambda = 1 a skipped tile lies under every row's running max, so updating the max with
+    it changes nothing; above 1 it does."""
+    scores = causal_logits(rng, 512, 512)
+    for lam in (1e-3, 0.5):
+        kept = cr.modelopt_triton(scores, lam=lam, block_m=128, block_n=128)
+        every = cr.modelopt_triton(scores, lam=lam, block_m=128, block_n=128, calibration=True)
+        assert torch.equal(kept.kept, every.kept) and kept.skipped == every.skipped > 0
+    x = torch.full((1, 1, 1, 96), LOW)
+    x[..., 0], x[..., 32], x[..., 64] = 0.0, 0.8, 1.7           # 32-key tiles; ln lambda = 1
+    kept = cr.modelopt_triton(x, lam=math.e)                     # max stays 0: 1.7 - 0 > 1, kept
+    every = cr.modelopt_triton(x, lam=math.e, calibration=True)  # max moves to 0.8: 1.7 - 0.8 < 1
+    assert kept.kept[0, 0, 0].tolist() == [True, False, True]
+    assert every.kept[0, 0, 0].tolist() == [True, False, False]
