@@ -163,9 +163,9 @@ def split_kv_decode(scores: torch.Tensor, factor: float | None = None, *, chunks
     ctaIdxKv + step) * 128 in its generated kernels); "interleaved": tile t goes to CTA t % chunks
     (TensorRT-LLM XQA multi-block: idxKTileInit + idxIter * nbSubSeq in cpp/kernels/xqa/mha_sm90.cu,
     idxTile % nbSubSeq in cpp/kernels/xqa/test/refAttention.cpp). FlashInfer's FA2/FA3 decode
-    kernels do not skip (its trtllm-gen path does; its CuTe DSL decode was not read). ``update``: "kept" (trtllm-gen) or "all"
-    (XQA's reference updates its skip max before deciding). Counting: total = tiles, skipped =
-    tiles every head of the group skipped.
+    kernels do not skip (its trtllm-gen path does; its CuTe DSL decode was not read). ``update``:
+    "kept" (trtllm-gen) or "all" (XQA's reference updates its skip max before deciding). Counting:
+    total = tiles, skipped = tiles every head of the group skipped.
 
     ``scores`` [B, H, 1, Nk]. Returns kept [B, Hg, T]."""
     b, h, nq, nk = scores.shape
