@@ -182,6 +182,7 @@ def build(formats: list, tiles: dict, doc: dict, ctx: dict) -> dict:
                                "source": tiles[fmt].source}
     if need_block:
         _block_formats(formats, tiles, ctx, law, block_factors, out)
+    out["formats"] = {f: out["formats"][f] for f in FORMATS if f in out["formats"]}
     return out
 
 
@@ -189,7 +190,7 @@ def _block_formats(formats: list, tiles: dict, ctx: dict, law: dict, factors: di
     """The config.json block (always written as modelopt.config.json), and the formats reading it:
     vllm.serve, and trtllm.yaml in its target_sparsity form when the checkpoint is patched."""
     targets = {m: ctx["target"] for m in F.PHASES}
-    readers = [f for f in formats if f in BLOCK_FORMATS] + (["trtllm"] if "trtllm" in formats and out["patched"] else [])
+    readers = [f for f in FORMATS if f in formats and (f in BLOCK_FORMATS or (f == "trtllm" and out["patched"]))]
     if ctx["held"] is not None:
         out["rows"] += simulate(ctx["held"], ctx["edges"], factors, targets, ctx["sparse"],
                                 f"{'/'.join(readers)}: a*exp(b*S), ignore honored")
