@@ -52,7 +52,7 @@ def test_options_parse_and_weights_map_onto_the_calibrated_lengths():
     w = calibrated_weights({1448: 1.0, 4096: 1.0}, [1024, 2048, 4096])   # 1448 ~ halfway in ln between 1K and 2K
     assert sum(w.values()) == pytest.approx(1.0) and w[4096] == pytest.approx(0.5)
     assert w[1024] == pytest.approx(0.25, abs=0.01) and w[2048] == pytest.approx(0.25, abs=0.01)
-    with pytest.raises(UserError, match="512 tokens, 50% of the weight\\) lie outside the calibrated lengths 1024-4096"):
+    with pytest.raises(UserError, match="512 tokens, 50% of the weight\\) lie outside the calibrated lengths"):
         calibrated_weights({512: 1.0, 1024: 1.0}, [1024, 2048, 4096])
 
 
@@ -99,7 +99,8 @@ def test_weighted_fit_beats_the_unweighted_one_where_the_traffic_is(run, tmp_pat
 
 def test_prompt_lengths_weigh_the_fit(run, tmp_path, seed):
     prompts = write_prompts(tmp_path / "p.jsonl", [1024, 1024, 4096], seed)
-    _ok(cli("export", run, "--out", tmp_path / "e", "--format", "sglang", "--target", "0.5", "--length-weights", prompts))
+    _ok(cli("export", run, "--out", tmp_path / "e", "--format", "sglang", "--target", "0.5",
+            "--length-weights", prompts))
     tr = F.load_engine_manifest(tmp_path / "e")["traffic"]
     assert tr["source"] == f"the 3 prompts of {prompts}"
     assert tr["weights"]["1024"] == pytest.approx(2 / 3) and tr["weights"]["4096"] == pytest.approx(1 / 3)
@@ -123,7 +124,8 @@ def test_lambda_over_one_on_served_lengths_is_said_per_consumer(run, tmp_path):
             assert law["a"] * math.exp(law["b"] * s) < 100 <= law["a"] * math.exp(law["b"] * (s + 0.001))
     does = {c["consumer"]: c for c in safety["formats"]["modelopt"]["consumers"]}
     assert not does["Model-Optimizer HF path"]["exact"] and does["Model-Optimizer vLLM plugin"]["exact"]
-    assert "XQA" in json.dumps(safety["formats"]["sglang"]) and "refAttention.cpp" in json.dumps(safety["formats"]["trtllm"])
+    assert "XQA" in json.dumps(safety["formats"]["sglang"])
+    assert "refAttention.cpp" in json.dumps(safety["formats"]["trtllm"])
     warned = [ln for ln in res.stderr.splitlines() if "lambda = factor / L >= 1 on served lengths" in ln]
     assert len(warned) == 1 and "from 100 tokens" in warned[0]
     assert res.stderr.count("never receives SGLANG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR") == 1
@@ -198,7 +200,8 @@ def test_vllm_plugin_resolves_the_patched_block(tmp_path):
             assert layer["target_sparse_ratio"] == {"prefill": 0.5, "decode": 0.5}
             for m in F.PHASES:  # the plugin's factor: a * exp(b * target)
                 law = layer["threshold_scale_factor"][m]
-                assert law["a"] * math.exp(law["b"] * layer["target_sparse_ratio"][m]) == pytest.approx(got["factors"][m])
+                factor = law["a"] * math.exp(law["b"] * layer["target_sparse_ratio"][m])
+                assert factor == pytest.approx(got["factors"][m])
     tr = F.load_trtllm(out)
     assert tr["form"] == "target_sparsity" and tr["config"]["target_sparsity"] == {"prefill": 0.5, "decode": 0.5}
     assert tr["factors"] == got["factors"]

@@ -93,7 +93,8 @@ def vllm_text(checkpoint, header: list[str]) -> str:
            f"2. run NVIDIA/Model-Optimizer examples/vllm_serve/{VLLM_LAUNCHER} (its SparseAttnWorker calls "
            "install_vllm_sparse_attention_from_checkpoint once the model is loaded); --enforce-eager: calibrated",
            "decode skipping needs a non-FULL decode CUDA graph mode. Any other vllm serve flag may follow."]
-    return "\n".join(_comments(header + how) + [f"python {VLLM_LAUNCHER} {shlex.quote(str(checkpoint))} --enforce-eager"]) + "\n"
+    command = f"python {VLLM_LAUNCHER} {shlex.quote(str(checkpoint))} --enforce-eager"
+    return "\n".join(_comments(header + how) + [command]) + "\n"
 
 
 def json_text(doc: dict) -> str:
@@ -227,7 +228,8 @@ def load_trtllm(path, expect: dict | None = None) -> dict:
         tgt = {m: tgt for m in PHASES} if _number(tgt) else tgt
         if not isinstance(tgt, dict) or tgt != entry.get("target_sparsity"):
             raise UserError(f"{path} holds target_sparsity {tgt} but {ENGINE_JSON} beside it says "
-                            f"{entry.get('target_sparsity')}: the file was edited or belongs to another export; {REMEDY}.")
+                            f"{entry.get('target_sparsity')}: the file was edited or belongs to another export; "
+                            f"{REMEDY}.")
         return {"factors": {m: f for m, f in entry["factors"].items() if f is not None}, "manifest": man,
                 "config": cfg, "form": "target_sparsity"}
     tsf = cfg.get("threshold_scale_factor")
@@ -274,14 +276,15 @@ def load_vllm(path, expect: dict | None = None) -> dict:
     Returns {"factors", "manifest", "command", "checkpoint", "block"}."""
     given = Path(path)
     if given.is_dir() and not (given / "vllm.serve").is_file() and (given / VLLM_LEGACY).is_file():
-        raise UserError(f"{given / VLLM_LEGACY} was written by an older sparsecal: it names vLLM flags no released vLLM "
-                        "reads (vLLM runs skip-softmax through Model-Optimizer's plugin); export again with "
+        raise UserError(f"{given / VLLM_LEGACY} was written by an older sparsecal: it names vLLM flags no released "
+                        "vLLM reads (vLLM runs skip-softmax through Model-Optimizer's plugin); export again with "
                         "`sparsecal export RUN --out DIR --format vllm --patch-config CHECKPOINT`.")
     path = _resolve(given, "vllm", "vllm.serve")
     lines = [ln.strip() for ln in _read_text(path).splitlines() if ln.strip() and not ln.strip().startswith("#")]
     words = shlex.split(lines[0]) if len(lines) == 1 else []
     if len(words) < 3 or Path(words[1]).name != VLLM_LAUNCHER or "--enforce-eager" not in words:
-        raise UserError(f"{path} must hold one command `python {VLLM_LAUNCHER} CHECKPOINT --enforce-eager ...`; {REMEDY}.")
+        raise UserError(f"{path} must hold one command `python {VLLM_LAUNCHER} CHECKPOINT --enforce-eager ...`; "
+                        f"{REMEDY}.")
     man = _sidecar(path, "vllm", expect)
     block = load_modelopt(path.parent / man["formats"]["vllm"].get("block_file", "modelopt.config.json"), expect)
     _same(path.parent / "modelopt.config.json", "vllm", block["factors"], man)
@@ -289,8 +292,9 @@ def load_vllm(path, expect: dict | None = None) -> dict:
     if config.is_file():
         have = load_modelopt(config, expect)
         if have["block"] != block["block"]:
-            raise UserError(f"{config} carries another sparse_attention_config than {path.parent}/modelopt.config.json; "
-                            "patch it again with `sparsecal export RUN --out DIR --patch-config CHECKPOINT`.")
+            raise UserError(f"{config} carries another sparse_attention_config than "
+                            f"{path.parent}/modelopt.config.json; patch it again with `sparsecal export RUN --out DIR "
+                            "--patch-config CHECKPOINT`.")
     return {"factors": block["factors"], "manifest": man, "command": words, "checkpoint": words[2],
             "block": block["block"]}
 

@@ -152,25 +152,32 @@ def preset_blocks(engine: str, head_dim: int | None, given: dict) -> tuple[int, 
 MO = "NVIDIA/Model-Optimizer modelopt/torch/sparsity/attention_sparsity/"
 CONSUMERS = {
     "modelopt": (
-        ("Model-Optimizer HF", "Model-Optimizer HF path", "skips every tile, the diagonal included: the output changes",
+        ("Model-Optimizer HF", "Model-Optimizer HF path",
+         "skips every tile, the diagonal included: the output changes",
          MO + "methods/flash_skip_softmax.py (block_max - cummax > ln(lambda) keeps a tile; never true at >= 0)"),
-        ("Model-Optimizer vLLM plugin", "Model-Optimizer vLLM plugin", "turns skipping off for the launch (lambda from the batch's longest "
-         "sequence): dense", MO + "plugins/vllm.py (_resolve_skip_softmax_calibration)")),
+        ("Model-Optimizer vLLM plugin", "Model-Optimizer vLLM plugin",
+         "turns skipping off for the launch (lambda from the batch's longest sequence): dense",
+         MO + "plugins/vllm.py (_resolve_skip_softmax_calibration)")),
     "trtllm": (
-        ("trtllm-gen", "TensorRT-LLM trtllm-gen (Blackwell)", "skips every tile but each row's first: the output changes",
+        ("trtllm-gen", "TensorRT-LLM trtllm-gen (Blackwell)",
+         "skips every tile but each row's first: the output changes",
          "NVIDIA/TensorRT-LLM trtllm-gen FMHA (docs/formats.md, Consumer decision rules)"),
-        ("fmha_v2", "TensorRT-LLM fmha_v2 prefill (Hopper)", "exp(gap) < lambda holds for every candidate tile: the output "
-         "changes", "NVIDIA/TensorRT-LLM cpp/kernels/fmha_v2/src/fmha/warpspec/compute.h"),
+        ("fmha_v2", "TensorRT-LLM fmha_v2 prefill (Hopper)",
+         "exp(gap) < lambda holds for every candidate tile: the output changes",
+         "NVIDIA/TensorRT-LLM cpp/kernels/fmha_v2/src/fmha/warpspec/compute.h"),
         ("XQA decode", "TensorRT-LLM XQA decode (Hopper)", "turns skipping off where kv_len < factor: dense",
          "NVIDIA/TensorRT-LLM cpp/kernels/xqa/test/refAttention.cpp (disableSkipForShortSeq)")),
     "sglang": (
-        ("trtllm-gen", "SGLang on FlashInfer trtllm-gen (SM100/SM103)", "skips every tile but each row's first: the output "
-         "changes", "sgl-project/sglang python/sglang/srt/layers/attention/trtllm_mha_backend.py"),
-        ("XQA decode", "SGLang decode on SM90/SM120 (FlashInfer XQA)", "never receives the decode factor: dense at every length",
+        ("trtllm-gen", "SGLang on FlashInfer trtllm-gen (SM100/SM103)",
+         "skips every tile but each row's first: the output changes",
+         "sgl-project/sglang python/sglang/srt/layers/attention/trtllm_mha_backend.py"),
+        ("XQA decode", "SGLang decode on SM90/SM120 (FlashInfer XQA)",
+         "never receives the decode factor: dense at every length",
          "flashinfer-ai/flashinfer flashinfer/decode.py (trtllm_batch_decode_with_kv_cache: backend auto)")),
     "vllm": (
-        ("Model-Optimizer vLLM plugin", "vLLM through Model-Optimizer's plugin", "turns skipping off for the launch (lambda from the batch's "
-         "longest sequence): dense", MO + "plugins/vllm.py (_resolve_skip_softmax_calibration)"),),
+        ("Model-Optimizer vLLM plugin", "vLLM through Model-Optimizer's plugin",
+         "turns skipping off for the launch (lambda from the batch's longest sequence): dense",
+         MO + "plugins/vllm.py (_resolve_skip_softmax_calibration)"),),
 }
 
 

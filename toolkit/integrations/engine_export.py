@@ -177,7 +177,8 @@ def build(formats: list, tiles: dict, doc: dict, ctx: dict) -> dict:
                                 f"{'/'.join(scalar_fmts)}: factor, every layer")
     for fmt in scalar_fmts:
         name = FORMATS[fmt][1]
-        out["files"][name] = WRITERS[fmt](scalar, _header(tiles[fmt], ctx, f"{ENGINE_NAMES[fmt]}. {_scalar_note(fmt, ctx)}"))
+        note = f"{ENGINE_NAMES[fmt]}. {_scalar_note(fmt, ctx)}"
+        out["files"][name] = WRITERS[fmt](scalar, _header(tiles[fmt], ctx, note))
         out["formats"][fmt] = {"file": name, "tiles": tiles[fmt].geometry(), "factors": scalar, "form": "factor",
                                "source": tiles[fmt].source}
     if need_block:
@@ -295,9 +296,10 @@ def _traffic_phases(got: list, base: list, weights: dict) -> dict:
                                  for n in lens) / tot)
 
         first = next(iter(g.values()))
-        out[m] = {"target": first["target"], "factor": first["factor"], "unweighted_factor": next(iter(b.values()))["factor"],
-                  "error": err(g), "unweighted_error": err(b),
-                  "per_length": [{"length": n, "weight": weights.get(n, 0.0), "achieved": g[n]["achieved_sparse_layers"],
+        out[m] = {"target": first["target"], "factor": first["factor"],
+                  "unweighted_factor": next(iter(b.values()))["factor"], "error": err(g), "unweighted_error": err(b),
+                  "per_length": [{"length": n, "weight": weights.get(n, 0.0),
+                                  "achieved": g[n]["achieved_sparse_layers"],
                                   "unweighted_achieved": b[n]["achieved_sparse_layers"]} for n in sorted(g)]}
     return out
 
@@ -307,11 +309,12 @@ def traffic_lines(tr: dict | None) -> list[str]:
     if not tr:
         return []
     w = ", ".join(f"{n}: {v:.3g}" for n, v in tr["weights"].items())
-    lines = [f"Traffic ({tr['source']}; weight per calibrated length {w}): held-out sparsity over the layers that skip, "
-             "the factor fitted on these weights against the unweighted one:"]
+    lines = [f"Traffic ({tr['source']}; weight per calibrated length {w}): held-out sparsity over the layers that "
+             "skip, the factor fitted on these weights against the unweighted one:"]
     for g in tr["groups"]:
         for m, p in g["phases"].items():
-            per = ", ".join(f"{r['length']} {r['achieved']:.3f} ({r['unweighted_achieved']:.3f})" for r in p["per_length"])
+            per = ", ".join(f"{r['length']} {r['achieved']:.3f} ({r['unweighted_achieved']:.3f})"
+                            for r in p["per_length"])
             lines.append(f"  {'/'.join(g['formats'])} {m} (target {p['target']:g}, {g['definition']}): factor "
                          f"{p['factor']:.4g} (unweighted {p['unweighted_factor']:.4g}), weighted RMS error "
                          f"{p['error']:.4f} ({p['unweighted_error']:.4f}); per length {per}")

@@ -359,7 +359,8 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     atomic_write_text(out / F.REPORT, text)
     written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
     patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
-    for line in length_lines(doc) + notes + engine_notes(built):  # once written: a refused export prints its error line alone
+    # once written: a refused export prints its error line alone
+    for line in length_lines(doc) + notes + engine_notes(built):
         warn and warn(line)
     return {"out": str(out), "bsfa_shape": list(thr.shape), "k_values": fit["k_values"],
             "blasst": {e["target_sparsity"]: e["threshold_scale_factor"] for e in doc["targets"]},
