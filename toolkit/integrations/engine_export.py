@@ -1,7 +1,10 @@
 """``sparsecal export --format``: the files serving engines read (Model-Optimizer's config.json
-block, TensorRT-LLM's YAML, SGLang's environment, vLLM's flags), their sidecar engine.json and the
-Model-Optimizer block patched into a checkpoint. Formats in sparsecal.formats.engine_files; tiles
-and sources in sparsecal.formats.engines and docs/formats.md.
+block, TensorRT-LLM's YAML, SGLang's environment, the command serving the block with
+Model-Optimizer's vLLM plugin), their sidecar engine.json and the Model-Optimizer block patched
+into a checkpoint. The block's a * exp(b * S) law is fitted with S over the enabled layers, and
+with length weights every engine's factor where the traffic is (analysis.engine_fit); served
+lengths where lambda >= 1 in integrations.engine_safety. Formats in sparsecal.formats.engine_files;
+tiles, consumers and sources in sparsecal.formats.engines and docs/formats.md.
 """
 from __future__ import annotations
 
