@@ -82,11 +82,15 @@ def test_every_format_round_trips(engine_run):
     doc = load_blasst(out, expect={"block_m": 128, "block_n": 128})
     scalar = {m: doc["threshold_scale_factor"][m] for m in F.PHASES}
     man = F.load_engine_manifest(out, expect=EXPECT)
-    for fmt in ("trtllm", "sglang", "vllm"):
+    for fmt in ("trtllm", "sglang"):
         got = F.LOADERS[fmt](out, expect=EXPECT)
         assert got["factors"] == scalar, fmt
         assert man["formats"][fmt]["tiles"]["engine"] == "trtllm"
     mo = F.load_modelopt(out, expect=EXPECT)
+    vllm = F.load_vllm(out, expect=EXPECT)  # the block, served through Model-Optimizer's plugin
+    assert vllm["factors"] == mo["factors"] and vllm["block"] == mo["block"]
+    assert vllm["command"][1:] == ["vllm_serve_sparse_attn.py", "CHECKPOINT", "--enforce-eager"]
+    assert man["formats"]["vllm"]["tiles"]["engine"] == "modelopt"
     group = mo["group"]
     assert group["algorithm"] == "skip_softmax" and group["targets"] == ["LlamaAttention"] and "ignore" not in group
     assert group["threshold_scale_factor"]["formula"] == "a * exp(b * target_sparsity)"
@@ -111,14 +115,19 @@ def test_a_refused_mismatch_per_loader(engine_run, tmp_path):
             load(out, expect={"model": "smollm2"})
     edited = tmp_path / "edited"
     edited.mkdir()
-    for name in ("engine.json", "trtllm.yaml", "sglang.env", "vllm.args", "modelopt.config.json"):
+    for name in ("engine.json", "trtllm.yaml", "sglang.env", "vllm.serve", "modelopt.config.json"):
         (edited / name).write_text((out / name).read_text())
     (edited / "sglang.env").write_text((out / "sglang.env").read_text().replace("PREFILL_THRESHOLD_SCALE_FACTOR=",
                                                                                 "PREFILL_THRESHOLD_SCALE_FACTOR=1"))
     with pytest.raises(UserError, match="edited or belongs to another export"):
         F.load_sglang(edited)
-    (edited / "vllm.args").write_text("--attention-config.trtllm_skip_softmax_prefill_threshold_scale_factor -3\n")
-    with pytest.raises(UserError, match="not a finite positive number"):
+    (edited / "vllm.serve").write_text("vllm serve CHECKPOINT --attention-config.trtllm_skip_softmax_prefill_threshold"
+                                       "_scale_factor 300\n")
+    with pytest.raises(UserError, match="must hold one command `python vllm_serve_sparse_attn.py CHECKPOINT"):
+        F.load_vllm(edited)
+    (edited / "vllm.serve").unlink()
+    (edited / "vllm.args").write_text("--attention-config.trtllm_skip_softmax_prefill_threshold_scale_factor 300\n")
+    with pytest.raises(UserError, match="vllm.args was written by an older sparsecal: it names vLLM flags no released"):
         F.load_vllm(edited)
     (edited / "trtllm.yaml").write_text("sparse_attention_config:\n  algorithm: rocket\n")
     with pytest.raises(UserError, match="algorithm skip_softmax"):
@@ -250,7 +259,10 @@ def test_committed_smollm2_example_loads_in_every_format():
     man = F.load_engine_manifest(EXAMPLE, expect={"num_layers": 30, "num_heads": 9})
     assert man["model"]["id"].startswith("smollm2") and (man["geometry"]["block_m"], man["geometry"]["block_n"]) == (128, 128)
     for fmt, load in F.LOADERS.items():
-        assert load(EXAMPLE)["factors"]["prefill"] > 0, fmt
+        if fmt != "vllm":
+            assert load(EXAMPLE)["factors"]["prefill"] > 0, fmt
+    with pytest.raises(UserError, match="vllm.args was written by an older sparsecal"):  # made before issue 26
+        F.load_vllm(EXAMPLE)
     report = (EXAMPLE / "report.txt").read_text()
     assert "achieved" in report and "Layers left dense" in report
     assert load_bsfa(EXAMPLE).num_layers == 30
@@ -270,7 +282,7 @@ def test_export_page_shows_each_engine_file_ready_to_copy(engine_run, monkeypatc
     assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
     codes = "\n".join(c.value for c in at.code)
     for needle in ("sparse_attention_config", "a * exp(b * target_sparsity)", "SGLANG_SKIP_SOFTMAX_PREFILL",
-                   "--attention-config.trtllm_skip_softmax_decode_threshold_scale_factor"):
+                   "python vllm_serve_sparse_attn.py CHECKPOINT --enforce-eager"):
         assert needle in codes
     sim = at.dataframe[-1].value
     assert {"factors", "mode", "length", "achieved", "target"} <= set(sim.columns) and len(sim) == 18

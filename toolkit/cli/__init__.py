@@ -203,6 +203,14 @@ def export(
                                               "reaches the break-even, the best SDPA path elsewhere."),
     dispatch_margin: float = typer.Option(0.0, min=0.0, max=1.0, help="With --break-even: run sparse only where the "
                                           "calibrated sparsity >= break-even + this margin."),
+    serve_lengths: Optional[str] = typer.Option(None, "--serve-lengths", help="MIN[-MAX]: the lengths the engines "
+                                                "will serve (default: any); the export says where an engine file's "
+                                                "lambda = factor / L reaches 1 there, what each engine does, and the "
+                                                "remedies."),
+    length_weights: Optional[str] = typer.Option(None, "--length-weights", help="Fit the engine files' factors where "
+                                                 "the traffic is: LENGTH:WEIGHT,... (e.g. 1024:0.5,4096:0.5) or a "
+                                                 "prompts file (JSONL, its prompts' lengths); within the calibrated "
+                                                 "lengths."),
 ):
     """Write thresholds.bsfa.pt, thresholds.safetensors, blasst.json and report.txt (the engines'
     rule replayed on the held-out samples) from RUN's fit; with --format, the engines' files too;
@@ -212,7 +220,7 @@ def export(
 
     export_command(run, out, target, max_length, force, formats=parse_formats(format), patch_config=patch_config,
                    per_layer=per_layer, min_layer_sparsity=min_layer_sparsity, break_even=break_even,
-                   margin=dispatch_margin)
+                   margin=dispatch_margin, serve_lengths=serve_lengths, length_weights=length_weights)
 
 
 @app.command()

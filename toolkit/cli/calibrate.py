@@ -134,18 +134,22 @@ def print_bsfa_fitted(out, fit_dir: Path, doc: dict) -> None:
 
 def export_command(run: Path, out: Path, target, max_length, force: bool = False, formats=(), patch_config=None,
                    per_layer: bool = False, min_layer_sparsity: float = 0.05, break_even=None,
-                   margin: float = 0.0) -> dict:
+                   margin: float = 0.0, serve_lengths: str | None = None, length_weights: str | None = None) -> dict:
     """``sparsecal export``: the files, a summary line on stderr, the simulated-sparsity report on
-    stdout, and with ``break_even`` the dispatch table (which layers run sparse at which lengths)."""
+    stdout, and with ``break_even`` the dispatch table (which layers run sparse at which lengths).
+    ``serve_lengths`` (MIN[-MAX]) and ``length_weights`` (LENGTH:WEIGHT,... or a prompts file) as typed."""
+    from sparsecal.formats.engines import parse_serve_lengths
     from sparsecal.formats.run import RunStore
     from sparsecal.integrations.export import export_run
 
+    serve = parse_serve_lengths(serve_lengths)
     store = RunStore.open(run)
+    weights, source = _length_weights(length_weights, store.manifest["model"])
     res = export_run(store, out, target, max_length, force, formats=formats, patch_config=patch_config,
                      per_layer=per_layer, min_layer_sparsity=min_layer_sparsity,
                      hf_config=_model_config(store.manifest["model"]) if formats else None,
                      warn=lambda line: console.print(f"[yellow]warning:[/] {line}"), break_even=break_even,
-                     margin=margin)
+                     margin=margin, serve_lengths=serve, length_weights=weights, weights_source=source)
     console.print(f"exported to {out}: thresholds.bsfa.pt and thresholds.safetensors {res['bsfa_shape']} "
                   f"(k {','.join(map(str, res['k_values']))}), blasst.json "
                   + "; ".join(f"target {t:g}: a = {f['prefill']:.4g} prefill, "
@@ -187,6 +191,37 @@ def print_dispatch(rec: dict) -> None:
     out.print(t)
     if not rec["configs"]:
         out.print("no config has break-even rows: every exported layer runs sparse (no dispatch).")
+
+
+def _length_weights(text: str | None, model: dict) -> tuple[dict | None, str | None]:
+    """``--length-weights``: ({length: weight}, where from) of LENGTH:WEIGHT pairs, or of a prompts
+    file's prompts (each prompt weighs 1; "text" lines are tokenized with the run's model's tokenizer)."""
+    from sparsecal.formats.engines import parse_length_weights
+    from sparsecal.formats.errors import UserError
+
+    if text is None:
+        return None, None
+    path = Path(text)
+    if not path.is_file():
+        if ":" not in text:
+            raise UserError(f"--length-weights {text}: no such prompts file, and not LENGTH:WEIGHT pairs; give e.g. "
+                            "1024:0.5,4096:0.5 or a JSONL prompts file.")
+        return parse_length_weights(text), f"--length-weights {text}"
+    from sparsecal.capture.models import load_tokenizer, resolve_model
+    from sparsecal.capture.prompts.jsonl import load_prompts_file
+
+    class _Lazy:  # the tokenizer is loaded only when a line gives "text"
+        tok = None
+
+        def __call__(self, s):
+            self.tok = self.tok or load_tokenizer(resolve_model(model.get("spec") or model["id"]))
+            return self.tok(s)
+
+    weights: dict = {}
+    samples = load_prompts_file(path, _Lazy(), model.get("vocab_size"))
+    for s in samples:
+        weights[s.length] = weights.get(s.length, 0.0) + 1.0
+    return weights, f"the {len(samples)} prompts of {path}"
 
 
 def _model_config(model: dict):

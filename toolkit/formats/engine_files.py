@@ -3,9 +3,11 @@
     EXPORT/
       modelopt.config.json   {"sparse_attention_config": {...}}: Model-Optimizer's config.json block
                              (a * exp(b * target_sparsity) per phase, targets, ignore, producer)
-      trtllm.yaml            TensorRT-LLM LLM API options: sparse_attention_config with scalar factors
+      trtllm.yaml            TensorRT-LLM LLM API options: sparse_attention_config with scalar factors, or
+                             target_sparsity when the checkpoint carries the block (--patch-config)
       sglang.env             SGLANG_SKIP_SOFTMAX_{PREFILL,DECODE}_THRESHOLD_SCALE_FACTOR=...
-      vllm.args              --attention-config.trtllm_skip_softmax_{prefill,decode}_threshold_scale_factor ...
+      vllm.serve             the command serving the patched checkpoint with Model-Optimizer's vLLM launcher
+                             (vLLM reads skip-softmax only through that plugin, from the config.json block)
       engine.json            what they were calibrated on (kind sparsecal-engine-export): model, tiles, log
                              base, score scale, factors, the exp law, ignored layers, the simulation
       report.txt             the simulated-sparsity table and the ignored layers, as printed
@@ -33,7 +35,8 @@ REPORT = "report.txt"
 FORMULA = "a * exp(b * target_sparsity)"
 PHASES = ("prefill", "decode")
 SGLANG_VARS = {m: f"SGLANG_SKIP_SOFTMAX_{m.upper()}_THRESHOLD_SCALE_FACTOR" for m in PHASES}
-VLLM_FLAGS = {m: f"--attention-config.trtllm_skip_softmax_{m}_threshold_scale_factor" for m in PHASES}
+VLLM_LAUNCHER = "vllm_serve_sparse_attn.py"   # NVIDIA/Model-Optimizer examples/vllm_serve/
+VLLM_LEGACY = "vllm.args"
 BACKUP_SUFFIX = ".sparsecal-backup"
 REMEDY = "export it again with `sparsecal export RUN --out DIR --format ...`"
 
@@ -74,10 +77,24 @@ def sglang_text(factors: dict, header: list[str]) -> str:
     return "\n".join(_comments(header) + body) + "\n"
 
 
-def vllm_text(factors: dict, header: list[str]) -> str:
-    """``vllm serve`` flags (vLLM's attention config, FlashInfer TRT-LLM kernels)."""
-    body = [f"{VLLM_FLAGS[m]} {factors[m]!r}" for m in PHASES if factors.get(m) is not None]
-    return "\n".join(_comments(header) + body) + "\n"
+def trtllm_target_text(targets: dict, header: list[str]) -> str:
+    """TensorRT-LLM's YAML in its target_sparsity form (the formula and ``ignore`` come from the
+    checkpoint's config.json block)."""
+    lines = _comments(header) + ["sparse_attention_config:", "  algorithm: skip_softmax", "  target_sparsity:"]
+    lines += [f"    {m}: {targets[m]!r}" for m in PHASES if targets.get(m) is not None]
+    return "\n".join(lines) + "\n"
+
+
+def vllm_text(checkpoint, header: list[str]) -> str:
+    """The shell command serving ``checkpoint`` (its config.json carrying the block) with
+    Model-Optimizer's vLLM launcher, and how to get there, as comments."""
+    how = ["How: 1. the checkpoint's config.json carries the block (`sparsecal export RUN --out DIR --patch-config "
+           "CHECKPOINT`, or merge modelopt.config.json's sparse_attention_config into it);",
+           f"2. run NVIDIA/Model-Optimizer examples/vllm_serve/{VLLM_LAUNCHER} (its SparseAttnWorker calls "
+           "install_vllm_sparse_attention_from_checkpoint once the model is loaded); --enforce-eager: calibrated",
+           "decode skipping needs a non-FULL decode CUDA graph mode. Any other vllm serve flag may follow."]
+    command = f"python {VLLM_LAUNCHER} {shlex.quote(str(checkpoint))} --enforce-eager"
+    return "\n".join(_comments(header + how) + [command]) + "\n"
 
 
 def json_text(doc: dict) -> str:
@@ -191,8 +208,9 @@ def _read_text(path: Path) -> str:
 
 # ---- the engine files ---------------------------------------------------------------------------------
 def load_trtllm(path, expect: dict | None = None) -> dict:
-    """trtllm.yaml: ``sparse_attention_config`` with algorithm skip_softmax and positive factors,
-    equal to those its engine.json records. Returns {"factors", "manifest", "config"}."""
+    """trtllm.yaml: ``sparse_attention_config`` with algorithm skip_softmax and either positive
+    factors equal to those its engine.json records, or (the form for a patched checkpoint) per-phase
+    target_sparsity equal to engine.json's. Returns {"factors", "manifest", "config", "form"}."""
     import yaml
 
     path = _resolve(path, "trtllm", "trtllm.yaml")
@@ -203,12 +221,22 @@ def load_trtllm(path, expect: dict | None = None) -> dict:
     cfg = doc.get("sparse_attention_config") if isinstance(doc, dict) else None
     if not isinstance(cfg, dict) or cfg.get("algorithm") != "skip_softmax":
         raise UserError(f"{path} holds no sparse_attention_config with algorithm skip_softmax; {REMEDY}.")
+    man = _sidecar(path, "trtllm", expect)
+    entry = man["formats"]["trtllm"]
+    if "target_sparsity" in cfg and "threshold_scale_factor" not in cfg:
+        tgt = cfg["target_sparsity"]
+        tgt = {m: tgt for m in PHASES} if _number(tgt) else tgt
+        if not isinstance(tgt, dict) or tgt != entry.get("target_sparsity"):
+            raise UserError(f"{path} holds target_sparsity {tgt} but {ENGINE_JSON} beside it says "
+                            f"{entry.get('target_sparsity')}: the file was edited or belongs to another export; "
+                            f"{REMEDY}.")
+        return {"factors": {m: f for m, f in entry["factors"].items() if f is not None}, "manifest": man,
+                "config": cfg, "form": "target_sparsity"}
     tsf = cfg.get("threshold_scale_factor")
     factors = {m: tsf for m in PHASES} if _number(tsf) else tsf
     _check_factors(path, factors, "sparse_attention_config.threshold_scale_factor")
-    man = _sidecar(path, "trtllm", expect)
     _same(path, "trtllm", factors, man)
-    return {"factors": factors, "manifest": man, "config": cfg}
+    return {"factors": factors, "manifest": man, "config": cfg, "form": "factor"}
 
 
 def _assignments(path: Path, allowed: dict, sep: str | None) -> dict:
@@ -241,14 +269,34 @@ def load_sglang(path, expect: dict | None = None) -> dict:
 
 
 def load_vllm(path, expect: dict | None = None) -> dict:
-    """vllm.args: the two attention-config flags (at least one), positive, equal to engine.json's."""
-    path = _resolve(path, "vllm", "vllm.args")
-    factors = _assignments(path, VLLM_FLAGS, None)
-    _check_factors(path, factors, "the --attention-config flags")
+    """vllm.serve: one command running Model-Optimizer's vLLM launcher on a checkpoint, the
+    modelopt.config.json block beside it (checked as ``load_modelopt``) with the factors engine.json
+    records, and, where the named checkpoint is here, its config.json carrying that same block.
+    An export's vllm.args (an older sparsecal: flags no released vLLM reads) is refused in one line.
+    Returns {"factors", "manifest", "command", "checkpoint", "block"}."""
+    given = Path(path)
+    if given.is_dir() and not (given / "vllm.serve").is_file() and (given / VLLM_LEGACY).is_file():
+        raise UserError(f"{given / VLLM_LEGACY} was written by an older sparsecal: it names vLLM flags no released "
+                        "vLLM reads (vLLM runs skip-softmax through Model-Optimizer's plugin); export again with "
+                        "`sparsecal export RUN --out DIR --format vllm --patch-config CHECKPOINT`.")
+    path = _resolve(given, "vllm", "vllm.serve")
+    lines = [ln.strip() for ln in _read_text(path).splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    words = shlex.split(lines[0]) if len(lines) == 1 else []
+    if len(words) < 3 or Path(words[1]).name != VLLM_LAUNCHER or "--enforce-eager" not in words:
+        raise UserError(f"{path} must hold one command `python {VLLM_LAUNCHER} CHECKPOINT --enforce-eager ...`; "
+                        f"{REMEDY}.")
     man = _sidecar(path, "vllm", expect)
-    _same(path, "vllm", factors, man)
-    return {"factors": factors, "manifest": man,
-            "args": [x for m, f in factors.items() for x in (VLLM_FLAGS[m], repr(f))]}
+    block = load_modelopt(path.parent / man["formats"]["vllm"].get("block_file", "modelopt.config.json"), expect)
+    _same(path.parent / "modelopt.config.json", "vllm", block["factors"], man)
+    config = Path(words[2]) / "config.json"
+    if config.is_file():
+        have = load_modelopt(config, expect)
+        if have["block"] != block["block"]:
+            raise UserError(f"{config} carries another sparse_attention_config than "
+                            f"{path.parent}/modelopt.config.json; patch it again with `sparsecal export RUN --out DIR "
+                            "--patch-config CHECKPOINT`.")
+    return {"factors": block["factors"], "manifest": man, "command": words, "checkpoint": words[2],
+            "block": block["block"]}
 
 
 def _skip_group(path, block) -> dict:

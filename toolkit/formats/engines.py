@@ -83,8 +83,10 @@ FORMATS = {
     "modelopt": (("modelopt",), "modelopt.config.json"),
     "trtllm": (("trtllm", "trtllm-hopper"), "trtllm.yaml"),
     "sglang": (("trtllm",), "sglang.env"),
-    "vllm": (("trtllm",), "vllm.args"),
+    "vllm": (("modelopt",), "vllm.serve"),
 }
+# Formats whose engine reads Model-Optimizer's config.json block (the a * exp(b * S) law, ``ignore``).
+BLOCK_FORMATS = ("modelopt", "vllm")
 
 
 def parse_formats(text: str | None) -> list[str]:
@@ -141,3 +143,72 @@ def preset_blocks(engine: str, head_dim: int | None, given: dict) -> tuple[int, 
             raise UserError(f"--engine {engine} captures at {t.block_m} x {t.block_n} tiles, but --{name} "
                             f"{given[name]} was given: leave out --{name}, or leave out --engine.")
     return t.block_m, t.block_n
+
+
+# What each consumer of a format does where lambda = factor / kv_len >= 1 (kv_len <= factor): none
+# runs dense there as sparsecal's runtime does. (short name, consumer, what it does, source): a
+# behaviour saying "dense" leaves attention exact, any other changes the output. docs/formats.md
+# "Served lengths" cites the commits read.
+MO = "NVIDIA/Model-Optimizer modelopt/torch/sparsity/attention_sparsity/"
+CONSUMERS = {
+    "modelopt": (
+        ("Model-Optimizer HF", "Model-Optimizer HF path",
+         "skips every tile, the diagonal included: the output changes",
+         MO + "methods/flash_skip_softmax.py (block_max - cummax > ln(lambda) keeps a tile; never true at >= 0)"),
+        ("Model-Optimizer vLLM plugin", "Model-Optimizer vLLM plugin",
+         "turns skipping off for the launch (lambda from the batch's longest sequence): dense",
+         MO + "plugins/vllm.py (_resolve_skip_softmax_calibration)")),
+    "trtllm": (
+        ("trtllm-gen", "TensorRT-LLM trtllm-gen (Blackwell)",
+         "skips every tile but each row's first: the output changes",
+         "NVIDIA/TensorRT-LLM trtllm-gen FMHA (docs/formats.md, Consumer decision rules)"),
+        ("fmha_v2", "TensorRT-LLM fmha_v2 prefill (Hopper)",
+         "exp(gap) < lambda holds for every candidate tile: the output changes",
+         "NVIDIA/TensorRT-LLM cpp/kernels/fmha_v2/src/fmha/warpspec/compute.h"),
+        ("XQA decode", "TensorRT-LLM XQA decode (Hopper)", "turns skipping off where kv_len < factor: dense",
+         "NVIDIA/TensorRT-LLM cpp/kernels/xqa/test/refAttention.cpp (disableSkipForShortSeq)")),
+    "sglang": (
+        ("trtllm-gen", "SGLang on FlashInfer trtllm-gen (SM100/SM103)",
+         "skips every tile but each row's first: the output changes",
+         "sgl-project/sglang python/sglang/srt/layers/attention/trtllm_mha_backend.py"),
+        ("XQA decode", "SGLang decode on SM90/SM120 (FlashInfer XQA)",
+         "never receives the decode factor: dense at every length",
+         "flashinfer-ai/flashinfer flashinfer/decode.py (trtllm_batch_decode_with_kv_cache: backend auto)")),
+    "vllm": (
+        ("Model-Optimizer vLLM plugin", "vLLM through Model-Optimizer's plugin",
+         "turns skipping off for the launch (lambda from the batch's longest sequence): dense",
+         MO + "plugins/vllm.py (_resolve_skip_softmax_calibration)"),),
+}
+
+
+def parse_serve_lengths(text: str | None) -> tuple[int, int | None] | None:
+    """``--serve-lengths MIN[-MAX]`` -> (MIN, MAX or None); None when not given."""
+    if text is None:
+        return None
+    parts = text.strip().split("-")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        nums = []
+    if len(nums) not in (1, 2) or any(n < 1 for n in nums) or (len(nums) == 2 and nums[0] > nums[1]):
+        raise UserError(f"--serve-lengths {text!r} is not MIN or MIN-MAX (positive token counts, MIN <= MAX); give "
+                        "e.g. 1024 or 512-8192.")
+    return nums[0], (nums[1] if len(nums) == 2 else None)
+
+
+def parse_length_weights(text: str) -> dict[int, float]:
+    """``--length-weights 1024:0.5,4096:0.5`` -> {length: weight} (repeated lengths add up)."""
+    out: dict[int, float] = {}
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        n, sep, w = item.partition(":")
+        try:
+            n, w = int(n), float(w)
+        except ValueError:
+            n, w = 0, float("nan")
+        if not sep or n < 1 or not (w >= 0.0) or w == float("inf"):
+            raise UserError(f"--length-weights: {item!r} is not LENGTH:WEIGHT (a positive token count and a finite "
+                            "weight >= 0); give e.g. 1024:0.5,4096:0.5, or a prompts file (JSONL).")
+        out[n] = out.get(n, 0.0) + w
+    if not out or sum(out.values()) <= 0:
+        raise UserError(f"--length-weights {text!r} holds no positive weight; give e.g. 1024:0.5,4096:0.5.")
+    return out

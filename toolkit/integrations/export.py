@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from sparsecal.analysis.bsfa import extend_positions
+from sparsecal.analysis.engine_fit import calibrated_weights
 from sparsecal.analysis.engine_law import MIN_LAYER_SPARSITY, collect, format_table, simulate, unpaid_layers
 from sparsecal.analysis.fit import FIT_DIR, load_fit
 from sparsecal.analysis.tables import THRESHOLDS, read_table
@@ -32,6 +33,7 @@ from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import load_arrays
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 from sparsecal.integrations import engine_export as E
+from sparsecal.integrations import engine_safety as S
 from sparsecal.integrations import export_dispatch as XD
 from sparsecal.integrations.exports import write_bsfa
 
@@ -166,14 +168,14 @@ def calibration(store, fit: dict, doc: dict, layers: list[int], min_sparsity: fl
     if not all(sid in done for sid in split["train"] + split["test"]):
         warn and warn(f"{store.root} lacks samples the fit used: no simulated sparsity, no layer left dense for "
                       "lack of skipping (capture them again with the same command to get both).")
-        return {"held": None, "edges": None, "unpaid": {}, "sparse": np.ones(len(layers), bool)}
+        return {"held": None, "train": None, "edges": None, "unpaid": {}, "sparse": np.ones(len(layers), bool)}
     cfg = StatsConfig.from_dict(fit["config"])
     hists = collect(store, fit, cfg, doc["scan_order"])
     factor = doc["threshold_scale_factor"]["prefill"]
     unpaid = unpaid_layers(hists.train["prefill"], cfg.gap_edges(), factor, doc["target_sparsity"], min_sparsity)
     sparse = np.array([p not in unpaid for p in range(len(layers))])
-    return {"held": hists.held, "edges": cfg.gap_edges(), "unpaid": {layers[p]: w for p, w in unpaid.items()},
-            "sparse": sparse}
+    return {"held": hists.held, "train": hists.train, "edges": cfg.gap_edges(),
+            "unpaid": {layers[p]: w for p, w in unpaid.items()}, "sparse": sparse}
 
 
 def add_per_layer(root: Path, doc: dict, layers: list[int], ignored: dict) -> None:
@@ -244,18 +246,54 @@ def _checked(store, out: Path, max_length: int | None) -> dict:
     return fit
 
 
-def _engines(formats, tiles, doc: dict, fit: dict, cal: dict, ignored: dict, sparse_layers, hf_config) -> tuple:
-    """(the engine files built, their context) for ``formats``, or (None, None) without formats."""
+def engine_options(formats, fit: dict, serve_lengths, length_weights, weights_source) -> dict:
+    """--serve-lengths and --length-weights checked against the fit (one UserError line each, before
+    any work): {"serve": served lengths, "weights": {calibrated length: w} or None, "source"}."""
+    if not formats and (serve_lengths is not None or length_weights is not None):
+        raise UserError("--serve-lengths and --length-weights shape the serving-engine files: give --format too "
+                        "(e.g. --format all).")
+    weights = calibrated_weights(length_weights, fit["lengths"]) if length_weights is not None else None
+    return {"serve": S.serve_range(serve_lengths, fit["model"].get("max_context")), "weights": weights,
+            "weights_source": weights_source or "--length-weights"}
+
+
+def _engines(formats, tiles, doc: dict, fit: dict, cal: dict, layers: dict, hf_config, opts: dict) -> tuple:
+    """(the engine files built, their context) for ``formats``, or (None, None) without formats.
+    ``layers``: {"ignored": {layer: why}, "sparse": [layer]}; ``opts``: engine_options and checkpoint."""
     if not formats:
         return None, None
     model = fit["model"]
     classes, names = E.attention_modules(model, hf_config)
     ctx = {"model": model, "run": doc["run"], "target": doc["target_sparsity"], "config": fit["config"],
-           "sparse": cal["sparse"], "ignored": ignored, "names": names, "classes": classes, "held": cal["held"],
-           "edges": cal["edges"], "validation": fit["validation"], "sparse_layers": sparse_layers}
+           "sparse": cal["sparse"], "ignored": layers["ignored"], "names": names, "classes": classes,
+           "held": cal["held"], "train": cal["train"], "edges": cal["edges"], "validation": fit["validation"],
+           "sparse_layers": layers["sparse"], **opts}
     built = E.build(formats, tiles, doc, ctx)
     E.check_factors_finite(built)
+    ignore = [names[i] for i in sorted(layers["ignored"]) if i in names]
+    built["safety"] = S.check(built, opts["serve"], built["scalar_laws"], ignore)
+    built["traffic"] = E.traffic(built, doc, ctx)
     return built, ctx
+
+
+def engine_notes(built: dict | None) -> list[str]:
+    """The lines the export prints about its engine files (each once): lambda >= 1 on served lengths,
+    and SGLang's decode factor not reaching XQA."""
+    if not built:
+        return []
+    out = [S.warning_line(built["safety"])]
+    if "sglang" in built["formats"]:
+        out.append("sglang.env: on SM90 and SM120 FlashInfer's decode goes through XQA, which never receives "
+                   "SGLANG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR: decode runs dense there.")
+    return [x for x in out if x]
+
+
+def engine_report(built: dict | None) -> str:
+    """report.txt's sections on the engine files: served lengths, and traffic (with length weights)."""
+    if not built:
+        return ""
+    lines = S.report_lines(built["safety"]) + [""] + E.traffic_lines(built.get("traffic"))
+    return "\n" + "\n".join(lines).rstrip() + "\n"
 
 
 def _write_bsfa(out: Path, root: Path, fit: dict, thr, meta: dict, layers, structural: dict, max_length) -> None:
@@ -271,15 +309,18 @@ def _write_bsfa(out: Path, root: Path, fit: dict, thr, meta: dict, layers, struc
 
 def export_run(store, out: Path, target: float | None = None, max_length: int | None = None, force: bool = False,
                formats=(), patch_config=None, per_layer: bool = False, min_layer_sparsity: float = MIN_LAYER_SPARSITY,
-               hf_config=None, warn=None, break_even=None, margin: float = 0.0) -> dict:
+               hf_config=None, warn=None, break_even=None, margin: float = 0.0, serve_lengths=None,
+               length_weights=None, weights_source: str | None = None) -> dict:
     """Write the three threshold files and report.txt into ``out`` (plus the engine ``formats`` and,
     with ``patch_config``, Model-Optimizer's block into that checkpoint's config.json); everything
     is checked before the first write. An export of another run in ``out`` is refused unless ``force``.
     ``hf_config``: the model's transformers config, for the attention module names. ``break_even``:
     a break-even file (``sparsecal bench break-even``): blasst.json gets the ``dispatch`` record
-    (sparse where the calibrated sparsity >= break-even + ``margin``)."""
+    (sparse where the calibrated sparsity >= break-even + ``margin``). ``serve_lengths`` (MIN, MAX or
+    None) and ``length_weights`` ({length: weight}) shape the engine files (engine_options)."""
     root, out = Path(store.root), Path(out)
     fit = _checked(store, out, max_length)
+    opts = engine_options(formats, fit, serve_lengths, length_weights, weights_source)
     be_doc = XD.load_for_run(break_even, store.manifest) if break_even is not None else None
     notes = []  # warnings said once the files are written: a refused export prints only its error line
     cfg, model = fit["config"], fit["model"]
@@ -305,18 +346,21 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
                     cal["sparse"], "sparsecal: blasst.json",
                     min_lengths={m: v["min_length"] for m, v in doc["validity"].items()}) if cal["held"] is not None else []
-    built, ctx = _engines(formats, tiles, doc, fit, cal, ignored, sparse_layers, hf_config)
+    opts["checkpoint"] = None if patch_config is None else str(Path(patch_config) if Path(patch_config).is_dir()
+                                                                else Path(patch_config).parent)
+    built, ctx = _engines(formats, tiles, doc, fit, cal, {"ignored": ignored, "sparse": sparse_layers}, hf_config, opts)
     rows += built["rows"] if built else []
     doc["simulation"] = rows
     check_overwrite(out, model["id"], doc["run"], force)
     out.mkdir(parents=True, exist_ok=True)
     _write_bsfa(out, root, fit, thr, meta, layers, structural, max_length)
     write_blasst(out, doc)
-    text = report(doc, rows, ignored, cfg, root)
+    text = report(doc, rows, ignored, cfg, root) + engine_report(built)
     atomic_write_text(out / F.REPORT, text)
     written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
     patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
-    for line in length_lines(doc) + notes:  # once written: a refused export prints its error line alone
+    # once written: a refused export prints its error line alone
+    for line in length_lines(doc) + notes + engine_notes(built):
         warn and warn(line)
     return {"out": str(out), "bsfa_shape": list(thr.shape), "k_values": fit["k_values"],
             "blasst": {e["target_sparsity"]: e["threshold_scale_factor"] for e in doc["targets"]},
