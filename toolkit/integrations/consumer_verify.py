@@ -11,9 +11,11 @@ For each chosen sample of the run the export came from (its token ids are in the
   layer runs (what a deployment does); its drift from the dense-statistics count is the effect
   of skipping upstream layers.
 
-Prefill is the whole N-token prompt; decode prefills N - R tokens and feeds the last R = the run's
-decode rows one at a time (the rows sparsecal captured as decode rows; Model-Optimizer's lambda
-there uses the step's kv length r + 1, sparsecal's prediction the sample's N).
+Prefill is the whole N-token prompt; decode continues from the first N - R positions of that
+prefill's cache and feeds the last R = the run's decode rows one at a time (the rows sparsecal
+captured as decode rows; Model-Optimizer's lambda there uses the step's kv length r + 1,
+sparsecal's prediction the sample's N). With masks applied, the cached keys and values are those
+of the masked prefill of all N tokens (a 128-row block's decision sees rows past N - R).
 Writes EXPORT/verify-modelopt.json (kind sparsecal-verify) and returns its document.
 """
 from __future__ import annotations
@@ -96,19 +98,17 @@ def predict(inp: dict, rec: dict, targets: list[float], pos: np.ndarray, cfg: St
 
 
 def _measure(model, ids, counter, decode_rows: int, key) -> None:
-    """One prefill of the whole prompt, then a decode of its last ``decode_rows`` tokens one at a time
-    after a prefill of the rest (that prefill is not counted)."""
+    """One prefill of the whole prompt (counted), then its cache cut back to the first N - R positions
+    and the last R = ``decode_rows`` tokens fed one at a time (counted as decode steps)."""
     import torch
 
     counter.key = key
     with torch.no_grad():
-        model(ids, use_cache=False)
+        past = model(ids, use_cache=True).past_key_values
         r = min(decode_rows, ids.shape[1] - 1)
         if r <= 0:
             return
-        counter.active = False
-        past = model(ids[:, :-r], use_cache=True).past_key_values
-        counter.active = True
+        past.crop(-r)  # keep the first N - R positions
         for t in range(ids.shape[1] - r, ids.shape[1]):
             past = model(ids[:, t:t + 1], past_key_values=past, use_cache=True).past_key_values
 
