@@ -11,9 +11,10 @@ from pathlib import Path
 import polars as pl
 import streamlit as st
 
-from sparsecal.dashboard import charts_dispatch, charts_run, data, derive, ui
+from sparsecal.dashboard import charts_dispatch, charts_run, charts_verify, data, derive, ui
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.verify import load_verify
 
 MIME = {".pt": "application/octet-stream", ".safetensors": "application/octet-stream", ".json": "application/json"}
 
@@ -154,9 +155,31 @@ def _dispatch(d: Path) -> None:
     ui.plot(charts_dispatch.dispatch_heatmap(rec["configs"][names.index(pick)], rec["lengths"]), key="ex_disp_map")
 
 
+VERIFY_COLUMNS = ("phase", "target", "length", "samples", "lambda", "predicted", "measured_dense", "error",
+                  "measured_masks", "drift", "diagonal")
+
+
+def _verify(d: Path) -> None:
+    """``sparsecal verify``: the consumer's own code run on the export, predicted vs measured."""
+    try:
+        doc = load_verify(d)
+    except UserError as e:
+        raise data.Broken(str(e)) from None
+    if doc is None:
+        st.info(f"Not verified by a consumer yet: `sparsecal verify {d}` runs this export through "
+                "Model-Optimizer's own loader and skip-softmax and measures what it skips.", icon=":material/info:")
+        return
+    st.markdown(f"**Verified by {doc.get('consumer')}** ({doc.get('device')}, {len(doc.get('samples', []))} "
+                "samples): predicted = sparsecal's simulation of the consumer's rule on the samples' statistics; "
+                "measured = the consumer's own decisions on the same tokens, counted exactly, with no mask applied "
+                "(dense statistics) and with each layer's mask applied (drift = masks - dense).")
+    rows = doc["rows"]
+    st.dataframe(pl.DataFrame([{k: r.get(k) for k in VERIFY_COLUMNS} for r in rows]), hide_index=True)
+    ui.plot(charts_verify.verify_chart(rows), key="ex_verify")
+
+
 def render() -> None:
-    root = ui.header("Export", "The files kernels and serving engines read; formats in the README's "
-                     "\"Fit and export\".")
+    root = ui.header("Export", "The files kernels and serving engines read; formats in docs/formats.md.")
     with ui.section():
         d = _directory(root)
         st.caption(f"Export directory: `{d}`")
@@ -171,6 +194,8 @@ def render() -> None:
             _dispatch(d)
         with ui.section():
             _engines(d)
+        with ui.section():
+            _verify(d)
 
 
 render()

@@ -117,8 +117,9 @@ class ExactCounter:
     applied. ``counts[(phase, S, key)] = [skipped, total]``, ``key`` set by the caller (e.g. the
     sample's length); nothing is counted while ``active`` is False."""
 
-    def __init__(self):
+    def __init__(self, mass: bool = False):
         self.counts = defaultdict(lambda: [0, 0])
+        self.mass = defaultdict(lambda: [0.0, 0]) if mass else None   # (phase, S, key) -> [kept mass, rows]
         self.key = None
         self.active = True
         self.targets: list | None = None
@@ -153,12 +154,30 @@ class ExactCounter:
             result = None
             for s in (self.targets if self.targets is not None else [own]):
                 method.target_sparse_ratio = dict(method.target_sparse_ratio, **{phase: s})
-                result = inner(attn, phase)
+                result = self._mass_call(method, inner, attn, phase, s) if self.mass is not None else inner(attn, phase)
                 self._add(phase, s, b * h * result[1]["total_blocks"], result[1]["sparsity"][0])
             method.target_sparse_ratio = dict(method.target_sparse_ratio, **{phase: own})
             return result
 
         method.calc_correction_factor_and_p = counted
+
+    def _mass_call(self, method, inner, attn, phase: str, target: float):
+        """The method's call with its own element mask computed (even in calibration mode), and the
+        softmax mass that mask keeps, summed over rows: the retained mass of its decision."""
+        import torch
+
+        calibrating = method._calibration_mode
+        method.set_calibration_mode(False)
+        try:
+            result = inner(attn, phase)
+        finally:
+            method.set_calibration_mode(calibrating)
+        if self.active:
+            kept = (torch.softmax(attn.float(), -1) * result[0]).sum(-1)
+            acc = self.mass[(phase, target, self.key)]
+            acc[0] += float(kept.sum())
+            acc[1] += kept.numel()
+        return (None, result[1]) if calibrating else result
 
     def _add(self, phase: str, target: float, total: int, sparsity: float) -> None:
         if not self.active:

@@ -34,10 +34,10 @@ from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
 from sparsecal.formats.run import RunStore, captured_layers
 from sparsecal.formats.stats_config import StatsConfig
+from sparsecal.formats.verify import VERIFY_JSON, VERIFY_KIND
+from sparsecal.formats.version import SCHEMA_VERSION
 from sparsecal.integrations import consumer_modelopt as M
 
-VERIFY_KIND = "sparsecal-verify"
-VERIFY_JSON = "verify-modelopt.json"
 ENGINES = ("modelopt",)
 
 
@@ -175,7 +175,7 @@ def document(inp, recs, targets, pred, dense, masked, masks: bool, device: str) 
                      "measured_masks": m[0] / m[1] if m and m[1] else None,
                      "drift": (m[0] / m[1] - measured) if (m and m[1] and measured is not None) else None})
     man = inp["manifest"]
-    return {"kind": VERIFY_KIND, "engine": "modelopt", "export": str(inp["export"]), "run": man["run"],
+    return {"kind": VERIFY_KIND, "schema_version": SCHEMA_VERSION, "engine": "modelopt", "export": str(inp["export"]), "run": man["run"],
             "model": man["model"]["id"], "consumer": _consumer_version(), "device": device,
             "samples": [r["id"] for r in recs], "targets": list(targets), "masks": masks,
             "law": {k: {"a": a, "b": b} for k, (a, b) in _laws(inp).items()}, "rows": rows,
