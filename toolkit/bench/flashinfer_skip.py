@@ -3,16 +3,16 @@ same rule (kernels/sparse/flashinfer_reference.py) and timed against dense Flash
 SDPA. One command on an H100 with flashinfer-python 0.7.2.post1 importable:
 
     python -m sparsecal.bench.flashinfer_skip --qkv DIR --out FILE.json [--prebuilt DIR]
-        [--targets 0.3,0.5,0.7] [--prefix 3000] [--rounds 3]
+        [--targets 0.3,0.5,0.7] [--prefix 3000] [--rounds 3] [--time-all]
 
 For every capture DIR/qkv-N.safetensors (bench/flashinfer_qkv.py) and layer in it: the factor whose
 simulated skipped share is nearest each target (bisection on the simulation); FlashInfer
 ``trtllm_fmha_v2_prefill`` (layout SEPARATE_Q_K_V, causal, bf16) dense and at each factor; the
 output's max / mean absolute difference from the simulation's float32 output; the kernel's own
 skipped/total tile counts (the ``stat`` build, bench/flashinfer_build.py) next to the simulation's;
-``--prefix P`` adds the first P tokens of the shortest capture (a length that is no multiple of
+a row at factor 1e-9 (the skip kernel on, nothing to skip: target null); ``--prefix P`` adds the first P tokens of the shortest capture (a length that is no multiple of
 the tiles: rows past N). Timing (one layer per length, ``--time-layer``): CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``, median) of dense FlashInfer, skip FlashInfer at each factor
+(``triton.testing.do_bench_cudagraph``, median) of dense FlashInfer, skip FlashInfer at 1e-9 and each factor
 and SDPA (cuDNN and FLASH backends, K/V expanded to H heads; the best reported), ``--rounds``
 rounds round-robin, the median over rounds. Writes FILE.json with provenance.
 
@@ -34,6 +34,7 @@ from sparsecal.bench import flashinfer_build as fb
 from sparsecal.kernels.sparse.flashinfer_reference import factor_for_share, simulate
 
 WORKSPACE_BYTES = 128 << 20
+NOTHING = 1e-9  # a factor > 0 (the skip kernel runs) whose lambda = 1e-9 / N skips no tile here
 
 
 def tolerance(ref: torch.Tensor) -> float:
@@ -78,8 +79,9 @@ def check_case(mods, q, k, v, scale, targets, hi_factor) -> list[dict]:
     dense_out = run(0.0).clone()
     rows = [{"target": 0.0, "factor": 0.0, "lambda": 0.0, "sim_skipped": 0, "sim_total": dense_sim.total,
              "sim_share": 0.0, **diffs(dense_out, dense_sim.out)}]
-    for target in targets:
-        factor, _ = factor_for_share(q, k, v, target, lo=1e-3, hi=hi_factor, scale=scale)
+    for target in [None] + list(targets):  # None: the skip kernel at a factor that skips nothing
+        factor = NOTHING if target is None else factor_for_share(q, k, v, target, lo=1e-3, hi=hi_factor,
+                                                                  scale=scale)[0]
         sim = simulate(q, k, v, factor, scale=scale)
         fb.use_module(mods["stock"])
         out = run(factor).clone()
@@ -110,7 +112,7 @@ def time_case(mods, q, k, v, scale, factors, rounds: int) -> dict:
     fb.use_module(mods["stock"])
     h, hkv = q.shape[0], k.shape[0]
     q4, k4, v4 = q[None], k.repeat_interleave(h // hkv, 0)[None], v.repeat_interleave(h // hkv, 0)[None]
-    fns = {"flashinfer_dense": lambda: run(0.0)}
+    fns = {"flashinfer_dense": lambda: run(0.0), "flashinfer_skip_nothing": lambda: run(NOTHING)}
     for f in factors:
         fns[f"flashinfer_skip@{f:.6g}"] = (lambda f=f: run(f))
     for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
@@ -183,6 +185,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefix", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--time-layer", type=int, default=None, help="layer timed per length (default: the middle one)")
+    ap.add_argument("--time-all", action="store_true", help="time every layer of every full-length capture")
     ap.add_argument("--no-stat", action="store_true")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
@@ -209,12 +212,12 @@ def main(argv=None) -> None:
                 r.update(n=int(n), layer=layer, task=meta["task"], heads=q.shape[0], kv_heads=k.shape[0], d=q.shape[2])
                 print(json.dumps({k_: (round(v_, 6) if isinstance(v_, float) else v_) for k_, v_ in r.items()}), flush=True)
             result["cases"] += rows
-            if layer == time_layer and int(n) == q.shape[1] and n == meta["length"]:
-                factors = [r["factor"] for r in rows if r["target"] > 0]
-                t = time_case(mods, q, k, v, scale, factors, a.rounds)
-                t.update(n=int(n), layer=layer, targets=targets, factors=factors,
-                         sim_shares=[r["sim_share"] for r in rows if r["target"] > 0],
-                         kernel_shares=[r.get("kernel_share") for r in rows if r["target"] > 0])
+            if (a.time_all or layer == time_layer) and n == meta["length"]:
+                sparse = [r for r in rows if r["target"]]
+                t = time_case(mods, q, k, v, scale, [r["factor"] for r in sparse], a.rounds)
+                t.update(n=int(n), layer=layer, targets=targets, factors=[r["factor"] for r in sparse],
+                         sim_shares=[r["sim_share"] for r in sparse],
+                         kernel_shares=[r.get("kernel_share") for r in sparse])
                 print(json.dumps({"n": n, "layer": layer, "ms": t["ms"], "how": t["how"]}), flush=True)
                 result["timing"].append(t)
     from sparsecal.formats.files import atomic_write_text
