@@ -10,10 +10,11 @@ simulated skipped share is nearest each target (bisection on the simulation); Fl
 ``trtllm_fmha_v2_prefill`` (layout SEPARATE_Q_K_V, causal, bf16) dense and at each factor; the
 output's max / mean absolute difference from the simulation's float32 output; the kernel's own
 skipped/total tile counts (the ``stat`` build, bench/flashinfer_build.py) next to the simulation's;
-a row at factor 1e-9 (the skip kernel on, nothing to skip: target null); ``--prefix P`` adds the first P tokens of the shortest capture (a length that is no multiple of
-the tiles: rows past N). Timing (one layer per length, ``--time-layer``): CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``, median) of dense FlashInfer, skip FlashInfer at 1e-9 and each factor
-and SDPA (cuDNN and FLASH backends, K/V expanded to H heads; the best reported), ``--rounds``
+a row at factor 1e-9 (the skip kernel on, nothing to skip: target null); ``--prefix P`` adds the
+first P tokens of the shortest capture (a length that is no multiple of the tiles: rows past N).
+Timing (one layer per length, ``--time-layer``, or all with ``--time-all``): CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``, median) of dense FlashInfer, skip FlashInfer at 1e-9 and
+each factor, and SDPA (cuDNN and FLASH backends, K/V expanded to H heads; the best reported), ``--rounds``
 rounds round-robin, the median over rounds. Writes FILE.json with provenance.
 
 Tolerance stated in the file: |kernel - simulation| <= 2^-6 * max|simulation| + 2^-8 (bf16 has 8
@@ -204,13 +205,16 @@ def main(argv=None) -> None:
         time_layer = a.time_layer if a.time_layer is not None else layers[len(layers) // 2]
         inputs = [(meta["length"], layer, data[layer]) for layer in layers]
         if idx == 0 and a.prefix:
-            inputs += [(str(a.prefix), layer, tuple(t[:, :a.prefix].contiguous() for t in data[layer])) for layer in layers[:1]]
+            cut = tuple(t[:, :a.prefix].contiguous() for t in data[layers[0]])
+            inputs.append((str(a.prefix), layers[0], cut))
         for n, layer, (q, k, v) in inputs:
             scale = float(meta["scale"]) if meta.get("scale") not in (None, "None") else q.shape[-1] ** -0.5
             rows = check_case(mods, q, k, v, scale, targets, hi_factor=4.0 * q.shape[1])
             for r in rows:
-                r.update(n=int(n), layer=layer, task=meta["task"], heads=q.shape[0], kv_heads=k.shape[0], d=q.shape[2])
-                print(json.dumps({k_: (round(v_, 6) if isinstance(v_, float) else v_) for k_, v_ in r.items()}), flush=True)
+                r.update(n=int(n), layer=layer, task=meta["task"], heads=q.shape[0], kv_heads=k.shape[0],
+                         d=q.shape[2])
+                print(json.dumps({k_: round(v_, 6) if isinstance(v_, float) else v_ for k_, v_ in r.items()}),
+                      flush=True)
             result["cases"] += rows
             if (a.time_all or layer == time_layer) and n == meta["length"]:
                 sparse = [r for r in rows if r["target"]]
