@@ -128,15 +128,15 @@ def test_counter_is_exact_and_lambda_at_least_one_skips_everything(exports, rng)
 
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
-    """SmolLM2 captured at Model-Optimizer's tiles on two 1024-token prompts, fitted at two targets,
-    exported and verified: a real model's tiles, so the rule meets real gaps."""
+    """SmolLM2 captured at Model-Optimizer's tiles on one 1024-token prompt, fitted at two targets,
+    exported and verified at a target it reaches and one where lambda >= 1: a real model's tiles."""
     run = tmp_path_factory.mktemp("verify") / "run"
-    _ok(cli("capture", "--task", "text", "--lengths", "1024", "--samples", "2", "--out", run, "--engine", "modelopt",
+    _ok(cli("capture", "--task", "text", "--lengths", "1024", "--samples", "1", "--out", run, "--engine", "modelopt",
             "--orders", "forward", "--decode-rows", "16", "--raw", "--k", "4"))
     _ok(cli("fit", run, "--engine", "modelopt", "--targets", "0.2,0.3", "--holdout", "0"))
     _ok(cli("export", run, "--out", run / "export", "--format", "modelopt", "--target", "0.3",
             "--min-layer-sparsity", "0"))
-    res = _ok(cli("verify", run / "export", "--samples", "all", "--targets", "0.2,0.3,0.9"))
+    res = _ok(cli("verify", run / "export", "--samples", "all", "--targets", "0.2,0.9"))
     return run, res
 
 
@@ -146,13 +146,13 @@ def test_verify_measures_what_was_predicted(verified):
     doc = json.loads((run / "export" / "verify-modelopt.json").read_text())
     assert doc["kind"] == "sparsecal-verify" and doc["consumer"].startswith("nvidia-modelopt")
     rows = doc["rows"]
-    assert {r["phase"] for r in rows} == {"prefill", "decode"} and len(rows) == 2 * 3
+    assert {r["phase"] for r in rows} == {"prefill", "decode"} and len(rows) == 2 * 2
     for r in rows:
         assert r["measured_total"] > 0 and r["measured_masks"] is not None
         if r["saturated"]:
             assert r["predicted"] == 1.0 and r["measured_dense"] == 1.0, r
         elif r["phase"] == "prefill":
-            assert abs(r["error"]) <= 0.02, r
+            assert abs(r["error"]) <= 0.01, r
     assert any(r["predicted"] > 0.05 for r in rows), "SmolLM2 skips tiles"
     assert "measured" in res.output and "drift" in res.output
 
