@@ -5,8 +5,8 @@ single-order path the gap, t* and q-init histograms (kernels/capture/reduce_refe
 
 - BSFA: with the thresholds of reduce.bsfa_thresholds (torch.topk, no host sync), the kept count
   A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
-- ORDER >= 0 (single-order capture): the candidate tiles' gap histogram (count and mass) of that
-  order, and the block's rows: t* where-category and normalized-t* counts, q-init error
+- ORDER >= 0 (single-order capture): the gap histograms (count and mass) of that order of the
+  candidate tiles (j < A_i) and of the diagonal tiles (A_i <= j < R_i), and the block's rows: t* where-category and normalized-t* counts, q-init error
   counts and running-max rescale / shortfall counts (tilestats.row_scan_stats), added with
   atomics into the histogram row of the head (tilestats.HistLayout, at the order's slot of
   geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
@@ -37,7 +37,8 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
                            KP: tl.constexpr, ORDER: tl.constexpr, W: tl.constexpr, NBP: tl.constexpr,
                            OFF_TW: tl.constexpr, OFF_TH: tl.constexpr, OFF_QI: tl.constexpr,
                            NT: tl.constexpr, TBP: tl.constexpr, OFF_RC: tl.constexpr, OFF_RX: tl.constexpr,
-                           OFF_SF: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr):
+                           OFF_SF: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr,
+                           OFF_DG: tl.constexpr):
     """Grid (P, H). BMAX, MASS, GAP [H, P, Kb] f32 (GAP: the one order's); THR [H, P, K] f32;
     KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP, RESC [H, N] i32, TWHERE [H, N] i8, QERR
     [H, N] f32, SHORT [H, 2, N] f32; PART [H, W] f32 (zeroed by the caller, added into). ORDER -1: BSFA only."""
@@ -66,10 +67,17 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
     tl.store(KEPT + kp, (n_cand - below_n).to(tl.int64), mask=k_ok)
     tl.store(SKIP + kp, below_m, mask=k_ok)
     if ORDER >= 0:
+        n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+        for j0 in range(n_cand, n_reach, TJ):  # the diagonal tiles
+            jt = j0 + tl.arange(0, TJ)
+            ok = jt < n_reach
+            m = tl.load(MASS + tiles + jt, mask=ok, other=0.0)
+            g = tl.load(GAP + tiles + jt, mask=ok, other=0.0)
+            hist_add(part + OFF_DG + ORDER * NBP, part + OFF_DG + (3 + ORDER) * NBP,
+                     bucket(g, GEDGES, g_lo, g_inv, n_gedges), m, ok)
         offs_m = tl.arange(0, BLOCK_M)
         rows = i * BM + offs_m
         row_ok = (offs_m < BM) & (rows < n_ctx)
-        n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
         r = h * n_ctx + rows
         where = tl.load(TWHERE + r, mask=row_ok, other=0).to(tl.int32)
         hit = (where[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
