@@ -84,6 +84,6 @@ def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, laun
         ge, _, g_lo, g_inv, n_ge = edge_args(cfg, dev)[:5]
         decode_stats_kernel[(cdiv(n_dec, 16), h)](
             rmax, mass, gap, part if fused else gap, ge, r_first, n_dec, kb, g_lo, g_inv, n_ge,
-            BN=bn, ROWS=16, TJ=32, W=lay.offsets["width"], NBP=lay.nbp, HIST=fused, OFF_DG=lay.offsets["diag_gap_count"],
-            num_warps=4, num_stages=1)
+            BN=bn, ROWS=16, TJ=32, W=lay.offsets["width"], NBP=lay.nbp, HIST=fused,
+            OFF_DG=lay.offsets["diag_gap_count"], num_warps=4, num_stages=1)
     return torch.arange(r_first, n, device=dev), gap, mass, part, rmax

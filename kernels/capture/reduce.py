@@ -6,10 +6,11 @@ single-order path the gap, t* and q-init histograms (kernels/capture/reduce_refe
 - BSFA: with the thresholds of reduce.bsfa_thresholds (torch.topk, no host sync), the kept count
   A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
 - ORDER >= 0 (single-order capture): the gap histograms (count and mass) of that order of the
-  candidate tiles (j < A_i) and of the diagonal tiles (A_i <= j < R_i), and the block's rows: t* where-category and normalized-t* counts, q-init error
-  counts and running-max rescale / shortfall counts (tilestats.row_scan_stats), added with
-  atomics into the histogram row of the head (tilestats.HistLayout, at the order's slot of
-  geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
+  candidate tiles (j < A_i) and of the diagonal tiles (A_i <= j < R_i), and the block's rows:
+  t* where-category and normalized-t* counts, q-init error counts and running-max rescale /
+  shortfall counts (tilestats.row_scan_stats), added with atomics into the histogram row of the
+  head (tilestats.HistLayout, at the order's slot of geometry.ORDERS), bins exactly
+  torch.bucketize's (f64 edge tables).
 
 Shape legend: H heads, P query blocks, Kb key blocks, N length, K = len(k_values), W histogram
 entries per head.
@@ -27,6 +28,35 @@ from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds, top_mass
 from sparsecal.kernels.capture.tilestats import HistLayout, bucket, hist_add, row_scan_stats
 
 TJ = 64  # tiles per chunk
+
+
+@triton.jit
+def _diag_hist(gap_ptr, mass_ptr, cnt_ptr, sum_ptr, n_cand, n_reach, GEDGES, g_lo, g_inv, n_gedges,
+               TJ: tl.constexpr):
+    """Gap histogram of a query block's diagonal tiles n_cand <= j < n_reach (gaps at gap_ptr + j,
+    masses at mass_ptr + j): counts added at cnt_ptr + bin, masses at sum_ptr + bin."""
+    for j0 in range(n_cand, n_reach, TJ):
+        jt = j0 + tl.arange(0, TJ)
+        ok = jt < n_reach
+        m = tl.load(mass_ptr + jt, mask=ok, other=0.0)
+        g = tl.load(gap_ptr + jt, mask=ok, other=0.0)
+        hist_add(cnt_ptr, sum_ptr, bucket(g, GEDGES, g_lo, g_inv, n_gedges), m, ok)
+
+
+@triton.jit
+def _tstar_counts(TWHERE, TSTEP, r, row_ok, n_reach, part_w, part_t, NT: tl.constexpr, TBP: tl.constexpr):
+    """The rows r [BLOCK_M] (valid row_ok) counted into 4 t* where bins at part_w and TBP
+    normalized-t* bins at part_t (reference.tstar_norm: step / max(n_reach - 1, 1))."""
+    where = tl.load(TWHERE + r, mask=row_ok, other=0).to(tl.int32)
+    hit = (where[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
+    w = tl.sum(hit.to(tl.float32), 0)
+    tl.atomic_add(part_w + tl.arange(0, 4), w, mask=w > 0, sem="relaxed")
+    step = tl.load(TSTEP + r, mask=row_ok, other=0)
+    norm = step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32)
+    tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
+    hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
+    t = tl.sum(hit.to(tl.float32), 0)
+    tl.atomic_add(part_t + tl.arange(0, TBP), t, mask=t > 0, sem="relaxed")
 
 
 @triton.jit
@@ -68,27 +98,14 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
     tl.store(SKIP + kp, below_m, mask=k_ok)
     if ORDER >= 0:
         n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
-        for j0 in range(n_cand, n_reach, TJ):  # the diagonal tiles
-            jt = j0 + tl.arange(0, TJ)
-            ok = jt < n_reach
-            m = tl.load(MASS + tiles + jt, mask=ok, other=0.0)
-            g = tl.load(GAP + tiles + jt, mask=ok, other=0.0)
-            hist_add(part + OFF_DG + ORDER * NBP, part + OFF_DG + (3 + ORDER) * NBP,
-                     bucket(g, GEDGES, g_lo, g_inv, n_gedges), m, ok)
+        _diag_hist(GAP + tiles, MASS + tiles, part + OFF_DG + ORDER * NBP, part + OFF_DG + (3 + ORDER) * NBP,
+                   n_cand, n_reach, GEDGES, g_lo, g_inv, n_gedges, TJ)
         offs_m = tl.arange(0, BLOCK_M)
         rows = i * BM + offs_m
         row_ok = (offs_m < BM) & (rows < n_ctx)
         r = h * n_ctx + rows
-        where = tl.load(TWHERE + r, mask=row_ok, other=0).to(tl.int32)
-        hit = (where[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
-        w = tl.sum(hit.to(tl.float32), 0)
-        tl.atomic_add(part + OFF_TW + 4 * ORDER + tl.arange(0, 4), w, mask=w > 0, sem="relaxed")
-        step = tl.load(TSTEP + r, mask=row_ok, other=0)
-        norm = step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32)  # reference.tstar_norm
-        tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
-        hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
-        t = tl.sum(hit.to(tl.float32), 0)
-        tl.atomic_add(part + OFF_TH + ORDER * TBP + tl.arange(0, TBP), t, mask=t > 0, sem="relaxed")
+        _tstar_counts(TWHERE, TSTEP, r, row_ok, n_reach, part + OFF_TW + 4 * ORDER, part + OFF_TH + ORDER * TBP,
+                      NT, TBP)
         qerr = tl.load(QERR + r, mask=row_ok, other=0.0)
         bins = bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
         tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
