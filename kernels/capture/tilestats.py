@@ -13,10 +13,10 @@ chunks of TJ tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-ex
 - running-max rescales of every row in every order (the tiles that set a strict new running max,
   found by a (max, first index) scan), and the shortfall of the running max after the first and
   the first geometry.local_prefix scanned blocks;
-- optionally (HIST) the additive histograms of kernels/capture/reduce_reference.py: gap counts and masses of the
-  candidate tiles and of the diagonal tiles per order, t* where / normalized-t* counts, the q-init error counts and the
-  rescale / shortfall counts, added
-  with atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
+- optionally (HIST) the additive histograms of kernels/capture/reduce_reference.py: gap counts
+  and masses of the candidate tiles and of the diagonal tiles per order, t* where /
+  normalized-t* counts, the q-init error counts and the rescale / shortfall counts, added with
+  atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
   torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects the guess).
 
 Shape legend: H heads, P query blocks, Kb key blocks, N length, W = HistLayout.width histogram
@@ -278,8 +278,8 @@ def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, part, ED
                    OFF_DG: tl.constexpr):
     """Descending chunks: reverse-order gaps (suffix running maxima) at ptr + j; (HIST) their
     histograms (candidate and diagonal tiles, as _forward_sweep's), with the masses the forward
-    sweep stored, added into part. Returns the new running
-    maxima per row [BLOCK_M] in reverse order (the first finite one included)."""
+    sweep stored, added into part. Returns the new running maxima per row [BLOCK_M] in reverse
+    order (the first finite one included)."""
     carry = tl.full([BLOCK_M], float("-inf"), tl.float32)
     n_r = tl.zeros([BLOCK_M], tl.int32)
     for c in range(0, tl.cdiv(n_reach, TJ)):
