@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparsecal.capture.models import load_run_model
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -159,7 +160,7 @@ def main(argv=None) -> dict:
     targets = sorted({p[0] for m in (inp["manifest"].get("law") or {}).values() for p in m["points"]})
     print(f"sparsecal: capture + fit + export of {len(train)} prompts", flush=True)
     ours = time_sparsecal(store, train, targets, args.out)
-    model = V._load_model(store, args.device)
+    model = load_run_model(store.manifest, args.device, attn="eager")
     M.apply(model, inp["block"]["block"])
     print(f"Model-Optimizer: DynamicThresholdCalibrator on the same {len(train)} prompts", flush=True)
     theirs = time_modelopt(model, store, train, cfg.decode_rows, args.device)

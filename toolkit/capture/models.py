@@ -157,6 +157,12 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
     return model.eval()
 
 
+def load_run_model(manifest: dict, device: str, attn: str = "sdpa"):
+    """The model a run was captured from (its manifest's spec and dtype) on ``device``."""
+    return load_model(resolve_model(manifest["model"]["spec"]), dtype=manifest.get("dtype", "float32"),
+                      device=device, attn=attn)
+
+
 def load_for_rank(ranks, ms, dtype: str, device: str, device_map: str | None, max_memory: str | None,
                   console):
     """The model on this rank's device (``ranks``: capture.distributed.Ranks) or spread by
