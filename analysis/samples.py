@@ -40,6 +40,11 @@ def finished_records(store, warn=None, strict: bool = False) -> list[dict]:
     scan.update(impossible)
     recs, extra = store.finished_records(scan)
     _check_records(store, scan)
+    if not recs:
+        if impossible or damaged:
+            raise UserError(f"{store.root} has no usable sample: every finished one is damaged or holds impossible "
+                            f"statistics ({_named({**damaged, **impossible})}); recapture them.")
+        raise UserError(f"{store.root} has no finished samples; run `sparsecal capture --out {store.root}` first.")
     if warn and extra:
         warn(f"{len(extra)} finished sample(s) of {store.root} are missing from its manifest ({', '.join(extra[:3])}"
              f"{', ...' if len(extra) > 3 else ''}); they are fitted too. `sparsecal doctor {store.root}` repairs "
@@ -54,11 +59,6 @@ def finished_records(store, warn=None, strict: bool = False) -> list[dict]:
     if warn and impossible:
         warn(f"{len(impossible)} sample(s) with impossible statistics left out ({_named(impossible)}); remove their "
              "folders and run the same capture command to recapture them.")
-    if not recs:
-        if impossible or damaged:
-            raise UserError(f"{store.root} has no usable sample: every finished one is damaged or holds impossible "
-                            f"statistics ({_named({**damaged, **impossible})}); recapture them.")
-        raise UserError(f"{store.root} has no finished samples; run `sparsecal capture --out {store.root}` first.")
     return recs
 
 
