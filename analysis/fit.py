@@ -170,7 +170,8 @@ def check_fit_dir(root: Path) -> None:
         raise UserError(f"{out} is a symbolic link; sparsecal does not write through it out of the run: remove it "
                         f"(rm {out}) and run `sparsecal fit {root}` again.")
     if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file, not the run's fit directory; remove it and run `sparsecal fit {root}` again.")
+        raise UserError(f"{out} is a file, not the run's fit directory; remove it and run `sparsecal fit {root}` "
+                        "again.")
 
 
 def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list) -> list:

@@ -75,8 +75,8 @@ def _check_records(store, scan: dict) -> None:
     if wrong:
         sid, diff = next(iter(wrong.items()))
         more = f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""
-        raise UserError(f"{store.root}/manifest.json's record of sample {sid} disagrees with the sample ({diff}){more}; "
-                        f"run `sparsecal doctor {store.root}`, which repairs the manifest from the samples.")
+        raise UserError(f"{store.root}/manifest.json's record of sample {sid} disagrees with the sample "
+                        f"({diff}){more}; run `sparsecal doctor {store.root}`, which repairs the manifest from the samples.")
 
 
 def split_samples(records: list[dict], holdout: float, seed: int = 0, where: str = "the run") -> Split:

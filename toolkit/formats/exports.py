@@ -133,7 +133,8 @@ def write_blasst(out: Path, doc: dict) -> None:
 
 def bsfa_from_payload(path: Path, d) -> BsfaExport:
     """Check a loaded ``thresholds.bsfa.pt`` dict (thresholds as any array with a shape)."""
-    if not isinstance(d, dict) or not set(BSFA_KEYS) <= set(d) <= set(BSFA_KEYS + BSFA_DECODE_KEYS + BSFA_IDENTITY_KEYS) or (
+    allowed = set(BSFA_KEYS + BSFA_DECODE_KEYS + BSFA_IDENTITY_KEYS)
+    if not isinstance(d, dict) or not set(BSFA_KEYS) <= set(d) <= allowed or (
             ("decode_thresholds" in d) != ("decode_positions" in d)):
         have = sorted(d) if isinstance(d, dict) else type(d).__name__
         raise UserError(f"{path} does not hold the BSFA export keys {list(BSFA_KEYS)} (has {have}).")

@@ -212,7 +212,8 @@ class RunStore:
             if rec["id"] not in done or rec["id"] in out:
                 continue
             own = json.loads((self.root / SAMPLES / rec["id"] / "sample.json").read_text())
-            diff = [f"{k} {rec.get(k, '(missing)')!r} vs {own.get(k)!r}" for k in RECORD_KEYS if rec.get(k) != own.get(k)]
+            diff = [f"{k} {rec.get(k, '(missing)')!r} vs {own.get(k)!r}" for k in RECORD_KEYS
+                    if rec.get(k) != own.get(k)]
             if diff:
                 out[rec["id"]] = ", ".join(diff)
         return out
@@ -239,8 +240,6 @@ class RunStore:
         if str(meta.get("schema_version")) != str(SCHEMA_VERSION):
             return f"stats.safetensors has schema version {meta.get('schema_version')}"
         model = self.manifest.get("model") or {}
-        if meta.get("model", model.get("id")) != model.get("id"):
-            return f"stats.safetensors belongs to model {meta.get('model')}, not {model.get('id')}"
         if isinstance(model.get("num_heads"), int):
             return check_shapes(shapes, record["length"], self.manifest["config"]["block_m"], len(self.layers()),
                                 model["num_heads"])

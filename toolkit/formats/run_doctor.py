@@ -117,12 +117,14 @@ def _repair_samples(man: dict, records: dict[str, dict], done: set, said: list[s
         seen.add(sid)
         own = records.get(sid) if sid in done else None
         if own is not None:
-            diff = [f"{k} {rec.get(k, '(missing)')!r} -> {own.get(k)!r}" for k in RECORD_KEYS if rec.get(k) != own.get(k)]
+            diff = [f"{k} {rec.get(k, '(missing)')!r} -> {own.get(k)!r}" for k in RECORD_KEYS
+                    if rec.get(k) != own.get(k)]
             if diff:
                 said.append(f"record of {sid}: {', '.join(diff)} (from its sample.json)")
                 rec = own
         elif check_record(sid, rec) is not None:
-            said.append(f"dropped the planned record of {sid}: {check_record(sid, rec)} (the capture command plans it again)")
+            said.append(f"dropped the planned record of {sid}: {check_record(sid, rec)} (the capture command plans "
+                        "it again)")
             continue
         out.append(rec)
     added = sorted(sid for sid in done - seen if sid in records)
