@@ -277,19 +277,13 @@ def demo(
 @app.command()
 @_user_errors
 def doctor(run: Path = typer.Argument(..., help="Run directory made by `sparsecal capture`.")):
-    """Check a run: add finished samples its manifest lacks (after concurrent writers or a lost
-    manifest write) and list damaged samples, which the same capture command recaptures."""
-    from sparsecal.formats.run import RunStore
+    """Check a run against its samples: repair its manifest from them (missing samples, records that
+    disagree with their sample, lost model/config/dtype), check every statistic, and list damaged
+    samples with what to do."""
+    from sparsecal.formats.run_doctor import doctor as run_doctor
 
-    store = RunStore.open(run)
-    added, damaged = store.rebuild()
-    done = len(store.done_ids())
-    typer.echo(f"{run}: {done} finished samples, {len(store.manifest['samples'])} planned"
-               + (f"; added {len(added)} missing from the manifest" if added else ""))
-    for sid, why in damaged.items():
-        typer.echo(f"damaged: {sid}: {why}")
-    if damaged:
-        typer.echo("run the capture command again to recapture the damaged samples.")
+    for line in run_doctor(run):
+        typer.echo(line)
 
 
 @app.command(name="eval")
