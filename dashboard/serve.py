@@ -4,7 +4,8 @@ demo``. Light on purpose (no Streamlit import here): the CLI imports it inside t
 The server is ``python -m streamlit run <this folder>/app.py`` in headless mode on the given
 address and port, with the run directories after ``--`` (app.py reads them from its arguments),
 result directories in $SPARSECAL_RESULTS, usage statistics off. It runs in the foreground until
-Ctrl-C (or until the process is terminated).
+Ctrl-C (or until the process is terminated); the server gets a parent-death signal, so it never
+outlives this process (a SIGKILL of ``sparsecal dashboard`` frees the port too).
 """
 from __future__ import annotations
 
@@ -91,7 +92,10 @@ def start(runs, host: str = "127.0.0.1", port: int = 8501, results=(), pending=(
     n = sum(1 if (p / "manifest.json").is_file() else sum((c / "manifest.json").is_file() for c in p.iterdir())
             for p in paths if p.is_dir())
     echo(f"sparsecal dashboard: serving {n} run{'s' * (n != 1)} at http://{shown}:{port}  (Ctrl-C stops it)")
-    return subprocess.Popen(command(paths, host, port), env=env)
+    from sparsecal.formats.children import preexec
+
+    # the server ends with this process, however it ends (SIGKILL included): formats/children.py
+    return subprocess.Popen(command(paths, host, port), env=env, preexec_fn=preexec())
 
 
 def stop(proc: subprocess.Popen) -> int:

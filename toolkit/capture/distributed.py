@@ -13,7 +13,8 @@ several hosts with the directory on a shared filesystem. ``Ranks.gather`` brings
 results to rank 0 for the summary. A rank that dies loses only the sample it was working on (and
 torchrun stops the others, which lose theirs); the same command on any number of ranks captures
 exactly what is missing. ``launch`` is ``--gpus N``: torchrun started by the command itself on
-this host, in this process, so that a failing rank is reported in one line.
+this host, in this process, so that a failing rank is reported in one line; its ranks end when
+this process ends, however it ends (a parent-death signal: formats/children.py).
 
 Placement (``--device-map auto``): accelerate spreads one model's layers over the GPUs, and the
 CPU where ``--max-memory`` (``parse_max_memory``) says so; ``check_placement`` refuses what cannot
@@ -192,7 +193,10 @@ def launch(n: int, args: list[str], device: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from sparsecal.formats.children import launcher_env
+
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    os.environ.update(launcher_env({}))  # the ranks die with this process, SIGKILL included (formats/children.py)
     for name in ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the ranks speak for themselves
     try:
