@@ -83,6 +83,8 @@ def _rank_args(ctx: typer.Context) -> list[str]:
         value = ctx.params.get(p.name)
         if p.name == "gpus" or value is None:
             continue
+        if getattr(ctx.get_parameter_source(p.name), "name", None) == "DEFAULT" and value == p.default:
+            continue  # left out: the ranks take the same default, and see what the user typed as typed
         if p.param_type_name == "argument":
             args += [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
         elif p.is_flag:
