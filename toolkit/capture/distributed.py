@@ -180,15 +180,7 @@ def launch(n: int, args: list[str], device: str) -> int:
     the exit code. A rank's bad-input line is the one line printed; any other failure is named."""
     import logging
 
-    import torch
-
-    if from_env().several:
-        raise UserError("--gpus starts torchrun itself: under torchrun, leave it out.")
-    if torch.device(device).type == "cuda":
-        if torch.device(device).index is not None:
-            raise UserError(f"--gpus {n} --device {device}: give --device cuda; rank r uses cuda:r.")
-        if n > torch.cuda.device_count():
-            raise UserError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA device(s) here.")
+    check_gpus(n, device)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -206,6 +198,25 @@ def launch(n: int, args: list[str], device: str) -> int:
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun has stopped the ranks
         raise KeyboardInterrupt from e  # the CLI's resume hint, exit code 130
     return 0
+
+
+def check_gpus(n: int, device: str) -> None:
+    """Refuse a --gpus N that cannot start here (before anything else is checked or started)."""
+    import torch
+
+    if n < 2:
+        return
+    if from_env().several:
+        raise UserError("--gpus starts torchrun itself: under torchrun, leave it out.")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return  # check_dtype_device names the bad device
+    if dev.type == "cuda":
+        if dev.index is not None:
+            raise UserError(f"--gpus {n} --device {device}: give --device cuda; rank r uses cuda:r.")
+        if n > torch.cuda.device_count():
+            raise UserError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA device(s) here.")
 
 
 def _failure(failures: dict) -> int:

@@ -46,7 +46,7 @@ def existing_file(path: Path | None, option: str, what: str) -> None:
 def check_capture(ctx, req) -> None:
     """``sparsecal capture``: every option judged without the model, before ranks start."""
     from sparsecal.capture.command import stats_config
-    from sparsecal.capture.distributed import check_placement
+    from sparsecal.capture.distributed import check_gpus, check_placement
     from sparsecal.capture.models import check_dtype_device
     from sparsecal.capture.runner import BACKENDS
     from sparsecal.formats.errors import unknown
@@ -61,8 +61,9 @@ def check_capture(ctx, req) -> None:
     stats_config(req)
     if req.backend not in BACKENDS:
         raise unknown("backend", req.backend, BACKENDS)
+    check_gpus(ctx.params.get("gpus") or 1, req.device)
     check_dtype_device(req.dtype, req.device)
-    check_placement(req.device_map, req.max_memory, req.device)
+    check_placement(req.device_map, req.max_memory, req.device, ctx.params.get("gpus") or 1)
 
 
 def check_export(break_even: Path | None, max_length: int | None, target: float | None) -> None:
