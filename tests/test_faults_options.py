@@ -315,3 +315,26 @@ def test_an_evaluation_directory_is_not_a_run(tmp_path):
     assert check_runs([both]) == [both.resolve()] and child_runs(both) == [both / "fixture"]
     res = cli("dashboard", EVAL_DIR)
     assert_user_error(res, "--results")
+
+
+# ---- the promise list ----------------------------------------------------------------------------
+def test_every_promise_names_a_test():
+    """docs/testing.md: every promise names tests, and every named test exists; the README (at most
+    200 lines) keeps the promise list in its test section and points there."""
+    import ast
+    import re
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 6
+    for section in sections:
+        named = re.findall(r"^- (tests/\w+\.py)::(\w+)$", section, flags=re.MULTILINE)
+        assert named, f"the promise '{section.splitlines()[0]}' names no test"
+        for module, name in named:
+            tree = ast.parse((ROOT / module).read_text())
+            defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+            assert name in defined, f"{module}::{name} is named in docs/testing.md but does not exist"
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    tests = readme.split("## Tests", 1)[1].split("\n## ", 1)[0]
+    assert "docs/testing.md" in tests and sum(ln.startswith("- ") for ln in tests.splitlines()) >= 5
