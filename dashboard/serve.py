@@ -110,6 +110,10 @@ def start(runs, host: str = "127.0.0.1", port: int = 8501, results=(), pending=(
     """Start the dashboard server on ``runs`` in the background and print its URL; returns the
     server process (``wait`` or ``stop`` it)."""
     paths = check_runs(runs, pending)
+    for r in results:
+        if not Path(r).expanduser().is_dir():
+            raise UserError(f"--results {r} is not a directory; give an evaluation directory (`sparsecal eval "
+                            "--out`) or a directory of result files.")
     port = check_port(host, port)
     env = dict(os.environ)
     if results:

@@ -70,6 +70,7 @@ CAPTURE_CASES = [
     (["--layers", "3-1"], "the range 3-1 runs backwards; write it low-high (1-3)"),
     (["--layers", "1-x"], "not a list of layer indices"),
     (["--prompts-file", "PROMPTS", "--lengths", "512"], "--lengths sets the length of --task prompts"),
+    (["--prompts-file", "PROMPTS", "--samples", "4"], "--samples sets how many --task prompts"),
     (["--prompts-file", "MISSING.jsonl"], "--prompts-file MISSING.jsonl does not exist"),
     (["--backend", "cuda"], "Unknown backend 'cuda'"),
     (["--dtype", "float8"], "Unknown dtype 'float8'"),
@@ -122,6 +123,8 @@ OTHER_CASES = [
     (["export", FIXTURE, "--out", "OUT", "--target", "1.5"], "--target 1.5 is not a sparsity"),
     (["fit", "RUN", "--targets", "0.5,,0.7"], "--targets '0.5,,0.7' has an empty item"),
     (["verify", FIXTURE / "export", "--lengths", "256,,512"], "--lengths '256,,512' has an empty item"),
+    (["fit", "RUN", "--holdout", "1.5"], "--holdout 1.5 must be in [0, 1)"),
+    (["dashboard", "RUN", "--results", "MISSING_DIR"], "--results MISSING_DIR is not a directory"),
 ]
 
 

@@ -173,7 +173,9 @@ def fit(
     write the analysis tables (Parquet) to RUN/fit/."""
     from sparsecal.analysis.fit import FitRequest
     from sparsecal.cli.calibrate import check_fit_engine, fit_command
+    from sparsecal.cli.options import check_fit
 
+    check_fit(holdout)
     if engine is not None:
         check_fit_engine(run, engine, order)
 

@@ -53,9 +53,13 @@ def check_capture(ctx, req) -> None:
     from sparsecal.formats.layers import parse_layers
 
     positive(req.lengths, "lengths")
-    if req.prompts_file is not None and not req.tasks and from_command_line(ctx, "lengths"):
-        raise UserError("--lengths sets the length of --task prompts; a --prompts-file line is as long as its own "
-                        "text: leave out --lengths, or add --task to capture task prompts at those lengths too.")
+    if req.prompts_file is not None and not req.tasks:
+        if from_command_line(ctx, "lengths"):
+            raise UserError("--lengths sets the length of --task prompts; a --prompts-file line is as long as its "
+                            "own text: leave out --lengths, or add --task to capture task prompts at those lengths too.")
+        if from_command_line(ctx, "samples"):
+            raise UserError("--samples sets how many --task prompts per task and length; a --prompts-file is "
+                            "captured line by line: leave out --samples, or add --task.")
     existing_file(req.prompts_file, "--prompts-file", 'a JSONL file of {"text": ...} or {"input_ids": [...]} lines')
     parse_layers(req.layers, None)
     stats_config(req)
@@ -73,3 +77,10 @@ def check_export(break_even: Path | None, max_length: int | None, target: float 
     if max_length is not None and max_length < 1:
         raise UserError(f"--max-length {max_length} is not a positive token count; give at least 1.")
     existing_file(break_even, "--break-even", "the file `sparsecal bench break-even --run RUN --out FILE` wrote")
+
+
+def check_fit(holdout: float) -> None:
+    """``sparsecal fit``: the hold-out share, before the run's samples are read."""
+    if not 0.0 <= holdout < 1.0:
+        raise UserError(f"--holdout {holdout:g} must be in [0, 1); e.g. 0.25 holds out a quarter of each length's "
+                        "samples, 0 validates on the calibration samples.")
