@@ -454,3 +454,19 @@ def dispatch_export(out, sparse_layers=(0, 1), dispatch=True, layer1=(0.1, 0.9),
         doc["dispatch"], _ = D.dispatch_record(cfgs, DISPATCH_LENGTHS, _dispatch_be_doc(), "be.json", 64, 2)
     write_blasst(out, doc)
     return out
+
+
+def hybrid_synthetic_run(run, cfg, heads=2, seed=0, **model):
+    """A synthetic run of a 3-layer model whose layer 1 was not captured (a sliding-window layer:
+    runs dense, noted in the manifest), fitted at targets 0.3 and 0.5 on every sample; ``model``
+    overrides manifest model fields (e.g. id)."""
+    from sparsecal.bench.synthetic import write_synthetic_run
+
+    write_synthetic_run(run, [1024, 2048], 2, layers=2, heads=heads, cfg=cfg, seed=seed)
+    man = json.loads((Path(run) / "manifest.json").read_text())
+    man["model"].update(num_layers=3, **model)
+    man.update(layers=[0, 2], layer_notes={"1": "sliding window 512: runs dense"})
+    (Path(run) / "manifest.json").write_text(json.dumps(man))
+    res = cli("fit", run, "--holdout", "0", "--targets", "0.3,0.5")
+    assert res.exit_code == 0, res.output
+    return run

@@ -13,7 +13,7 @@ from sparsecal.formats import engine_files as F
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.integrations import consumer_modelopt as M
 
-from helpers import assert_user_error, cli, make_checkpoint
+from helpers import assert_user_error, cli, hybrid_synthetic_run, make_checkpoint
 
 pytest.importorskip("modelopt.torch.sparsity.attention_sparsity")
 from modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
@@ -49,13 +49,8 @@ def exports(tmp_path_factory, module_seed):
     out = {"plain": base / "plain", "per-layer": base / "per-layer", "dense-layers": base / "dense-layers"}
     _ok(cli("export", run, "--out", out["plain"], "--format", "modelopt", "--target", "0.5"))
     _ok(cli("export", run, "--out", out["per-layer"], "--format", "all", "--target", "0.3", "--per-layer"))
-    hybrid = base / "hybrid"  # model layer 1 not captured (a sliding layer): left dense, in `ignore`
-    write_synthetic_run(hybrid, [1024, 2048], 2, layers=2, heads=4, cfg=CFG, seed=module_seed)
-    man = json.loads((hybrid / "manifest.json").read_text())
-    man["model"].update(num_layers=3, id="synthetic-3x4")
-    man.update(layers=[0, 2], layer_notes={"1": "sliding window 512: runs dense"})
-    (hybrid / "manifest.json").write_text(json.dumps(man))
-    _ok(cli("fit", hybrid, "--holdout", "0", "--targets", "0.3,0.5"))
+    # model layer 1 not captured (a sliding layer): left dense, in `ignore`
+    hybrid = hybrid_synthetic_run(base / "hybrid", CFG, heads=4, seed=module_seed, id="synthetic-3x4")
     _ok(cli("export", hybrid, "--out", out["dense-layers"], "--format", "modelopt", "--min-layer-sparsity", "0",
             "--patch-config", ckpt))
     blocks = {k: F.load_modelopt(v)["block"] for k, v in out.items()}

@@ -18,7 +18,7 @@ from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import blasst_layer_factors, load_blasst, load_bsfa
 from sparsecal.formats.stats_config import StatsConfig
 
-from helpers import ROOT, assert_user_error, cli, make_checkpoint, write_prompts
+from helpers import ROOT, assert_user_error, cli, hybrid_synthetic_run, make_checkpoint, write_prompts
 
 EXAMPLE = ROOT / "data" / "exports" / "smollm2-engine" / "export"
 ENGINE_CFG = StatsConfig(block_m=128, block_n=128, orders=("forward",))
@@ -219,13 +219,7 @@ def test_engine_exports_of_another_geometry_are_refused(tmp_path):
 def test_hybrid_layers_are_ignored_in_every_format(tmp_path):
     """A run whose model layer 1 was not captured (a sliding layer): BSFA keeps every block there,
     every file lists it as ignored with the run's note, modelopt names its module."""
-    run = tmp_path / "run"
-    write_synthetic_run(run, [1024, 2048], 2, layers=2, heads=2, cfg=ENGINE_CFG)
-    man = json.loads((run / "manifest.json").read_text())
-    man["model"]["num_layers"] = 3
-    man.update(layers=[0, 2], layer_notes={"1": "sliding window 512: runs dense"})
-    (run / "manifest.json").write_text(json.dumps(man))
-    _ok(cli("fit", run, "--holdout", "0", "--targets", "0.3,0.5"))
+    run = hybrid_synthetic_run(tmp_path / "run", ENGINE_CFG)
     out = tmp_path / "e"
     _ok(cli("export", run, "--out", out, "--format", "modelopt,trtllm", "--min-layer-sparsity", "0"))
     bsfa = load_bsfa(out)

@@ -18,7 +18,7 @@ from sparsecal.formats.errors import UserError
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.integrations.engine_safety import max_safe_target
 
-from helpers import assert_user_error, cli, write_prompts
+from helpers import assert_user_error, cli, hybrid_synthetic_run, write_prompts
 
 CFG = StatsConfig(block_m=128, block_n=128, orders=("forward",))
 LAW = (0.02, 8.0, 0.5)   # lambda_best(S, n) = 0.02 exp(8 S) / sqrt(n): the best factor doubles from 1K to 4K
@@ -173,13 +173,7 @@ def test_vllm_plugin_resolves_the_patched_block(tmp_path):
     block gives every enabled layer the calibrated law and target, and the ignored layer enable False,
     under vLLM's module names and transformers'; trtllm.yaml takes the target_sparsity form."""
     sac = pytest.importorskip("modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config")
-    run = tmp_path / "run"
-    write_synthetic_run(run, [1024, 2048], 2, layers=2, heads=2, cfg=CFG)
-    man = json.loads((run / "manifest.json").read_text())
-    man["model"]["num_layers"] = 3
-    man.update(layers=[0, 2], layer_notes={"1": "sliding window 512: runs dense"})
-    (run / "manifest.json").write_text(json.dumps(man))
-    _ok(cli("fit", run, "--holdout", "0", "--targets", "0.3,0.5"))
+    run = hybrid_synthetic_run(tmp_path / "run", CFG)
     ckpt, out = _llama(tmp_path / "ckpt"), tmp_path / "e"
     _ok(cli("export", run, "--out", out, "--format", "vllm,trtllm", "--target", "0.5", "--patch-config", ckpt,
             "--min-layer-sparsity", "0"))
