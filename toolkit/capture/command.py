@@ -37,6 +37,7 @@ class CaptureRequest:
     layers: str | None = None  # "0,3,8-11": capture only these layers (the rest run dense)
     device_map: str | None = None  # "auto": accelerate spreads the model over the GPUs
     max_memory: str | None = None  # --max-memory "0=20GiB,1=20GiB,cpu=64GiB" (with --device-map auto)
+    profile: bool = False   # --profile: per-sample phases, printed and in each sample.json
 
 
 def stats_config(req: CaptureRequest):
@@ -209,7 +210,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     model = load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
     ranks.gather(None)  # the ranks start together: the time below is the capture's own
     t0 = time.perf_counter()
-    result = _capture(store, model, [p for _, p in mine], job, ranks)
+    result = _capture(store, model, [p for _, p in mine], job, ranks, req.profile)
     results = ranks.gather(dict(result, peak=distributed.peak_memory(model, device)))
     distributed.close()  # the last collective: close the group now, not at interpreter exit
     if not ranks.main:
@@ -221,22 +222,26 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     peaks = distributed.memory_line([r["peak"] for r in results])
     if peaks:
         console.print(peaks, soft_wrap=True)
+    if req.profile:
+        print_profile([p for r in results for p in r["profiles"]])
     print_summary(store)
 
 
-def _capture(store, model, prompts, job: CaptureJob, ranks) -> dict:
+def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = False) -> dict:
     """run_capture with progress: a bar for one process, rank-tagged lines for several."""
+    from sparsecal.capture.profile import line as profile_line
     from sparsecal.capture.runner import run_capture
 
     def line(rec, secs, mark=""):
+        phases = f"  ({profile_line(rec['profile'])})" if "profile" in rec else ""
         return (f"{ranks.tag}  {rec['id']:<32} {rec['length']:>6} tok  {secs:6.1f} s  "
-                f"({rec['length'] / secs:,.0f} tok/s){mark}")
+                f"({rec['length'] / secs:,.0f} tok/s){phases}{mark}")
 
     if ranks.several:
         def progress(done, total, rec, secs):
             console.print(line(rec, secs, f"  {done}/{total}"), soft_wrap=True)
 
-        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False)
+        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False, profile=profile)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("capturing", total=job.total)
@@ -245,7 +250,24 @@ def _capture(store, model, prompts, job: CaptureJob, ranks) -> dict:
             bar.console.print(line(rec, secs))
             bar.update(task, completed=job.total - total + done)
 
-        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False)
+        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False, profile=profile)
+
+
+def print_profile(profiles: list[dict]) -> None:
+    """The --profile table: seconds per sample in each phase (mean over the samples), and its share."""
+    from sparsecal.capture.profile import PHASES, totals
+
+    if not profiles:
+        return
+    tot = totals(profiles)
+    table = Table(title=f"where a sample's time goes (mean of {tot['samples']} samples)")
+    for col in ("phase", "s/sample", "share of wall"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for p in (*PHASES, "wall"):
+        table.add_row(p, f"{tot[p] / tot['samples']:.4f}", f"{tot[p] / max(tot['wall'], 1e-12):.1%}")
+    Console(width=max(100, Console().width)).print(table)
+    if any(r.get("write_overlapped") for r in profiles):
+        console.print("serialize and disk ran on a background thread, beside the next sample's forward")
 
 
 def print_summary(store) -> None:

@@ -132,6 +132,8 @@ def capture(
                                          "trtllm (trtllm-gen: TensorRT-LLM on Blackwell, SGLang, vLLM; 128x128), "
                                          "trtllm-hopper (fmha_v2: 64 x 256/128/64 by head_dim), modelopt (128x128), "
                                          "sparsecal (128x64)."),
+    profile: bool = typer.Option(False, "--profile", help="Time each sample's phases (forward, attention kernels, "
+                                 "reductions, copies, serialization, disk): printed, and in its sample.json."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from sparsecal.capture.command import CaptureRequest, capture_command
@@ -149,7 +151,7 @@ def capture(
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
                          orders=[o.strip() for o in orders.split(",") if o.strip()],
                          dtype=dtype, device=device, backend=backend, add=add, layers=layers,
-                         device_map=device_map, max_memory=max_memory)
+                         device_map=device_map, max_memory=max_memory, profile=profile)
     capture_command(req)
 
 
