@@ -58,9 +58,11 @@ def test_profiled_capture_records_phases_and_the_same_statistics(tmp_path, seed,
         p = r["profile"]
         assert all(p[k] >= 0 for k in PHASES)
         assert p["attention_kernels"] > 0 and p["reductions"] > 0 and p["forward_other"] > 0
-        assert p["serialize"] > 0 and p["disk"] > 0 and p["device_to_host"] > 0
-        assert sum(p[k] for k in PHASES) <= p["wall"] + 1e-3  # phases are parts of the sample's wall time
-        assert p["wall"] >= r["seconds"] - 1e-3
+        assert p["serialize"] > 0 and p["disk"] > 0  # device_to_host: nothing to copy on a CPU
+        assert p["write_overlapped"] is True  # written on the background thread
+        in_wall = [k for k in PHASES if k not in ("serialize", "disk")]
+        assert sum(p[k] for k in in_wall) <= p["wall"] + 1e-3  # parts of the sample's wall time
+        assert p["wall"] == pytest.approx(r["seconds"], abs=1e-3)
     assert "kern " in res.output and "d2h " in res.output  # each sample's progress line
     if triton:
         return  # the statistics of both backends are the kernel tests' business

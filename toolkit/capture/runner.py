@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -181,8 +180,20 @@ def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, ba
                    layers: list[int] | None = None, profiler=None):
     """One instrumented forward. Returns (stats {name: [Lc, ...]}, raw {name: [Lc, ...]}, logits) over
     the captured layers ``layers`` in order (None: every layer ``formats.layers.plan_layers`` admits
-    at this length). ``backend``: auto | triton | reference (see ``resolve_backend``). ``profiler``
-    (capture.profile.Profiler) gets the forward's, kernels', reductions' and copies' spans."""
+    at this length), on the host. ``backend``: auto | triton | reference (see ``resolve_backend``).
+    ``profiler`` (capture.profile.Profiler) gets the forward's, kernels', reductions' and copies' spans."""
+    staged, logits = capture_staged(model, input_ids, cfg, logits_to_keep, backend, layers, profiler)
+    stacked = dict(staged.result())
+    raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
+    return stacked, raw, logits
+
+
+@torch.no_grad()
+def capture_staged(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto",
+                   layers: list[int] | None = None, profiler=None):
+    """``capture_sample`` without waiting: (capture.staging.Staged of every statistic, raw keys
+    included, whose copy to the host is under way; logits)."""
+    from sparsecal.capture.staging import stage
     from sparsecal.formats.layers import layer_specs, plan_layers
 
     backend = resolve_backend(backend, model.device, model_head_dim(model), str(model.dtype).removeprefix("torch."),
@@ -202,22 +213,11 @@ def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, ba
     if sorted(col.layers) != sorted(layers):
         raise RuntimeError(f"captured layers {sorted(col.layers)}, planned {sorted(layers)}: a layer bypassed the "
                            "attention interface")
-    names = col.layers[layers[0]].keys()
-    with _span(profiler, "device_to_host"):
-        stacked = {k: _compact(torch.stack([col.layers[i][k].cpu() for i in layers])) for k in names}
-    raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
-    return stacked, raw, logits
+    return stage(col.layers, layers, profiler), logits
 
 
 def _span(profiler, phase: str):
     return profiler.span(phase) if profiler is not None else contextlib.nullcontext()
-
-
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """Storage dtypes: counts as int32, sums as float32 (analysis adds samples in float64)."""
-    if t.dtype == torch.int64:
-        return t.to(torch.int32)
-    return t.float() if t.dtype == torch.float64 else t
 
 
 def sample_record(prompt, sid: str) -> dict:
@@ -236,12 +236,14 @@ def pending(store, prompts) -> tuple[list, list]:
 
 
 def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto", plan: bool = True,
-                profile: bool = False) -> dict:
+                profile: bool = False, background: bool = True) -> dict:
     """Capture every prompt not finished yet into ``store`` (``plan``: first add them to its manifest;
     the ranks of a distributed capture leave that to rank 0). ``progress(done, total, record, secs)``
-    is called after each sample. ``profile``: each record gets its phases (capture/profile.py).
+    is called after each sample lands. ``profile``: each record gets its phases (capture/profile.py);
+    ``background``: samples are written on a thread beside the next forward (capture/staging.py).
     Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b, 'profiles': [the records' profiles]}."""
-    from sparsecal.capture.profile import Profiler, finish
+    from sparsecal.capture.profile import Profiler
+    from sparsecal.capture.staging import SampleWriter
     from sparsecal.formats.geometry import block_counts
 
     backend = resolve_backend(backend, model.device, model_head_dim(model), str(model.dtype).removeprefix("torch."),
@@ -250,29 +252,31 @@ def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto"
     if plan:
         store.plan([r for r, _ in records])
     profiler = Profiler(model.device) if profile else None
-    profiles = []
+    landed: list[dict] = []
+
+    def report(recs):
+        for rec in recs:
+            landed.append(rec)
+            if progress:
+                progress(len(landed), len(todo), rec, rec["seconds"])
+
     total_start = time.perf_counter()
-    for n_done, (rec, prompt) in enumerate(todo, 1):
-        start = time.perf_counter()
-        if profiler is not None:
-            profiler.reset()
-        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg, backend=backend, layers=store.layers(),
+    with SampleWriter(store, background, RAW_KEYS) as writer:
+        for rec, prompt in todo:
+            start = time.perf_counter()
+            if profiler is not None:
+                profiler.reset()
+            staged, _ = capture_staged(model, prompt.input_ids, cfg, backend=backend, layers=store.layers(),
                                        profiler=profiler)
-        cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
-        stats.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
-                     candidates=cand, reachable=reach)
-        secs = time.perf_counter() - start
-        rec = dict(rec, seconds=round(secs, 3), backend=backend)
-        prof = finish(profiler.seconds(), {}, secs, False) if profiler is not None else None
-        folder = store.write_sample(rec, stats, raw, profile=prof)
-        if prof is not None:
-            prof = json.loads((folder / "sample.json").read_text())["profile"]
-            profiles.append(prof)
-            rec = dict(rec, profile=prof)
-        if progress:
-            progress(n_done, len(todo), rec, secs)
-    return {"done": len(todo), "skipped": len(records) - len(todo),
-            "seconds": time.perf_counter() - total_start, "backend": backend, "profiles": profiles}
+            cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
+            staged.host.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
+                               candidates=cand, reachable=reach)
+            prof = profiler.seconds() if profiler is not None else None  # the one synchronisation
+            report(writer.drain())  # the previous sample, written while this one ran on the device
+            report(writer.submit(dict(rec, backend=backend), staged, start, prof))
+        report(writer.drain())
+    return {"done": len(todo), "skipped": len(records) - len(todo), "seconds": time.perf_counter() - total_start,
+            "backend": backend, "profiles": [r["profile"] for r in landed if "profile" in r]}
 
 
 def check_lengths(lengths, max_context) -> None:
