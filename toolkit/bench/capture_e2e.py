@@ -2,6 +2,7 @@
 
     python -m sparsecal.bench.capture_e2e [--layers 4] [--lengths 32768,65536,131072] [--samples 3]
         [--sections plain,capture,scaling] [--label after] [--work DIR] [--commit SHA] [--out FILE]
+        [--cli-pythonpath DIR]
         [--scale-layers 16] [--scale-length 65536] [--scale-samples 16] [--tiny]
 
 Model: a random-weight Llama of Llama-3.1-8B's shape (bench.random_model; ``--layers`` of its 32
@@ -46,6 +47,7 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "COLUMN
        "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 CAPTURED = re.compile(r"captured (\d+) samples, skipped \d+ already finished, in ([\d.]+) s")
 LOADED = re.compile(r"model loaded in ([\d.]+) s")
+TIMELINE = re.compile(r"timeline since the process started \(s\): (.*); total ([\d.]+)")
 PHASES = ("forward_other", "attention_kernels", "reductions", "device_to_host", "serialize", "disk", "wall")
 
 
@@ -75,19 +77,38 @@ class Bench:
         return path
 
 
-def cli(argv: list, gpus: int = 1, env: dict | None = None) -> dict:
+CLI_PATH: list = []  # --cli-pythonpath: the sparsecal the commands run (another version of it)
+
+
+def cli(argv: list, gpus: int = 1) -> dict:
     """`python -m sparsecal ARGV` (with `--gpus N` for several); its wall time and report."""
     cmd = [sys.executable, "-m", "sparsecal", *map(str, argv)] + (["--gpus", str(gpus)] if gpus > 1 else [])
     log("$ " + " ".join(cmd))
+    env = dict(os.environ, **ENV)
+    if CLI_PATH:
+        env["PYTHONPATH"] = CLI_PATH[0]
     t0 = time.time()
-    proc = subprocess.run(cmd, env=dict(os.environ, **ENV, **(env or {})), capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-3000:]}")
     found = CAPTURED.search(proc.stderr)
     return {"command": " ".join(cmd), "started": t0, "wall_s": wall,
             "capture_s": float(found.group(2)) if found else None, "done": int(found.group(1)) if found else None,
-            "load_s": [float(x) for x in LOADED.findall(proc.stderr)], "stderr_tail": proc.stderr[-1500:]}
+            "load_s": [float(x) for x in LOADED.findall(proc.stderr)], "timeline_s": timeline(proc.stderr),
+            "stderr_tail": proc.stderr[-1500:]}
+
+
+def timeline(text: str) -> dict | None:
+    """Rank 0's --profile timeline: {step: seconds, 'total': seconds since its process started}."""
+    found = TIMELINE.search(text.replace("\n", " "))
+    if not found:
+        return None
+    steps = {}
+    for part in found.group(1).split(", "):
+        label, _, value = part.rpartition(" ")
+        steps[label.strip()] = float(value)
+    return dict(steps, total=float(found.group(2)))
 
 
 def sample_rows(run: Path) -> list[dict]:
@@ -181,14 +202,15 @@ def scaling(b: Bench) -> dict:
          "--out", runs / "warm"])  # Triton's cache and the page cache warm for both
     out = {"layers": a.scale_layers, "length": a.scale_length, "samples": a.scale_samples}
     for gpus in (1, 2):
-        rep = cli(["capture", "--model", ckpt, *b.dev, "--prompts-file", prompts, "--out", runs / f"g{gpus}"], gpus)
+        rep = cli(["capture", "--model", ckpt, *b.dev, "--prompts-file", prompts, "--out", runs / f"g{gpus}",
+                   "--profile"], gpus)
         rows = sample_rows(runs / f"g{gpus}")
         rep.update(first_sample_after_s=rows[0]["finished"] - rep["started"] - rows[0]["record"]["seconds"],
                    last_sample_after_s=rows[-1]["finished"] - rep["started"])
         rep.pop("started")
         out[f"gpus_{gpus}"] = rep
         log(f"{gpus} GPU(s): whole command {rep['wall_s']:.1f} s, capture phase {rep['capture_s']} s, "
-            f"first sample started after {rep['first_sample_after_s']:.1f} s")
+            f"first sample started after {rep['first_sample_after_s']:.1f} s; rank 0 {rep['timeline_s']}")
     out["ratio_whole_command"] = out["gpus_1"]["wall_s"] / out["gpus_2"]["wall_s"]
     out["ratio_capture_phase"] = out["gpus_1"]["capture_s"] / out["gpus_2"]["capture_s"]
     log(f"1 -> 2 GPUs: whole command {out['ratio_whole_command']:.2f}x (goal >= 1.8), capture phase "
@@ -227,7 +249,11 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", type=Path, default=Path("data/bench/capture-e2e-h100.json"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny Llama, float32, reference backend")
+    ap.add_argument("--cli-pythonpath", default=None, help="PYTHONPATH of the sparsecal commands (default: "
+                    "this one's): to measure another version of the capture on the same machine")
     args = ap.parse_args(argv)
+    if args.cli_pythonpath:
+        CLI_PATH.append(args.cli_pythonpath)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.tiny:
         args.lengths = sorted({min(n, 64 * (i + 2)) for i, n in enumerate(args.lengths)})

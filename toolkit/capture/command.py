@@ -152,11 +152,29 @@ def capture_command(req: CaptureRequest) -> None:
     """One process, or one rank of ``torchrun ... -m sparsecal.cli capture`` (capture/distributed.py):
     rank 0 checks and plans while the others wait, then every rank captures its share."""
     from sparsecal.capture import distributed
+    from sparsecal.capture.profile import Startup
 
+    clock = Startup()
     ranks = distributed.start()
+    if ranks.several and not ranks.main:
+        _preload()  # while rank 0 checks and plans
     job = ranks.lead(lambda: prepare(req, ranks))
+    clock.mark("planned")
     if job.todo:
-        capture_share(req, job, ranks)
+        capture_share(req, job, ranks, clock)
+
+
+def _preload() -> None:
+    """Import what loading the model and the first capture need (transformers' model classes,
+    Triton and the capture kernels), so a rank that waits for rank 0's checks spends the wait on it."""
+    import importlib
+    import importlib.util
+
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    if importlib.util.find_spec("triton") is not None:
+        importlib.import_module("sparsecal.kernels.capture.pipeline")
 
 
 def prepare(req: CaptureRequest, ranks) -> CaptureJob:
@@ -193,11 +211,12 @@ def prepare(req: CaptureRequest, ranks) -> CaptureJob:
     return CaptureJob(cfg, ms, backend, len(prompts), todo)
 
 
-def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
+def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None) -> None:
     """Load the model on this rank's device(s) and capture this rank's share of the unfinished
     samples; rank 0 then prints the totals, the peak GPU memory and the summary."""
     from sparsecal.capture import distributed
     from sparsecal.capture.models import load_for_rank
+    from sparsecal.capture.profile import Startup
     from sparsecal.formats.run import RunStore
 
     try:
@@ -208,9 +227,12 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     mine = ranks.share(job.todo, weight=lambda pair: pair[0]["length"])
     device = ranks.device(req.device)
     model = load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+    clock = clock or Startup()
+    clock.mark("loaded")
     ranks.gather(None)  # the ranks start together: the time below is the capture's own
     t0 = time.perf_counter()
-    result = _capture(store, model, [p for _, p in mine], job, ranks, req.profile)
+    result = _capture(store, model, [p for _, p in mine], job, ranks, req.profile, clock)
+    clock.mark("captured")
     results = ranks.gather(dict(result, peak=distributed.peak_memory(model, device)))
     distributed.close()  # the last collective: close the group now, not at interpreter exit
     if not ranks.main:
@@ -225,9 +247,12 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     if req.profile:
         print_profile([p for r in results for p in r["profiles"]])
     print_summary(store)
+    clock.mark("summary")
+    if req.profile:
+        console.print(("rank 0 " if ranks.several else "") + clock.line(), soft_wrap=True)
 
 
-def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = False) -> dict:
+def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = False, clock=None) -> dict:
     """run_capture with progress: a bar for one process, rank-tagged lines for several."""
     from sparsecal.capture.profile import line as profile_line
     from sparsecal.capture.runner import run_capture
@@ -239,6 +264,8 @@ def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = Fals
 
     if ranks.several:
         def progress(done, total, rec, secs):
+            if clock is not None:
+                clock.mark("first")
             console.print(line(rec, secs, f"  {done}/{total}"), soft_wrap=True)
 
         return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False, profile=profile)
@@ -247,6 +274,8 @@ def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = Fals
         task = bar.add_task("capturing", total=job.total)
 
         def progress(done, total, rec, secs):
+            if clock is not None:
+                clock.mark("first")
             bar.console.print(line(rec, secs))
             bar.update(task, completed=job.total - total + done)
 

@@ -91,3 +91,43 @@ def totals(profiles: list[dict]) -> dict:
     """{phase or 'wall': summed seconds} over samples' profile records; 'samples': how many."""
     out = {p: sum(r[p] for r in profiles) for p in (*PHASES, "wall")}
     return dict(out, samples=len(profiles))
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module's import)."""
+    try:
+        import os
+
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+
+
+class Startup:
+    """The command's milestones in seconds since its process started: 'cli' (the command parsed),
+    'planned' (rank 0's checks and plan done), 'loaded' (this rank's model loaded), 'first' (its
+    first sample written), 'captured', 'summary'."""
+
+    STEPS = (("cli", "python+CLI"), ("planned", "checks+imports+plan"), ("loaded", "model load"),
+             ("first", "first sample"), ("captured", "other samples"), ("summary", "totals+summary"))
+
+    def __init__(self):
+        self.at = {"cli": process_age()}
+
+    def mark(self, name: str) -> None:
+        self.at.setdefault(name, process_age())
+
+    def line(self) -> str:
+        """'timeline since the process started (s): python+CLI 0.9, checks+imports+plan 4.1, ...'."""
+        parts, last = [], 0.0
+        for key, label in self.STEPS:
+            if key in self.at:
+                parts.append(f"{label} {self.at[key] - last:.1f}")
+                last = self.at[key]
+        return f"timeline since the process started (s): {', '.join(parts)}; total {last:.1f}"
