@@ -74,3 +74,27 @@ def test_profiled_capture_records_phases_and_the_same_statistics(tmp_path, seed,
     for sid in a.done_ids():
         x, y = a.load_sample(sid)[1], b.load_sample(sid)[1]
         assert x.keys() == y.keys() and all(x[k].tobytes() == y[k].tobytes() for k in x), sid
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_failed_background_write_stops_the_capture_in_one_line(tmp_path, seed, background):
+    """A write that fails on the writer thread (here the run's samples/ folder turned into a file, so
+    the sample's folder cannot be made) is raised in the capture's thread as the store's one-line
+    UserError; nothing is reported finished."""
+    from sparsecal.capture.models import load_config, load_model, model_info, resolve_model
+    from sparsecal.capture.prompts.jsonl import load_prompts_file
+    from sparsecal.capture.runner import run_capture
+    from sparsecal.formats.errors import UserError
+    from sparsecal.formats.stats_config import StatsConfig
+
+    ms = resolve_model(str(make_checkpoint(tmp_path / "tiny", seed, layers=1)))
+    cfg = StatsConfig(block_m=32, block_n=16, k_values=(2,), decode_rows=4)
+    store = RunStore.create_or_resume(tmp_path / "run", model_info(ms, load_config(ms)), cfg.to_dict(), "float32",
+                                      "reference")
+    (tmp_path / "run" / "samples").rmdir()
+    (tmp_path / "run" / "samples").write_text("not a folder")
+    landed = []
+    with pytest.raises(UserError, match="cannot write sample"):
+        run_capture(store, load_model(ms), load_prompts_file(write_prompts(tmp_path / "p.jsonl", [40, 50], seed), None),
+                    cfg, lambda *a: landed.append(a), background=background)
+    assert landed == []
