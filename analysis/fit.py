@@ -127,6 +127,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     ``warn(line)`` for warnings. Returns the fit.json document."""
     cfg = StatsConfig.from_dict(store.manifest["config"])
     kidx = check_request(req, cfg)
+    check_fit_dir(Path(store.root))
     ks = [cfg.k_values[i] for i in kidx]
     split = split_samples(finished_records(store, warn, req.strict), req.holdout, req.seed, str(store.root))
     warnings = _k_warnings(ks, split.lengths, cfg)
@@ -159,6 +160,18 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
         done += 1
         progress and progress(done, total, rec)
     return _write(store, req, st, split, thr, ks, cals, warnings)
+
+
+def check_fit_dir(root: Path) -> None:
+    """RUN/fit must be the run's own directory (or absent): a symbolic link or a file there is
+    refused, never written through."""
+    out = root / FIT_DIR
+    if out.is_symlink():
+        raise UserError(f"{out} is a symbolic link; sparsecal does not write through it out of the run: remove it "
+                        f"(rm {out}) and run `sparsecal fit {root}` again.")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file, not the run's fit directory; remove it and run `sparsecal fit {root}` "
+                        "again.")
 
 
 def _calibrate(st: _State, req: FitRequest, cfg: StatsConfig, warnings: list) -> list:
@@ -266,4 +279,29 @@ def load_fit(root) -> dict:
     path = Path(root) / FIT_DIR / "fit.json"
     if not path.is_file():
         raise UserError(f"{root} has no fit; run `sparsecal fit {root}` first.")
-    return read_json_manifest(path, FIT_KIND, f"run `sparsecal fit {root}` again")
+    doc = read_json_manifest(path, FIT_KIND, f"run `sparsecal fit {root}` again")
+    why = fit_values(doc)
+    if why:
+        raise UserError(f"{path}: {why}; run `sparsecal fit {root}` again.")
+    return doc
+
+
+def _pos_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def fit_values(doc: dict) -> str | None:
+    """None when fit.json's values are possible: lengths and k values positive integers, the split
+    two lists of sample ids, every BLASST factor a finite positive number; else what is wrong."""
+    for key in ("lengths", "k_values"):
+        v = doc.get(key)
+        if not isinstance(v, list) or not v or not all(map(_pos_int, v)):
+            return f"{key} is {v!r}, not a list of positive integers"
+    split = doc.get("split")
+    if not isinstance(split, dict) or not all(isinstance(split.get(k), list) for k in ("train", "test")):
+        return "split does not list the train and test sample ids"
+    for c in doc.get("blasst") or []:
+        a = c.get("a") if isinstance(c, dict) else None
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a <= 0:
+            return f"a BLASST factor (a) is {a!r}, not a finite positive number"
+    return None

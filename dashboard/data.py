@@ -112,8 +112,10 @@ def run_paths(argv=None) -> list[Path]:
         p = Path(item).expanduser().resolve()
         if (p / "manifest.json").is_file() or not p.is_dir():
             out.append(p)
-        else:
-            out.extend(sorted(c for c in p.iterdir() if (c / "manifest.json").is_file()) or [p])
+        else:  # capture runs only: an evaluation directory inside is not offered as a run
+            from sparsecal.dashboard.serve import child_runs
+
+            out.extend(child_runs(p) or [p])
     return list(dict.fromkeys(out))
 
 
@@ -156,26 +158,49 @@ def layer_map(root: Path) -> tuple[list[int], list[str] | None, dict]:
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
-def _samples(root: str, stamp) -> list[dict]:
-    out = []
+def _samples(root: str, stamp) -> tuple[list[dict], list[str]]:
+    out, damaged = [], []
     for d in sorted((Path(root) / "samples").glob("*/sample.json")):
         if d.parent.name.startswith("."):
             continue
+        why = None
         try:
             rec = json.loads(d.read_text())
-        except json.JSONDecodeError:
-            raise Broken(f"{d} is not valid JSON; capture that sample again.") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            rec, why = None, f"not readable JSON ({type(e).__name__})"
+        if why is None and not (isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("task"), str)
+                                and isinstance(rec.get("length"), int) and not isinstance(rec.get("length"), bool)):
+            why = "not a sample record (id, task, length)"
+        if why is not None:
+            damaged.append(f"{d.parent.name}: {d.name} is {why}")
+            continue
         rec["raw"] = (d.parent / "raw.safetensors").is_file()
         out.append(rec)
-    return out
+    return out, damaged
 
 
 def samples(root: Path) -> list[dict]:
-    """Finished samples' records (sample.json) with ``raw``: whether raw tiles were stored."""
+    """Finished samples' records (sample.json) with ``raw``: whether raw tiles were stored. A
+    damaged record is left out (``damaged_samples`` names it), so one bad file hides one sample."""
     base = Path(root) / "samples"
     if not base.is_dir():
         return []
-    return _samples(str(root), _stamp(base))
+    return _samples(str(root), _stamp(base))[0]
+
+
+def damaged_samples(root: Path) -> list[str]:
+    """'<sample>: sample.json is ...' for each finished sample whose record cannot be read."""
+    base = Path(root) / "samples"
+    return _samples(str(root), _stamp(base))[1] if base.is_dir() else []
+
+
+def show_damaged(root: Path) -> None:
+    """One warning naming the samples the pages leave out, and what recaptures them."""
+    bad = damaged_samples(root)
+    if bad:
+        st.warning(f"{len(bad)} sample(s) left out, their records are damaged ({'; '.join(bad[:5])}"
+                   f"{'; ...' if len(bad) > 5 else ''}): run `sparsecal doctor {root}`, then the capture command "
+                   "again to recapture them.", icon=":material/warning:")
 
 
 # ---- fit ---------------------------------------------------------------------------------------

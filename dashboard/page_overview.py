@@ -9,7 +9,7 @@ import streamlit as st
 from sparsecal.dashboard import charts_run, data, derive, ui
 
 
-def _model(man: dict, n_done: int) -> None:
+def _model(man: dict, n_done: int | None) -> None:
     m, cfg = man["model"], man["config"]
     st.markdown(f"**Model** `{m['id']}` ({m.get('model_type', '?')}), {man.get('dtype', '?')} on the "
                 f"{man.get('backend', '?')} backend")
@@ -19,7 +19,12 @@ def _model(man: dict, n_done: int) -> None:
                    help=f"{m.get('num_kv_heads', '?')} KV heads, head_dim {m.get('head_dim', '?')}")
     cols[1].metric("KV heads", str(m.get("num_kv_heads", "?")))
     cols[2].metric("blocks BM x BN", f"{cfg['block_m']} x {cfg['block_n']}")
-    cols[3].metric("samples", f"{n_done} / {len(man.get('samples', []))}", help="finished / planned")
+    planned = len(man.get("samples", []))
+    if n_done is None:
+        cols[3].metric("samples", f"{planned} (not here)", help="captured, but their statistics are not in this "
+                       "directory (a committed calibration keeps its manifest, fit and export only)")
+    else:
+        cols[3].metric("samples", f"{n_done} / {planned}", help="finished / planned")
     cols[4].metric("lengths", f"{lengths[0]:,}-{lengths[-1]:,}" if lengths else "-", help=", ".join(map(str, lengths)))
     st.caption(f"k values {', '.join(map(str, cfg['k_values']))}; scan orders {', '.join(cfg['orders'])}; "
                f"gap bins every {cfg['gap_step']} on [{cfg['gap_lo']}, 0]; decode rows {cfg.get('decode_rows')}; "
@@ -64,14 +69,37 @@ def _fit(doc: dict) -> None:
         st.warning(w, icon=":material/warning:")
 
 
+def _absent(root) -> bool:
+    """A run whose samples folder is not there at all although it planned samples: a committed
+    calibration (manifest, fit and export only), not a capture that has not started."""
+    from pathlib import Path
+
+    return not (Path(root) / "samples").exists() and (Path(root) / data.FIT / "fit.json").is_file()
+
+
+def _fitted(root, prompts: pl.DataFrame) -> pl.DataFrame:
+    """``finished`` as 'used by the fit' for a run whose samples are not committed."""
+    split = data.fit_doc(root).get("split", {})
+    used = [str(x) for part in ("train", "test") for x in split.get(part, [])]
+    return prompts.with_columns(pl.col("id").is_in(used).alias("finished"))
+
+
 def render() -> None:
     root = ui.header("Overview", "What was captured, on which model, with which settings.")
     with ui.section():
         man = data.manifest(root)
         recs = data.samples(root)
-        _model(man, len(recs))
+        absent = _absent(root)
+        _model(man, None if absent else len(recs))
+        data.show_damaged(root)
+        if absent:
+            st.info("This run's samples are not in this directory (a committed calibration keeps its manifest, fit "
+                    "and export only): the pages that read samples (Tiles) have nothing to show; the prompts below "
+                    "count as finished where the fit used them. Its README.md has the command that captures them.",
+                    icon=":material/info:")
         st.subheader("Prompts")
-        _prompts(derive.prompts_frame(man, recs))
+        prompts = derive.prompts_frame(man, recs)
+        _prompts(_fitted(root, prompts) if absent else prompts)
         with st.expander("Versions that captured the run"):
             st.json(man.get("versions", {}))
     with ui.section():

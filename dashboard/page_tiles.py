@@ -16,6 +16,9 @@ NONE = "none"
 
 def _sample(root, man) -> dict:
     recs = [r for r in data.samples(root) if r.get("raw")]
+    if not recs and not (root / "samples").exists():
+        raise data.Missing(f"{root} holds no samples (a committed calibration keeps its manifest, fit and export "
+                           "only): capture a run with `sparsecal capture ... --raw --out RUN` to see tiles.")
     if not recs:
         raise data.Missing(f"{root} has no raw tiles: capture with `sparsecal capture ... --raw --out RUN` "
                            "(short prompts: raw tiles grow with the square of the length).")
@@ -62,6 +65,7 @@ def render() -> None:
                      "Only candidate (fully visible off-diagonal) tiles are ever skipped.")
     with ui.section():
         man = data.manifest(root)
+        data.show_damaged(root)
         sel = _sample(root, man)
         thr, loglam, note = _masks(root, sel)
         cfg, n = man["config"], sel["rec"]["length"]

@@ -4,7 +4,8 @@ demo``. Light on purpose (no Streamlit import here): the CLI imports it inside t
 The server is ``python -m streamlit run <this folder>/app.py`` in headless mode on the given
 address and port, with the run directories after ``--`` (app.py reads them from its arguments),
 result directories in $SPARSECAL_RESULTS, usage statistics off. It runs in the foreground until
-Ctrl-C (or until the process is terminated).
+Ctrl-C (or until the process is terminated); the server gets a parent-death signal, so it never
+outlives this process (a SIGKILL of ``sparsecal dashboard`` frees the port too).
 """
 from __future__ import annotations
 
@@ -47,10 +48,34 @@ def check_port(host: str, port: int) -> int:
                         "machine (127.0.0.1, 0.0.0.0).") from None
 
 
+def manifest_kind(path: Path) -> str | None:
+    """The ``kind`` of PATH/manifest.json (None: no readable manifest there)."""
+    import json
+
+    try:
+        doc = json.loads((Path(path) / "manifest.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return doc.get("kind") if isinstance(doc, dict) else None
+
+
+def is_run(path: Path) -> bool:
+    """PATH holds a capture run's manifest (an evaluation's data/manifest.json is not one)."""
+    from sparsecal.formats.run import RUN_KIND
+
+    return manifest_kind(path) == RUN_KIND
+
+
+def child_runs(path: Path) -> list[Path]:
+    """The capture runs directly inside PATH, sorted."""
+    return sorted(c for c in Path(path).iterdir() if c.is_dir() and is_run(c))
+
+
 def check_runs(runs, pending=()) -> list[Path]:
     """Each path must be a run directory (manifest.json) or a directory holding runs; a path in
     ``pending`` (a run still being captured, as in ``sparsecal demo``) may not exist yet: the app
-    shows it once its manifest is written."""
+    shows it once its manifest is written. An evaluation directory is refused with the option that
+    shows it (--results)."""
     from sparsecal.formats.run import RunStore
 
     out = []
@@ -62,9 +87,12 @@ def check_runs(runs, pending=()) -> list[Path]:
             continue
         if not p.is_dir():
             raise UserError(f"{r} is not a directory; give run directories made by `sparsecal capture`.")
+        if (p / "results.json").is_file() or manifest_kind(p / "data") is not None:
+            raise UserError(f"{r} is an evaluation directory (`sparsecal eval`), not a run: show it on the "
+                            f"Accuracy-speedup page with --results {r}, next to a run.")
         if (p / "manifest.json").is_file():
             RunStore.open(p)  # kind and schema version, one line when wrong
-        elif not any((c / "manifest.json").is_file() for c in p.iterdir()):
+        elif not child_runs(p):
             raise UserError(f"{r} is neither a sparsecal run nor a directory of runs (no manifest.json); "
                             f"make one with `sparsecal capture --out {r}`.")
         out.append(p)
@@ -82,16 +110,22 @@ def start(runs, host: str = "127.0.0.1", port: int = 8501, results=(), pending=(
     """Start the dashboard server on ``runs`` in the background and print its URL; returns the
     server process (``wait`` or ``stop`` it)."""
     paths = check_runs(runs, pending)
+    for r in results:
+        if not Path(r).expanduser().is_dir():
+            raise UserError(f"--results {r} is not a directory; give an evaluation directory (`sparsecal eval "
+                            "--out`) or a directory of result files.")
     port = check_port(host, port)
     env = dict(os.environ)
     if results:
         env["SPARSECAL_RESULTS"] = os.pathsep.join(str(Path(r).expanduser().resolve()) for r in results)
     env.pop("SPARSECAL_RUNS", None)  # the arguments below are what this command serves
     shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "localhost") else host
-    n = sum(1 if (p / "manifest.json").is_file() else sum((c / "manifest.json").is_file() for c in p.iterdir())
-            for p in paths if p.is_dir())
+    n = sum(1 if (p / "manifest.json").is_file() else len(child_runs(p)) for p in paths if p.is_dir())
     echo(f"sparsecal dashboard: serving {n} run{'s' * (n != 1)} at http://{shown}:{port}  (Ctrl-C stops it)")
-    return subprocess.Popen(command(paths, host, port), env=env)
+    from sparsecal.formats.children import preexec
+
+    # the server ends with this process, however it ends (SIGKILL included): formats/children.py
+    return subprocess.Popen(command(paths, host, port), env=env, preexec_fn=preexec())
 
 
 def stop(proc: subprocess.Popen) -> int:

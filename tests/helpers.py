@@ -100,6 +100,11 @@ def check_sample_tensors(t, n, cfg, layers, heads):
     assert t["rescale_excess"].shape == (layers, heads, o) and (t["rescale_excess"] >= 0).all()
     rows = torch.arange(max(n - cfg.decode_rows, 0), n)
     assert (t["decode_gap_count"].sum(-1) == int((rows // cfg.block_n).sum())).all()
+    # and every diagonal tile (A_i <= j < R_i; a decode row's own block) in one diagonal gap bin
+    assert (t["diag_gap_count"].sum(-1) == int((reach - cand).sum())).all()
+    assert (t["decode_diag_gap_count"].sum(-1) == len(rows)).all()
+    assert ((t["gap_mass"] + t["diag_gap_mass"]).sum(-1) - p).abs().max() < 1e-3  # a block's tiles sum to 1
+    assert ((t["decode_gap_mass"] + t["decode_diag_gap_mass"]).sum(-1) - len(rows)).abs().max() < 1e-3
     # the mass of a query block's tiles sums to 1; candidates hold part of it
     cand_mass = t["gap_mass"].sum(-1)
     assert (cand_mass <= p + 1e-3).all() and (cand_mass >= 0).all()
@@ -229,7 +234,7 @@ def assert_reduced_match(a, r, n, cfg, ties):
         torch.testing.assert_close(a[f"{pre}top_mass"].double().cumsum(-1), b[f"{pre}top_mass"].double().cumsum(-1),
                                    atol=1e-4, rtol=1e-4)
     edges = cfg.gap_edges()
-    for prefix, gap in (("", r.gap), ("decode_", r.dec_gap)):
+    for prefix, gap in (("", r.gap), ("decode_", r.dec_gap), ("diag_", r.gap), ("decode_diag_", r.dec_gap)):
         slack = hist_slack(gap, edges)
         ca, cb = a[f"{prefix}gap_count"], b[f"{prefix}gap_count"]
         assert torch.equal(ca.sum(-1), cb.sum(-1)) and int((ca - cb).abs().sum()) <= 2 * slack

@@ -161,8 +161,9 @@ def test_saturated_target_never_skips_every_candidate(tmp_path, seed):
     ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         dense = model(ids).logits
-    for name, validity in (("old", None), ("new", {"prefill": {"law": "a/L", "validated_lengths": [4096],
-                                                               "min_length": 4096, "max_length": 4096}})):
+    # validated up to 8192 tokens: a factor past every covered length would be refused (formats.exports)
+    for name, validity in (("old", None), ("new", {"prefill": {"law": "a/L", "validated_lengths": [4096, 8192],
+                                                               "min_length": 4096, "max_length": 8192}})):
         exp = _saturating_export(tmp_path / name, 5000.0, validity)
         sparsecal.sparsify(model, exp, method="blasst", backend="reference")
         with torch.no_grad():
@@ -184,7 +185,7 @@ def test_min_length_runs_dense_below_and_sparse_from_it(tmp_path, seed):
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 300, (1, 450), generator=torch.Generator().manual_seed(seed))
     for min_length, skips in ((500, False), (400, True)):
-        v = {"law": "a/L", "validated_lengths": [min_length], "min_length": min_length, "max_length": min_length}
+        v = {"law": "a/L", "validated_lengths": [min_length, 1024], "min_length": min_length, "max_length": 1024}
         exp = _saturating_export(tmp_path / f"m{min_length}", 451.0, {"prefill": v, "decode": v})
         sparsecal.sparsify(model, exp, method="blasst", backend="reference")
         with torch.no_grad():

@@ -105,18 +105,23 @@ def test_softcap_matches_reference(case, seed):
 
 @pytest.mark.parametrize("case", [(1, 1, 1, 64, 32, 16, torch.float32, ALL, True),
                                   (110, 1, 2, 64, 32, 16, torch.bfloat16, ("sink_local", "forward"), False),
-                                  (100, 1, 2, 128, 40, 24, torch.float16, ("reverse",), True)],
+                                  (100, 1, 2, 128, 40, 24, torch.float16, ("reverse",), True),
+                                  (200, 1, 2, 64, 128, 128, torch.float32, ALL, False, 4)],  # Model-Optimizer's tile
                          ids=lambda c: f"N{c[0]}-{c[4]}x{c[5]}-{len(c[7])}o")
 def test_fused_reductions_equal_reduce_tiles(case, seed):
     """The two-pass capture path's in-kernel histograms and BSFA counts give exactly what reduce_tiles
-    makes of TileStats."""
-    n, hkv, group, d, bm, bn, dtype, orders, raw = case
+    makes of TileStats, and match the reference's reductions (the diagonal-tile histograms too).
+    A tenth case element is pass 2's tiles per chunk (4 at 128 x 128: the interpreter pays for every
+    one of a chunk's tiles, and a block here has at most two)."""
+    n, hkv, group, d, bm, bn, dtype, orders, raw, *tj = case
     cfg = StatsConfig(block_m=bm, block_n=bn, orders=orders, k_values=(1, 2, 4), decode_rows=40, raw=raw)
+    launch = {"tile_chunk": tj[0]} if tj else None
     q, k, v = make_qkv(seed, n, hkv, group, d, dtype)
-    out, tiles = instrumented_attention_triton(q, k, v, 0.125, cfg)
+    out, tiles = instrumented_attention_triton(q, k, v, 0.125, cfg, launch=launch)
     want = reduce_tiles(tiles, n, cfg)
-    out2, got = instrumented_capture_triton(q, k, v, 0.125, cfg)  # two-pass path
+    out2, got = instrumented_capture_triton(q, k, v, 0.125, cfg, launch=launch)  # two-pass path
     assert torch.equal(out, out2) and list(got) == list(want)
+    assert_reduced_match(got, instrumented_attention(q, k, v, 0.125, cfg)[1], n, cfg, near_tie_rows(q, k, 0.125, bn))
     for key, w in want.items():
         g = got[key]
         assert g.shape == w.shape, key

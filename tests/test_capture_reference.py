@@ -22,6 +22,7 @@ CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
     (700, 1, 1, 128, 64, 64, torch.float32),
     (333, 1, 3, 64, 64, 32, torch.float32),
     (250, 1, 2, 64, 80, 48, torch.float32),  # BM not a multiple of BN
+    (300, 1, 2, 64, 128, 128, torch.float32),  # Model-Optimizer's tile: one diagonal tile per query block
 ]
 ORDERS = ("forward", "reverse", "sink_local")
 
@@ -145,6 +146,9 @@ def edge_tolerant_hist_check(counts, values, edges, side="right"):
 def check_reductions(red, bf, cfg, n):
     h, o, p, kb = bf["gap"].shape
     cmask = np.arange(kb)[None, :] < bf["cand"][:, None]
+    reach = block_counts_torch(n, cfg.block_m, cfg.block_n)[1].numpy()
+    dmask = ~cmask & (np.arange(kb)[None, :] < reach[:, None])  # diagonal tiles A_i <= j < R_i
+    dec_a = np.arange(max(n - 70, 0), n) // cfg.block_n  # decode row r: A = r // BN, diagonal j = A
     edges = cfg.gap_edges()
     for hh in range(h):
         for i in range(p):
@@ -156,8 +160,14 @@ def check_reductions(red, bf, cfg, n):
             edge_tolerant_hist_check(red["gap_count"][hh, oo].numpy(), bf["gap"][hh, oo][cmask], edges)
             mass_sum = bf["mass"][hh][cmask].sum()
             assert math.isclose(red["gap_mass"][hh, oo].sum().item(), mass_sum, abs_tol=1e-4)
-            dcm = np.arange(kb)[None, :] < (np.arange(max(n - 70, 0), n) // cfg.block_n)[:, None]
+            dcm = np.arange(kb)[None, :] < dec_a[:, None]
             edge_tolerant_hist_check(red["decode_gap_count"][hh, oo].numpy(), bf["dec_gap"][hh, oo][dcm], edges)
+            edge_tolerant_hist_check(red["diag_gap_count"][hh, oo].numpy(), bf["gap"][hh, oo][dmask], edges)
+            assert math.isclose(red["diag_gap_mass"][hh, oo].sum().item(), bf["mass"][hh][dmask].sum(), abs_tol=1e-4)
+            ddm = np.arange(kb)[None, :] == dec_a[:, None]
+            edge_tolerant_hist_check(red["decode_diag_gap_count"][hh, oo].numpy(), bf["dec_gap"][hh, oo][ddm], edges)
+            assert math.isclose(red["decode_diag_gap_mass"][hh, oo].sum().item(), bf["dec_mass"][hh][ddm].sum(),
+                                abs_tol=1e-4)
             assert red["tstar_where"][hh, oo].sum() == n
             assert red["tstar_hist"][hh, oo].sum() == n
             check_rescale_hist(red, bf, cfg, hh, oo)
@@ -239,3 +249,44 @@ def test_weighted_histogram_is_float_even_when_empty():
     assert empty.dtype == torch.float64 and empty.shape == (2, 3) and not empty.any()
     counts = histogram(torch.tensor([[-2.0, 0.5]]), edges)
     assert counts.dtype == torch.int64 and counts.tolist() == [[1, 0, 1]]
+
+
+def diagonal_hist(gap, mass, blocks, edges):
+    """Counts and masses [NG] of gap[x, j] (weights mass[x, j]) over the (x, j) pairs ``blocks``
+    yields, binned as bucketize(right=True): bin k holds e_{k-1} <= gap < e_k."""
+    vals = np.array([gap[x, j] for x, j in blocks], np.float64)
+    w = np.array([mass[x, j] for x, j in blocks], np.float64)
+    idx = np.searchsorted(edges, vals, side="right")
+    return np.bincount(idx, minlength=len(edges) + 1), np.bincount(idx, weights=w, minlength=len(edges) + 1)
+
+
+@pytest.mark.parametrize("n,hkv,group,bm,bn", [(1, 1, 1, 32, 16), (70, 1, 4, 32, 16), (250, 1, 2, 80, 48),
+                                              (200, 2, 1, 64, 64), (300, 1, 2, 128, 128)],
+                         ids=lambda x: str(x))
+def test_diagonal_histograms_from_the_reference_gaps(n, hkv, group, bm, bn, seed):
+    """diag_gap_* and decode_diag_gap_* of reduce_tiles equal the histograms of the reference's own
+    gap tensors over the diagonal tiles, enumerated one by one from the geometry (prefill: key
+    blocks (i * BM) // BN .. (last row of block i) // BN; decode row r: block r // BN), bit for bit
+    in the counts; the candidate and diagonal histograms together hold every reachable tile."""
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=ORDERS, k_values=(1, 2), decode_rows=30)
+    q, k, v = make_qkv(seed, n, hkv, group, 64, torch.float32)
+    _, t = instrumented_attention(q, k, v, 0.125, cfg)
+    red = reduce_tiles(t, n, cfg)
+    edges = cfg.gap_edges()
+    p = -(-n // bm)
+    diag = [(i, j) for i in range(p) for j in range((i * bm) // bn, (min((i + 1) * bm, n) - 1) // bn + 1)]
+    dec = [(x, int(r) // bn) for x, r in enumerate(t.dec_rows)]
+    assert len(diag) >= p and len(dec) == min(30, n)
+    gap, dgap = t.gap.double().numpy(), t.dec_gap.double().numpy()
+    for hh in range(hkv * group):
+        for oo in range(len(ORDERS)):
+            for key, g, m, blocks in (("diag_", gap[hh, oo], t.mass[hh].numpy(), diag),
+                                      ("decode_diag_", dgap[hh, oo], t.dec_mass[hh].numpy(), dec)):
+                assert np.isfinite([g[x, j] for x, j in blocks]).all()  # every diagonal tile is seen
+                count, mass = diagonal_hist(g, m, blocks, edges)
+                assert np.array_equal(red[f"{key}gap_count"][hh, oo].numpy(), count), key
+                np.testing.assert_allclose(red[f"{key}gap_mass"][hh, oo].numpy(), mass, atol=1e-6, rtol=1e-6)
+            reachable = int(np.isfinite(gap[hh, oo]).sum())
+            assert int(red["gap_count"][hh, oo].sum() + red["diag_gap_count"][hh, oo].sum()) == reachable
+            total = red["gap_mass"][hh, oo].sum() + red["diag_gap_mass"][hh, oo].sum()
+            assert math.isclose(float(total), p, rel_tol=1e-5)  # every query block's tiles sum to 1

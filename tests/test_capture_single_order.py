@@ -47,6 +47,7 @@ CAPTURE_CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype, order)
     (70, 1, 4, 64, 32, 16, torch.bfloat16, "forward"),
     (100, 2, 1, 128, 32, 16, torch.float16, "reverse"),
     (90, 1, 2, 64, 40, 24, torch.float32, "sink_local"),
+    (260, 1, 2, 64, 128, 128, torch.bfloat16, "sink_local"),  # Model-Optimizer's tile: block 0 diagonal for i = 0
 ]
 
 

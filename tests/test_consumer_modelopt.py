@@ -157,10 +157,8 @@ def test_verify_measures_what_was_predicted(verified):
     assert "measured" in res.output and "drift" in res.output
 
 
-@pytest.mark.model
-def test_verify_refuses_bad_options_before_loading_anything(tmp_path, verified):
-    run, _ = verified
-    assert_user_error(cli("verify", run / "export", "--engine", "vllm"), "--engine vllm")
-    assert_user_error(cli("verify", run / "export", "--targets", "1.5"), "--targets")
-    assert_user_error(cli("verify", run / "export", "--samples", "some"), "--samples some")
-    assert_user_error(cli("verify", tmp_path, "--run", run), "does not exist")
+def test_verify_refuses_bad_options_before_loading_anything(tmp_path, exports):
+    assert_user_error(cli("verify", tmp_path, "--engine", "vllm"), "--engine vllm")
+    assert_user_error(cli("verify", tmp_path, "--targets", "1.5"), "--targets")
+    assert_user_error(cli("verify", tmp_path, "--samples", "some"), "--samples some")
+    assert_user_error(cli("verify", tmp_path), "does not exist")

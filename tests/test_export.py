@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from sparsecal.bench.synthetic import write_synthetic_run
 from sparsecal.cli import app
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import BSFA_DECODE_KEYS, BSFA_KEYS, blasst_lambda, load_blasst
+from sparsecal.formats.exports import BSFA_DECODE_KEYS, BSFA_IDENTITY_KEYS, BSFA_KEYS, blasst_lambda, load_blasst
 from sparsecal.integrations.exports import load_bsfa
 
 runner = CliRunner()
@@ -31,7 +31,9 @@ def exported(tmp_path_factory):
 def test_bsfa_pt_has_exactly_the_reference_keys(exported):
     run, out = exported
     d = torch.load(out / "thresholds.bsfa.pt", weights_only=True)
-    assert set(d) == set(BSFA_KEYS) | set(BSFA_DECODE_KEYS)  # the reference's, and the decode thresholds
+    # the reference's, the decode thresholds and the model identity
+    assert set(d) == set(BSFA_KEYS) | set(BSFA_DECODE_KEYS) | set(BSFA_IDENTITY_KEYS)
+    assert d["model"] == "synthetic-2x4" and d["head_dim"] == 64
     assert d["k_values"] == [8, 16, 32] and d["num_layers"] == 2 and d["num_heads"] == 4
     assert d["q_block_size"] == 128 and d["k_block_size"] == 64 and d["aggregation_method"] == "mean"
     assert d["max_num_blocks"] == 47 and d["thresholds"].shape == (3, 2, 4, 47)  # ceil(6000 / 128)

@@ -111,8 +111,9 @@ def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per
 
 
 def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict:
-    """reduce_tiles' histogram keys (gap, decode gap, t*, q-init, rescale and shortfall counts;
-    f64 masses) from the in-kernel [H, W] rows of the tiles (part) and of the decode rows (dpart)."""
+    """reduce_tiles' histogram keys (gap, decode gap, diagonal and decode diagonal gap, t*, q-init,
+    rescale and shortfall counts; f64 masses) from the in-kernel [H, W] rows of the tiles (part)
+    and of the decode rows (dpart)."""
     lay = HistLayout.of(cfg)
     part, dpart = part.double(), dpart.double()
     sf0 = lay.offsets["shortfall_count"]
@@ -122,6 +123,10 @@ def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict
         "gap_mass": _hist_section(part, cfg, "gap_mass", lay.ng, lay.nbp).contiguous(),
         "decode_gap_count": _hist_section(dpart, cfg, "gap_count", lay.ng, lay.nbp).round().long(),
         "decode_gap_mass": _hist_section(dpart, cfg, "gap_mass", lay.ng, lay.nbp).contiguous(),
+        "diag_gap_count": _hist_section(part, cfg, "diag_gap_count", lay.ng, lay.nbp).round().long(),
+        "diag_gap_mass": _hist_section(part, cfg, "diag_gap_mass", lay.ng, lay.nbp).contiguous(),
+        "decode_diag_gap_count": _hist_section(dpart, cfg, "diag_gap_count", lay.ng, lay.nbp).round().long(),
+        "decode_diag_gap_mass": _hist_section(dpart, cfg, "diag_gap_mass", lay.ng, lay.nbp).contiguous(),
         "tstar_where": _hist_section(part, cfg, "tstar_where", 3, 4).round().long(),
         "tstar_hist": _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long(),
         "qinit_count": _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long(),

@@ -57,9 +57,9 @@ def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, laun
 
     q [1, H, N, D], k [1, Hkv, N, D], lse [H, N] (natural log, from pass 1 with the same softcap:
     the cap c of c * tanh(s / c) on every scaled score, 0 or None off). Returns (rows [R],
-    gap [H, 3, R, Kb] in geometry.ORDERS, mass [H, R, Kb], with fused the candidate tiles' gap
-    histograms [H, W] (HistLayout) else None, rmax [H, R, Kb] each row's max score per key block)
-    as reference.decode_tiles defines them.
+    gap [H, 3, R, Kb] in geometry.ORDERS, mass [H, R, Kb], with fused the gap histograms of the
+    candidate and the diagonal tiles [H, W] (HistLayout) else None, rmax [H, R, Kb] each row's max
+    score per key block) as reference.decode_tiles defines them.
     """
     _, h, n, d = q.shape
     cap_on, cap = softcap_args(softcap)
@@ -84,5 +84,6 @@ def decode_forward(q, k, lse: torch.Tensor, scale: float, cfg: StatsConfig, laun
         ge, _, g_lo, g_inv, n_ge = edge_args(cfg, dev)[:5]
         decode_stats_kernel[(cdiv(n_dec, 16), h)](
             rmax, mass, gap, part if fused else gap, ge, r_first, n_dec, kb, g_lo, g_inv, n_ge,
-            BN=bn, ROWS=16, TJ=32, W=lay.offsets["width"], NBP=lay.nbp, HIST=fused, num_warps=4, num_stages=1)
+            BN=bn, ROWS=16, TJ=32, W=lay.offsets["width"], NBP=lay.nbp, HIST=fused,
+            OFF_DG=lay.offsets["diag_gap_count"], num_warps=4, num_stages=1)
     return torch.arange(r_first, n, device=dev), gap, mass, part, rmax

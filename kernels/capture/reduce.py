@@ -5,11 +5,12 @@ single-order path the gap, t* and q-init histograms (kernels/capture/reduce_refe
 
 - BSFA: with the thresholds of reduce.bsfa_thresholds (torch.topk, no host sync), the kept count
   A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
-- ORDER >= 0 (single-order capture): the candidate tiles' gap histogram (count and mass) of that
-  order, and the block's rows: t* where-category and normalized-t* counts, q-init error
-  counts and running-max rescale / shortfall counts (tilestats.row_scan_stats), added with
-  atomics into the histogram row of the head (tilestats.HistLayout, at the order's slot of
-  geometry.ORDERS), bins exactly torch.bucketize's (f64 edge tables).
+- ORDER >= 0 (single-order capture): the gap histograms (count and mass) of that order of the
+  candidate tiles (j < A_i) and of the diagonal tiles (A_i <= j < R_i), and the block's rows:
+  t* where-category and normalized-t* counts, q-init error counts and running-max rescale /
+  shortfall counts (tilestats.row_scan_stats), added with atomics into the histogram row of the
+  head (tilestats.HistLayout, at the order's slot of geometry.ORDERS), bins exactly
+  torch.bucketize's (f64 edge tables).
 
 Shape legend: H heads, P query blocks, Kb key blocks, N length, K = len(k_values), W histogram
 entries per head.
@@ -30,6 +31,35 @@ TJ = 64  # tiles per chunk
 
 
 @triton.jit
+def _diag_hist(gap_ptr, mass_ptr, cnt_ptr, sum_ptr, n_cand, n_reach, GEDGES, g_lo, g_inv, n_gedges,
+               TJ: tl.constexpr):
+    """Gap histogram of a query block's diagonal tiles n_cand <= j < n_reach (gaps at gap_ptr + j,
+    masses at mass_ptr + j): counts added at cnt_ptr + bin, masses at sum_ptr + bin."""
+    for j0 in range(n_cand, n_reach, TJ):
+        jt = j0 + tl.arange(0, TJ)
+        ok = jt < n_reach
+        m = tl.load(mass_ptr + jt, mask=ok, other=0.0)
+        g = tl.load(gap_ptr + jt, mask=ok, other=0.0)
+        hist_add(cnt_ptr, sum_ptr, bucket(g, GEDGES, g_lo, g_inv, n_gedges), m, ok)
+
+
+@triton.jit
+def _tstar_counts(TWHERE, TSTEP, r, row_ok, n_reach, part_w, part_t, NT: tl.constexpr, TBP: tl.constexpr):
+    """The rows r [BLOCK_M] (valid row_ok) counted into 4 t* where bins at part_w and TBP
+    normalized-t* bins at part_t (reference.tstar_norm: step / max(n_reach - 1, 1))."""
+    where = tl.load(TWHERE + r, mask=row_ok, other=0).to(tl.int32)
+    hit = (where[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
+    w = tl.sum(hit.to(tl.float32), 0)
+    tl.atomic_add(part_w + tl.arange(0, 4), w, mask=w > 0, sem="relaxed")
+    step = tl.load(TSTEP + r, mask=row_ok, other=0)
+    norm = step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32)
+    tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
+    hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
+    t = tl.sum(hit.to(tl.float32), 0)
+    tl.atomic_add(part_t + tl.arange(0, TBP), t, mask=t > 0, sem="relaxed")
+
+
+@triton.jit
 def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR, RESC, SHORT, PART, GEDGES, QEDGES,
                            SEDGES, n_ctx, n_qb, n_kb, n_k, g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
                            s_lo, s_inv, n_sedges,
@@ -37,7 +67,8 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
                            KP: tl.constexpr, ORDER: tl.constexpr, W: tl.constexpr, NBP: tl.constexpr,
                            OFF_TW: tl.constexpr, OFF_TH: tl.constexpr, OFF_QI: tl.constexpr,
                            NT: tl.constexpr, TBP: tl.constexpr, OFF_RC: tl.constexpr, OFF_RX: tl.constexpr,
-                           OFF_SF: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr):
+                           OFF_SF: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr,
+                           OFF_DG: tl.constexpr):
     """Grid (P, H). BMAX, MASS, GAP [H, P, Kb] f32 (GAP: the one order's); THR [H, P, K] f32;
     KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP, RESC [H, N] i32, TWHERE [H, N] i8, QERR
     [H, N] f32, SHORT [H, 2, N] f32; PART [H, W] f32 (zeroed by the caller, added into). ORDER -1: BSFA only."""
@@ -66,21 +97,15 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
     tl.store(KEPT + kp, (n_cand - below_n).to(tl.int64), mask=k_ok)
     tl.store(SKIP + kp, below_m, mask=k_ok)
     if ORDER >= 0:
+        n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+        _diag_hist(GAP + tiles, MASS + tiles, part + OFF_DG + ORDER * NBP, part + OFF_DG + (3 + ORDER) * NBP,
+                   n_cand, n_reach, GEDGES, g_lo, g_inv, n_gedges, TJ)
         offs_m = tl.arange(0, BLOCK_M)
         rows = i * BM + offs_m
         row_ok = (offs_m < BM) & (rows < n_ctx)
-        n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
         r = h * n_ctx + rows
-        where = tl.load(TWHERE + r, mask=row_ok, other=0).to(tl.int32)
-        hit = (where[:, None] == tl.arange(0, 4)[None, :]) & row_ok[:, None]
-        w = tl.sum(hit.to(tl.float32), 0)
-        tl.atomic_add(part + OFF_TW + 4 * ORDER + tl.arange(0, 4), w, mask=w > 0, sem="relaxed")
-        step = tl.load(TSTEP + r, mask=row_ok, other=0)
-        norm = step.to(tl.float32) / tl.maximum(n_reach - 1, 1).to(tl.float32)  # reference.tstar_norm
-        tb = tl.minimum(tl.floor(norm * NT).to(tl.int32), NT - 1)
-        hit = (tb[:, None] == tl.arange(0, TBP)[None, :]) & row_ok[:, None]
-        t = tl.sum(hit.to(tl.float32), 0)
-        tl.atomic_add(part + OFF_TH + ORDER * TBP + tl.arange(0, TBP), t, mask=t > 0, sem="relaxed")
+        _tstar_counts(TWHERE, TSTEP, r, row_ok, n_reach, part + OFF_TW + 4 * ORDER, part + OFF_TH + ORDER * TBP,
+                      NT, TBP)
         qerr = tl.load(QERR + r, mask=row_ok, other=0.0)
         bins = bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
         tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")

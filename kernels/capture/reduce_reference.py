@@ -28,6 +28,10 @@ Output keys
     gap_mass           [H, O, NG] f64  their summed mass (a query block's tiles sum to 1)
     decode_gap_count   [H, O, NG] i64  decode rows' candidate tiles per gap bin
     decode_gap_mass    [H, O, NG] f64
+    diag_gap_count     [H, O, NG] i64  diagonal tiles (A_i <= j < R_i) per gap bin: the tiles the
+    diag_gap_mass      [H, O, NG] f64  BSFA rule always computes, which a consumer's rule may skip
+    decode_diag_gap_count [H, O, NG] i64  each decode row's own last reachable block (j = r // BN)
+    decode_diag_gap_mass  [H, O, NG] f64  per gap bin, and its mass
     tstar_where        [H, O, 3]  i64  rows whose running max stabilizes at sink/diagonal/middle
     tstar_hist         [H, O, NT] i64  rows per normalized-t* bin on [0, 1]
     qinit_count        [H, NQ]    i64  rows per Q-init error bin
@@ -185,18 +189,30 @@ def rescale_reduce(rescales: torch.Tensor, shortfall: torch.Tensor, cfg: StatsCo
             "shortfall_count": sc.view(h, o, 2, -1)}
 
 
+def gap_reduce(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tensor]:
+    """The gap histograms (module docstring): candidate tiles j < A_i and diagonal tiles
+    A_i <= j < R_i of the query blocks, and of the decode rows (candidates j < r // BN, the
+    diagonal j = r // BN)."""
+    kb = t.gap.shape[-1]
+    dev = t.gap.device
+    cand, reach = (torch.from_numpy(x).to(dev).unsqueeze(1) for x in block_counts(n, cfg.block_m, cfg.block_n))
+    cols = torch.arange(kb, device=dev)
+    edges = torch.from_numpy(cfg.gap_edges())
+    dec_cand = (t.dec_rows // cfg.block_n).unsqueeze(1)  # decode row r: A = r // BN
+    out = _gap_hist(t.gap, t.mass, cols < cand, edges, "")
+    out.update(_gap_hist(t.dec_gap, t.dec_mass, cols < dec_cand, edges, "decode_"))
+    out.update(_gap_hist(t.gap, t.mass, (cols >= cand) & (cols < reach), edges, "diag_"))
+    out.update(_gap_hist(t.dec_gap, t.dec_mass, cols == dec_cand, edges, "decode_diag_"))
+    return out
+
+
 def reduce_tiles(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tensor]:
     """All per-layer reductions of one call (see the module docstring for keys and shapes)."""
-    h, o, _, kb = t.gap.shape
-    dev = t.gap.device
+    h, o = t.gap.shape[:2]
     cand = torch.from_numpy(block_counts(n, cfg.block_m, cfg.block_n)[0])
-    cols = torch.arange(kb, device=dev)
     out = bsfa_reduce(t.bmax, t.mass, cand, cfg)
     out.update(decode_bsfa_reduce(t.dec_bmax, t.dec_mass, n, cfg))
-    gap_edges = torch.from_numpy(cfg.gap_edges())
-    out.update(_gap_hist(t.gap, t.mass, cols < cand.to(dev).unsqueeze(1), gap_edges, ""))
-    dec_cand = (t.dec_rows // cfg.block_n).unsqueeze(1)  # decode row r: A = r // BN
-    out.update(_gap_hist(t.dec_gap, t.dec_mass, cols < dec_cand, gap_edges, "decode_"))
+    out.update(gap_reduce(t, n, cfg))
     where = t.tstar_where.long().reshape(h * o, -1)
     out["tstar_where"] = histogram(where.double(), torch.tensor([0.5, 1.5], dtype=torch.float64)).view(h, o, 3)
     nt = cfg.tstar_bins

@@ -6,9 +6,9 @@ pass 1  forward_stats._fwd_stats_kernel: output, log-sum-exp, bmax, the order's 
 pass 2  mass._mass_kernel: the block mass from the final log-sum-exp (QK^T only);
 decode  decode_rows.decode_forward: the last rows' gaps and their histograms, and their row block
         maxima, reduced by reduce_reference.decode_bsfa_reduce (torch.topk);
-reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histogram and
-        the row histograms (t* where, normalized t*, q-init, rescales, shortfalls), after
-        reduce.bsfa_thresholds' torch.topk.
+reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histograms (candidate
+        and diagonal tiles) and the row histograms (t* where, normalized t*, q-init, rescales,
+        shortfalls), after reduce.bsfa_thresholds' torch.topk.
 
 No host sync and no per-row scratch. ``single_order_capture_triton`` returns what
 kernels/capture/reduce_reference.py's ``reduce_tiles`` makes of the reference's TileStats for a StatsConfig with one

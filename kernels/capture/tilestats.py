@@ -13,10 +13,10 @@ chunks of TJ tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-ex
 - running-max rescales of every row in every order (the tiles that set a strict new running max,
   found by a (max, first index) scan), and the shortfall of the running max after the first and
   the first geometry.local_prefix scanned blocks;
-- optionally (HIST) the additive histograms of kernels/capture/reduce_reference.py: gap counts and masses of the
-  candidate tiles per order, t* where / normalized-t* counts, the q-init error counts and the
-  rescale / shortfall counts, added
-  with atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
+- optionally (HIST) the additive histograms of kernels/capture/reduce_reference.py: gap counts
+  and masses of the candidate tiles and of the diagonal tiles per order, t* where /
+  normalized-t* counts, the q-init error counts and the rescale / shortfall counts, added with
+  atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
   torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects the guess).
 
 Shape legend: H heads, P query blocks, Kb key blocks, N length, W = HistLayout.width histogram
@@ -37,8 +37,10 @@ from sparsecal.kernels.jit import max_fn
 class HistLayout:
     """Sections of one head's histogram row (f32, counts exact up to 2^24):
     gap counts [3, NBP], gap masses [3, NBP], t* where [3, 4], t* hist [3, TBP], q-init [QBP],
-    rescale counts [3, RBP], rescale excess [4], shortfall counts [3, 2, SBP] (orders as
-    geometry.ORDERS; NBP, TBP, QBP, RBP, SBP the bin counts rounded up to powers of two)."""
+    rescale counts [3, RBP], rescale excess [4], shortfall counts [3, 2, SBP], diagonal-tile gap
+    counts [3, NBP] and masses [3, NBP] (orders as geometry.ORDERS; NBP, TBP, QBP, RBP, SBP the bin
+    counts rounded up to powers of two). The diagonal sections repeat the gap sections' layout, so
+    a kernel adds a tile at ``OFF_DG`` (diagonal) or 0 (candidate) plus the same relative offset."""
 
     ng: int
     nq: int
@@ -80,14 +82,16 @@ class HistLayout:
         rc = qi + self.qbp
         rx = rc + 3 * self.rbp
         sf = rx + 4
+        dg = sf + 6 * self.sbp
         return {"gap_count": gc, "gap_mass": gm, "tstar_where": tw, "tstar_hist": th, "qinit_count": qi,
-                "rescale_count": rc, "rescale_excess": rx, "shortfall_count": sf, "width": sf + 6 * self.sbp}
+                "rescale_count": rc, "rescale_excess": rx, "shortfall_count": sf, "diag_gap_count": dg,
+                "diag_gap_mass": dg + 3 * self.nbp, "width": dg + 6 * self.nbp}
 
     def launch_args(self) -> dict:
-        """The rescale / shortfall sections as the kernels' constexpr arguments."""
+        """The rescale / shortfall / diagonal-gap sections as the kernels' constexpr arguments."""
         off = self.offsets
         return dict(OFF_RC=off["rescale_count"], OFF_RX=off["rescale_excess"], OFF_SF=off["shortfall_count"],
-                    NR=self.nr, RBP=self.rbp, SBP=self.sbp)
+                    NR=self.nr, RBP=self.rbp, SBP=self.sbp, OFF_DG=off["diag_gap_count"])
 
 
 @triton.jit
@@ -215,9 +219,11 @@ def _argmax_update(xv, jt, pos_s, best, t_f, t_r, p_s):
 @triton.jit
 def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
                    bmax_ptr, mass_ptr, gapf_ptr, gaps_ptr, part, EDGES, lo, inv_step, n_edges,
-                   TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
+                   TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr,
+                   OFF_DG: tl.constexpr):
     """Ascending chunks: bmax, mass, forward and sink_local gaps (stored at ptr + j), the per-row
-    argmax state for t*, and (HIST) the candidate tiles' gap histograms added into part. Also per
+    argmax state for t*, and (HIST) the gap histograms added into part (candidate tiles at the gap
+    sections, diagonal tiles at the diagonal sections OFF_DG, HistLayout). Also per
     row: new running maxima in forward order (n_f, the first included) and in sink_local order
     after block 0 (n_s), block 0's max x0, and the maxima of the first n_loc blocks (pre_f), the
     last n_loc (suf_r) and the last block (x_last), n_loc = geometry.local_prefix."""
@@ -256,9 +262,9 @@ def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
         tl.store(gapf_ptr + jt, g_f, mask=ok)
         tl.store(gaps_ptr + jt, g_s, mask=ok)
         if HIST:
-            cand = ok & (jt < n_cand)
-            hist_add(part, part + 3 * NBP, bucket(g_f, EDGES, lo, inv_step, n_edges), mass, cand)
-            hist_add(part + 2 * NBP, part + 5 * NBP, bucket(g_s, EDGES, lo, inv_step, n_edges), mass, cand)
+            sec = part + tl.where(jt < n_cand, 0, OFF_DG)  # [TJ] candidate or diagonal sections
+            hist_add(sec, sec + 3 * NBP, bucket(g_f, EDGES, lo, inv_step, n_edges), mass, ok)
+            hist_add(sec + 2 * NBP, sec + 5 * NBP, bucket(g_s, EDGES, lo, inv_step, n_edges), mass, ok)
         carry_f = tl.maximum(carry_f, tl.max(xv, 0))
         carry_d = tl.maximum(carry_d, tl.max(xd, 0))
         pos_s = tl.where(jt == 0, 0, tl.where(jt >= d0, jt - d0 + 1, n_reach - d0 + jt))
@@ -268,10 +274,12 @@ def _forward_sweep(x_base, lse2, row_ok, n_rows, n_cand, n_reach, d_max,
 
 @triton.jit
 def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, part, EDGES, lo, inv_step, n_edges,
-                   TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr):
+                   TJ: tl.constexpr, BLOCK_M: tl.constexpr, HIST: tl.constexpr, NBP: tl.constexpr,
+                   OFF_DG: tl.constexpr):
     """Descending chunks: reverse-order gaps (suffix running maxima) at ptr + j; (HIST) their
-    histograms, with the masses the forward sweep stored, added into part. Returns the new running
-    maxima per row [BLOCK_M] in reverse order (the first finite one included)."""
+    histograms (candidate and diagonal tiles, as _forward_sweep's), with the masses the forward
+    sweep stored, added into part. Returns the new running maxima per row [BLOCK_M] in reverse
+    order (the first finite one included)."""
     carry = tl.full([BLOCK_M], float("-inf"), tl.float32)
     n_r = tl.zeros([BLOCK_M], tl.int32)
     for c in range(0, tl.cdiv(n_reach, TJ)):
@@ -281,9 +289,9 @@ def _reverse_sweep(x_base, row_ok, n_cand, n_reach, gapr_ptr, mass_ptr, part, ED
         g_r = _gap_of(xv, run)
         tl.store(gapr_ptr + jt, g_r, mask=ok)
         if HIST:
-            cand = ok & (jt < n_cand)
-            mass = tl.load(mass_ptr + jt, mask=cand, other=0.0)
-            hist_add(part + NBP, part + 4 * NBP, bucket(g_r, EDGES, lo, inv_step, n_edges), mass, cand)
+            mass = tl.load(mass_ptr + jt, mask=ok, other=0.0)
+            sec = part + tl.where(jt < n_cand, 0, OFF_DG)  # [TJ] candidate or diagonal sections
+            hist_add(sec + NBP, sec + 4 * NBP, bucket(g_r, EDGES, lo, inv_step, n_edges), mass, ok)
         carry = tl.maximum(carry, tl.max(xv, 0))
     return n_r
 
@@ -363,7 +371,7 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
                        W: tl.constexpr, NBP: tl.constexpr, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
                        OFF_QI: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr,
                        OFF_RC: tl.constexpr, OFF_RX: tl.constexpr, OFF_SF: tl.constexpr, NR: tl.constexpr,
-                       RBP: tl.constexpr, SBP: tl.constexpr):
+                       RBP: tl.constexpr, SBP: tl.constexpr, OFF_DG: tl.constexpr):
     """Grid (P, heads of this chunk). Query block i = program_id(0) of head head0 + program_id(1);
     its tile j's pairs at XY[((pid1 * num_tiles + TOFF[i] + j) * BLOCK_M + row) * 2 + (0, 1)]. BMAX, MASS [H, P, Kb];
     GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM/RESC [H, 3, N]; SHORT
@@ -388,11 +396,11 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
     part = PART + h * W
     t_f, t_r, p_s, best, n_f, n_s, x0, pre_f, suf_r, x_last = _forward_sweep(
         XY + tile0, lse2, row_ok, n_rows, n_cand, n_reach, d_max, BMAX + tiles, MASS + tiles,
-        gap0, gap0 + 2 * ostride, part, GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
+        gap0, gap0 + 2 * ostride, part, GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP, OFF_DG)
     if HIST:
         tl.debug_barrier()  # the reverse sweep reads the masses this program stored
     n_r = _reverse_sweep(XY + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, part,
-                         GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP)
+                         GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP, OFF_DG)
     _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
                QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
     _rescale_rows(best, n_f, n_s, x0, pre_f, suf_r, x_last, n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT,
@@ -402,11 +410,12 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
 @triton.jit
 def decode_stats_kernel(DX, DM, GAP, PART, GEDGES, r_first, n_dec, n_kb, g_lo, g_inv, n_gedges,
                          BN: tl.constexpr, ROWS: tl.constexpr, TJ: tl.constexpr, W: tl.constexpr,
-                         NBP: tl.constexpr, HIST: tl.constexpr):
+                         NBP: tl.constexpr, HIST: tl.constexpr, OFF_DG: tl.constexpr):
     """Decode rows, each its own block (BM = 1): row r has A = r // BN candidates and diagonal block
     A. Grid (ceil(R / ROWS), H). DX, DM [H, R, Kb]: row block maxima (natural units) and masses;
-    GAP [H, 3, R, Kb] gaps per order (forward, reverse, sink_local); PART [H, W] (HIST: candidate
-    gap histograms added, as in tile_stats_kernel)."""
+    GAP [H, 3, R, Kb] gaps per order (forward, reverse, sink_local); PART [H, W] (HIST: the gap
+    histograms of the candidate tiles j < A and of the diagonal tile j = A added, as in
+    tile_stats_kernel)."""
     h = tl.program_id(1).to(tl.int64)
     rr = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r_ok = rr < n_dec
@@ -432,10 +441,11 @@ def decode_stats_kernel(DX, DM, GAP, PART, GEDGES, r_first, n_dec, n_kb, g_lo, g
         tl.store(gap + j, g_f, mask=ok)
         tl.store(gap + 2 * gstride + j, g_s, mask=ok)
         if HIST:
-            cand = ok & (j < a[:, None])
-            m = tl.load(DM + base[:, None] + j, mask=cand, other=0.0)
-            hist_add(part, part + 3 * NBP, bucket(g_f, GEDGES, g_lo, g_inv, n_gedges), m, cand)
-            hist_add(part + 2 * NBP, part + 5 * NBP, bucket(g_s, GEDGES, g_lo, g_inv, n_gedges), m, cand)
+            seen = ok & (j <= a[:, None])  # the candidates and the diagonal: the row sees no later block
+            sec = part + tl.where(j < a[:, None], 0, OFF_DG)  # [ROWS, TJ] candidate or diagonal sections
+            m = tl.load(DM + base[:, None] + j, mask=seen, other=0.0)
+            hist_add(sec, sec + 3 * NBP, bucket(g_f, GEDGES, g_lo, g_inv, n_gedges), m, seen)
+            hist_add(sec + 2 * NBP, sec + 5 * NBP, bucket(g_s, GEDGES, g_lo, g_inv, n_gedges), m, seen)
         carry = tl.max(run_f, 1)  # run_f holds the carry (a max-accumulate here trips Triton 3.6)
     carry = tl.full([ROWS], float("-inf"), tl.float32)
     for c in range(0, tl.cdiv(n_kb, TJ)):
@@ -446,7 +456,8 @@ def decode_stats_kernel(DX, DM, GAP, PART, GEDGES, r_first, n_dec, n_kb, g_lo, g
         g_r = tl.where(x > float("-inf"), (x - run_r), float("-inf"))
         tl.store(gap + gstride + j, g_r, mask=ok)
         if HIST:
-            cand = ok & (j < a[:, None])
-            m = tl.load(DM + base[:, None] + j, mask=cand, other=0.0)
-            hist_add(part + NBP, part + 4 * NBP, bucket(g_r, GEDGES, g_lo, g_inv, n_gedges), m, cand)
+            seen = ok & (j <= a[:, None])
+            sec = part + tl.where(j < a[:, None], 0, OFF_DG)
+            m = tl.load(DM + base[:, None] + j, mask=seen, other=0.0)
+            hist_add(sec + NBP, sec + 4 * NBP, bucket(g_r, GEDGES, g_lo, g_inv, n_gedges), m, seen)
         carry = tl.max(run_r, 1)

@@ -8,7 +8,9 @@ with ``--format modelopt`` into EXPORT. Both calibrations see the run's calibrat
 
 - sparsecal: ``capture`` + ``fit`` + ``export`` of those prompts, timed as subprocesses of the CLI
   into DIR/sparsecal-run (its statistics include BSFA, stabilization and the gap histograms of every
-  target at once);
+  target at once; the capture's seconds include its process start and model load, which
+  Model-Optimizer's row adds as ``total_with_load``); the 1-minute load average before and after
+  each side is recorded (the CPU machine is shared);
 - Model-Optimizer: its HF path on the same model (eager attention), ``DynamicThresholdCalibrator``
   for prefill (the whole prompt) and for decode (its decode loop's scheme: an SDPA prefill, then
   the last R = the run's decode rows fed one at a time through the sparse path), timed in-process.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparsecal.capture.models import load_run_model
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -158,11 +162,19 @@ def main(argv=None) -> dict:
     train, held = [recs[i] for i in split["train"]], [recs[i] for i in (split["test"] or split["train"])]
     targets = sorted({p[0] for m in (inp["manifest"].get("law") or {}).values() for p in m["points"]})
     print(f"sparsecal: capture + fit + export of {len(train)} prompts", flush=True)
+    load0 = os.getloadavg()[0]
     ours = time_sparsecal(store, train, targets, args.out)
-    model = V._load_model(store, args.device)
+    ours["load_average"] = [load0, os.getloadavg()[0]]
+    t0 = time.perf_counter()
+    model = load_run_model(store.manifest, args.device, attn="eager")
     M.apply(model, inp["block"]["block"])
+    load_s = time.perf_counter() - t0
     print(f"Model-Optimizer: DynamicThresholdCalibrator on the same {len(train)} prompts", flush=True)
+    load0 = os.getloadavg()[0]
     theirs = time_modelopt(model, store, train, cfg.decode_rows, args.device)
+    theirs["seconds"]["model_load"] = load_s        # sparsecal's capture seconds include its own model load
+    theirs["seconds"]["total_with_load"] = theirs["seconds"]["total"] + load_s
+    theirs["load_average"] = [load0, os.getloadavg()[0]]
     laws = {"sparsecal": ours["law"], "modelopt": theirs["law"]}
     rows = held_out(model, store, held, laws, targets, cfg.decode_rows, args.device)
     doc = {"kind": "sparsecal-bench", "benchmark": "modelopt-calibration", "run": str(args.run),

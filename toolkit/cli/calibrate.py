@@ -19,7 +19,7 @@ def fit_command(run: Path, req) -> dict:
     store = RunStore.open(run)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
         job = bar.add_task("reading samples", total=None)
 
         def progress(done, total, rec):

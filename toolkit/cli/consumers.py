@@ -38,7 +38,10 @@ def verify_command(export: Path, run: Path | None, engine: str, targets: list[fl
     print(f"verify {export} with {V._consumer_version()} (HF path, pytorch backend, {device}): {len(recs)} "
           f"sample(s) of {inp['store'].root}, targets {', '.join(f'{t:g}' for t in targets)}"
           f"{', masks applied per target' if masks else ''}")
-    doc = V.run_verify(inp, recs, targets, masks, device)
+    from sparsecal.capture.models import load_run_model
+
+    model = load_run_model(inp["store"].manifest, device, attn="eager")  # Model-Optimizer patches F.softmax there
+    doc = V.run_verify(inp, recs, targets, masks, model, device)
     path = V.write(export, doc)
     print(V.format_table(doc["rows"]))
     print(f"wrote {path}")

@@ -66,6 +66,40 @@ def resolve(req: EvalRequest) -> EvalRequest:
     return req
 
 
+def check_options(req: EvalRequest) -> None:
+    """Every option that can be judged without the model, the export or EVAL's manifest: before
+    ranks start and before anything is read or loaded (options left None are judged after
+    ``resolve``, which runs this again)."""
+    from sparsecal.capture import prompts as P
+    from sparsecal.capture.distributed import check_placement
+    from sparsecal.capture.models import check_dtype_device
+    from sparsecal.evaluation.methods import parse_methods
+    from sparsecal.evaluation.summary import read_bench
+    from sparsecal.formats.errors import unknown
+
+    if req.methods is not None:
+        parse_methods(req.methods)
+    for t in req.tasks or []:
+        if t not in P.TASKS:
+            raise unknown("task", t, P.TASKS)
+    bad = [n for n in req.lengths or [] if n < 1]
+    if bad:
+        raise UserError(f"--lengths {bad[0]} is not a positive token count; give values of at least 1.")
+    if req.dtype is not None or req.device is not None:
+        check_dtype_device(req.dtype or DEFAULTS["dtype"], req.device or DEFAULTS["device"])
+    check_placement(req.device_map, req.max_memory, req.device or DEFAULTS["device"])
+    if req.calibration is not None and not Path(req.calibration).is_dir():
+        raise UserError(f"--calibration {req.calibration} is not a directory; give the run the export was fitted "
+                        "from, or leave it out.")
+    if not Path(req.export).is_dir():
+        raise UserError(f"export {req.export} is not a directory; make one with `sparsecal export RUN --out DIR`.")
+    for path in req.bench:
+        if not Path(path).is_file():
+            raise UserError(f"--bench {path} {'is a directory' if Path(path).is_dir() else 'does not exist'}; give "
+                            "a result file written by `sparsecal bench` (JSON) or its Parquet table.")
+    read_bench(req.bench)  # each --bench file exists and is a bench result: refused now, not after every row
+
+
 def request_record(req: EvalRequest, methods) -> dict:
     """The manifest's request: what a resumed evaluation must match."""
     rec = {f.name: getattr(req, f.name) for f in fields(req) if f.name in RECORDED}
@@ -190,11 +224,10 @@ def eval_command(req: EvalRequest) -> dict:
 
 def _prepare(req: EvalRequest, ranks) -> EvalJob:
     """Every check, then the evaluation directory created or resumed, and what is left to run."""
-    from sparsecal.capture.distributed import check_placement
     from sparsecal.evaluation.store import EvalStore
 
     req = resolve(req)
-    check_placement(req.device_map, req.max_memory, req.device)
+    check_options(req)
     plan = _check(req)
     if plan.cal.manifest is None:
         console.print("[yellow]warning:[/] no calibration run found next to the export; prompts are not "

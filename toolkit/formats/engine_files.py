@@ -25,7 +25,8 @@ import shlex
 from pathlib import Path
 
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import blasst_runtime_lambda, check_geometry, check_validity
+from sparsecal.formats.exports import (LONGEST_LENGTH, blasst_runtime_lambda, check_factor_range, check_geometry,
+                                       check_validity, longest_length)
 from sparsecal.formats.files import atomic_write_text, check_schema, read_json_manifest
 from sparsecal.formats.version import __version__
 
@@ -118,13 +119,15 @@ def _check_layers(path, doc: dict, num_layers: int) -> None:
         raise UserError(f"{path}: a layer is both sparse and ignored; {REMEDY}.")
 
 
-def _check_factors(path, factors, where: str) -> None:
+def _check_factors(path, factors, where: str, longest: int = LONGEST_LENGTH) -> None:
     if not isinstance(factors, dict) or not set(factors) <= set(PHASES) or not any(f is not None for f in factors.values()):
         raise UserError(f"{path}: {where} must hold a prefill and/or decode factor; {REMEDY}.")
     for m, f in factors.items():
         if f is not None and (not _number(f) or f <= 0):
             raise UserError(f"{path}: {where}.{m} is {f!r}, not a finite positive number (lambda = factor / "
                             f"kv_len); {REMEDY}.")
+        if f is not None:
+            check_factor_range(path, f"{where}.{m}", f, longest)
 
 
 def _identity(path, doc: dict, expect: dict | None) -> None:
@@ -156,11 +159,12 @@ def load_engine_manifest(path, expect: dict | None = None) -> dict:
     t = doc.get("target_sparsity")
     if not _number(t) or not 0.0 < t < 1.0:
         raise UserError(f"{path}: target_sparsity is {t!r}, not a number in (0, 1); {REMEDY}.")
-    _check_factors(path, doc.get("factors"), "factors")
+    longest = longest_length(doc)
+    _check_factors(path, doc.get("factors"), "factors", longest)
     if not isinstance(doc.get("formats"), dict):
         raise UserError(f"{path}: formats is not an object; {REMEDY}.")
     for fmt, entry in doc["formats"].items():
-        _check_factors(path, (entry or {}).get("factors"), f"formats.{fmt}.factors")
+        _check_factors(path, (entry or {}).get("factors"), f"formats.{fmt}.factors", longest)
     _check_layers(path, doc, int(doc["model"].get("num_layers") or 0))
     check_validity(path, doc.get("validity"), "engine.json")
     return doc

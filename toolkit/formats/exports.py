@@ -33,6 +33,9 @@ BSFA_KEYS = ("thresholds", "k_values", "max_num_blocks", "num_layers", "num_head
 # Optional beside BSFA_KEYS (exports made before them lack both): thresholds calibrated on single
 # decode rows, the same layout as ``thresholds``, and the positions a decode row was calibrated at.
 BSFA_DECODE_KEYS = ("decode_thresholds", "decode_positions")
+# Optional too (exports made before them lack them): the model the thresholds were calibrated for,
+# so a .pt file alone still names it (thresholds.safetensors carries both in its metadata).
+BSFA_IDENTITY_KEYS = ("model", "head_dim")
 SHAPE_DESCRIPTION = "[num_k, num_layers, num_heads, max_num_blocks]"
 BLASST_ALGORITHM = "skip_softmax"
 
@@ -92,14 +95,16 @@ class BsfaExport:
 
 
 def bsfa_pt_payload(thr: np.ndarray, k_values, block_m: int, block_n: int, aggregation: str,
-                    decode: tuple | None = None) -> dict:
+                    decode: tuple | None = None, identity: dict | None = None) -> dict:
     """The dict ``thresholds.bsfa.pt`` holds (BSFA_KEYS, plus BSFA_DECODE_KEYS when ``decode`` =
-    (decode thresholds shaped like thr, positions list) is given), thresholds still arrays."""
+    (decode thresholds shaped like thr, positions list) is given, plus ``identity``'s
+    BSFA_IDENTITY_KEYS: model id, head_dim), thresholds still arrays."""
     d = {"thresholds": thr, "k_values": [int(k) for k in k_values], "max_num_blocks": thr.shape[3],
          "num_layers": thr.shape[1], "num_heads": thr.shape[2], "q_block_size": int(block_m),
          "k_block_size": int(block_n), "aggregation_method": aggregation, "shape_description": SHAPE_DESCRIPTION}
     if decode is not None:
         d.update(decode_thresholds=decode[0], decode_positions=[int(p) for p in decode[1]])
+    d.update({k: v for k, v in (identity or {}).items() if k in BSFA_IDENTITY_KEYS and v is not None})
     return d
 
 
@@ -128,7 +133,8 @@ def write_blasst(out: Path, doc: dict) -> None:
 
 def bsfa_from_payload(path: Path, d) -> BsfaExport:
     """Check a loaded ``thresholds.bsfa.pt`` dict (thresholds as any array with a shape)."""
-    if not isinstance(d, dict) or not set(BSFA_KEYS) <= set(d) <= set(BSFA_KEYS + BSFA_DECODE_KEYS) or (
+    allowed = set(BSFA_KEYS + BSFA_DECODE_KEYS + BSFA_IDENTITY_KEYS)
+    if not isinstance(d, dict) or not set(BSFA_KEYS) <= set(d) <= allowed or (
             ("decode_thresholds" in d) != ("decode_positions" in d)):
         have = sorted(d) if isinstance(d, dict) else type(d).__name__
         raise UserError(f"{path} does not hold the BSFA export keys {list(BSFA_KEYS)} (has {have}).")
@@ -140,9 +146,13 @@ def bsfa_from_payload(path: Path, d) -> BsfaExport:
     if tuple(getattr(thr, "shape", ())) != want:
         raise UserError(f"{path}: thresholds shape {tuple(getattr(thr, 'shape', ()))} does not match "
                         f"{SHAPE_DESCRIPTION} = {want}; the file is damaged: export it again.")
+    if not isinstance(d.get("model", ""), str) or not isinstance(d.get("head_dim", 1), int):
+        raise UserError(f"{path}: model is not a string or head_dim not an integer; export it again.")
     try:
         return BsfaExport(thr, tuple(int(k) for k in d["k_values"]), int(d["q_block_size"]),
-                          int(d["k_block_size"]), str(d["aggregation_method"]), decode_thresholds=d.get("decode_thresholds"),
+                          int(d["k_block_size"]), str(d["aggregation_method"]), model=d.get("model"),
+                          meta={"head_dim": str(d["head_dim"])} if "head_dim" in d else None,
+                          decode_thresholds=d.get("decode_thresholds"),
                           decode_positions=None if "decode_positions" not in d else tuple(int(p) for p in d["decode_positions"]))
     except (ValueError, TypeError) as e:
         raise UserError(f"{path}: k values or block sizes are not integers ({e}); export it again.") from None
@@ -237,19 +247,24 @@ def check_bsfa_values(path: Path, exp: BsfaExport) -> None:
 
 
 def check_bsfa(path: Path, exp: BsfaExport, expect: dict | None) -> BsfaExport:
-    """Check the values, fill the model id from a sibling safetensors file when missing, and
-    check ``expect``."""
+    """Check the values; a .pt file's metadata (model id, layers) comes from a sibling safetensors
+    file when there is one (its own model id and head_dim first); then check ``expect``."""
     check_bsfa_values(path, exp)
-    if exp.model is None and (path.parent / BSFA_ST).is_file():
+    if path.suffix == ".pt" and (path.parent / BSFA_ST).is_file():
         from dataclasses import replace
 
         from safetensors import safe_open
 
         with safe_open(str(path.parent / BSFA_ST), framework="np") as f:
             meta = dict(f.metadata() or {})
-        exp = replace(exp, model=meta.get("model"), meta=meta)  # the .pt's layers come from its twin too
+        if exp.model is not None and meta.get("model") not in (None, exp.model):
+            raise UserError(f"{path} names model {exp.model} but {BSFA_ST} beside it {meta.get('model')}; the two "
+                            "files are of different exports: export it again.")
+        exp = replace(exp, model=exp.model or meta.get("model"), meta={**meta, **(exp.meta or {})})
+    head_dim = (exp.meta or {}).get("head_dim")
     check_geometry(path, {"model": exp.model, "num_layers": exp.num_layers, "num_heads": exp.num_heads,
-                          "block_m": exp.q_block_size, "block_n": exp.k_block_size}, expect)
+                          "block_m": exp.q_block_size, "block_n": exp.k_block_size,
+                          "head_dim": int(head_dim) if str(head_dim).isdigit() else None}, expect)
     return exp
 
 
@@ -277,7 +292,8 @@ def load_blasst(path, expect: dict | None = None) -> dict:
         raise UserError(f"{path} is not valid JSON ({getattr(e, 'msg', type(e).__name__)}); export it again.") from None
     validate_blasst(path, doc)
     check_geometry(path, {"model": doc["model"], "num_layers": doc["num_layers"], "num_heads": doc["num_heads"],
-                          "block_m": doc["q_block_size"], "block_n": doc["k_block_size"]}, expect)
+                          "block_m": doc["q_block_size"], "block_n": doc["k_block_size"],
+                          "head_dim": doc.get("head_dim")}, expect)
     return doc
 
 
@@ -288,9 +304,33 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check_entry(path, entry, where: str) -> None:
+LONGEST_LENGTH = 1 << 31  # the bound on a factor when an export names no length (no sequence is that long)
+
+
+def longest_length(doc: dict) -> int:
+    """The longest length a blasst.json or engine.json covers: its calibrated ``lengths``, else the
+    longest of its ``validity`` ranges, else LONGEST_LENGTH."""
+    lens = doc.get("lengths")
+    if isinstance(lens, list) and lens and all(map(_positive_int, lens)):
+        return max(lens)
+    val = doc.get("validity")
+    ends = [v.get("max_length") for v in val.values() if isinstance(v, dict)] if isinstance(val, dict) else []
+    return max([n for n in ends if _positive_int(n)], default=LONGEST_LENGTH)
+
+
+def check_factor_range(path, where: str, factor: float, longest: int) -> None:
+    """Refuse a factor with lambda = factor / L >= 1 at every length up to ``longest``: BLASST would
+    run dense there (the runtime policy) or skip every candidate tile (an engine), never as calibrated."""
+    if factor >= longest:
+        raise UserError(f"{path}: {where} is {factor:g}, so lambda = factor / L >= 1 at every length up to the "
+                        f"{longest} tokens the export covers (BLASST would never skip as calibrated); export it "
+                        "again from a fit.")
+
+
+def _check_entry(path, entry, where: str, longest: int = LONGEST_LENGTH) -> None:
     """One calibration: target_sparsity in (0, 1) and threshold_scale_factor {prefill, decode},
-    each a finite positive number (lambda = factor / L) or null (that phase not calibrated)."""
+    each a finite positive number (lambda = factor / L) below ``longest`` or null (that phase not
+    calibrated)."""
     bad = f"{path}: {where}"
     if not isinstance(entry, dict):
         raise UserError(f"{bad} is not an object; export it again with `sparsecal export`.")
@@ -305,6 +345,8 @@ def _check_entry(path, entry, where: str) -> None:
         if f is not None and (not _number(f) or f <= 0):
             raise UserError(f"{bad}.threshold_scale_factor.{mode} is {f!r}; it must be a finite positive number "
                             "(lambda = factor / length): export it again.")
+        if f is not None:
+            check_factor_range(path, f"{where}.threshold_scale_factor.{mode}", f, longest)
     check_validity(path, entry.get("validity"), where)
 
 
@@ -339,25 +381,29 @@ def validate_blasst(path, doc) -> None:
         if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
             raise UserError(f"{path}: {key} is {doc.get(key)!r}, not a {kind.__name__}; the export is damaged or "
                             "edited: export it again.")
-    _check_entry(path, doc, "the main calibration")
+    if "head_dim" in doc and not _positive_int(doc["head_dim"]):  # optional: exports made before it lack it
+        raise UserError(f"{path}: head_dim is {doc['head_dim']!r}, not a positive integer; export it again.")
+    longest = longest_length(doc)
+    _check_entry(path, doc, "the main calibration", longest)
     targets = doc.get("targets", [])
     if not isinstance(targets, list):
         raise UserError(f"{path}: targets is {type(targets).__name__}, not a list; export it again.")
     for i, entry in enumerate(targets):
-        _check_entry(path, entry, f"targets[{i}]")
+        _check_entry(path, entry, f"targets[{i}]", longest)
     same = [e for e in targets if abs(e["target_sparsity"] - doc["target_sparsity"]) < 1e-9]
     if same and same[0]["threshold_scale_factor"] != doc["threshold_scale_factor"]:
         raise UserError(f"{path}: the main threshold_scale_factor differs from targets' entry for target "
                         f"{doc['target_sparsity']:g}; export it again.")
     check_layer_lists(path, doc.get("ignored_layers", {}), doc.get("sparse_layers"), doc["num_layers"])
     for where, entry in [("the main calibration", doc)] + [(f"targets[{i}]", e) for i, e in enumerate(targets)]:
-        _check_per_layer(path, entry.get("per_layer"), where, doc["num_layers"])
+        _check_per_layer(path, entry.get("per_layer"), where, doc["num_layers"], longest)
     if doc.get("dispatch") is not None:  # optional (sparsecal export --break-even); absent: no dispatch
         check_dispatch(path, doc["dispatch"], doc["num_layers"])
 
 
-def _check_per_layer(path, per_layer, where: str, num_layers: int) -> None:
-    """Optional ``per_layer``: {mode: {"<layer>": factor or null}}, factors finite and positive."""
+def _check_per_layer(path, per_layer, where: str, num_layers: int, longest: int = LONGEST_LENGTH) -> None:
+    """Optional ``per_layer``: {mode: {"<layer>": factor or null}}, factors finite, positive and
+    below ``longest``."""
     if per_layer is None:
         return
     ok = isinstance(per_layer, dict) and set(per_layer) <= {"prefill", "decode"} and all(
@@ -366,6 +412,10 @@ def _check_per_layer(path, per_layer, where: str, num_layers: int) -> None:
     if not ok:
         raise UserError(f"{path}: {where}.per_layer must map prefill/decode to {{layer below {num_layers}: positive "
                         "factor or null}; export it again.")
+    for mode, m in per_layer.items():
+        for layer, f in m.items():
+            if f is not None:
+                check_factor_range(path, f"{where}.per_layer.{mode}.{layer}", f, longest)
 
 
 def _blasst_entry(doc: dict, target: float | None) -> dict:
@@ -441,7 +491,7 @@ def blasst_dense_below(factor: float, min_length: int | None = None) -> int:
     return max(int(min_length or 0), math.ceil(float(factor)))
 
 
-EXPECT_KEYS = ("model", "num_layers", "num_heads", "block_m", "block_n")
+EXPECT_KEYS = ("model", "num_layers", "num_heads", "block_m", "block_n", "head_dim")
 
 
 def check_geometry(path, have: dict, expect: dict | None) -> None:

@@ -73,21 +73,26 @@ def layer_specs(cfg) -> list[LayerSpec]:
             for i, t in enumerate(types)]
 
 
-def parse_layers(text: str | None, num_layers: int) -> list[int] | None:
-    """'0,3,8-11' -> [0, 3, 8, 9, 10, 11]; None or '' -> None (every layer)."""
+def parse_layers(text: str | None, num_layers: int | None) -> list[int] | None:
+    """'0,3,8-11' -> [0, 3, 8, 9, 10, 11]; None or '' -> None (every layer). ``num_layers`` None
+    checks the syntax only (before the model's config is read)."""
     if not text:
         return None
     out: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            out.update(range(int(lo), int(hi if dash else lo) + 1))
-    except ValueError:
-        raise UserError(f"--layers {text!r} is not a list of layer indices such as 0,3,8-11.") from None
-    bad = sorted(i for i in out if not 0 <= i < num_layers)
-    if not out or bad:
-        raise UserError(f"--layers {text!r} names layers outside 0..{num_layers - 1} ({bad}); the model has "
-                        f"{num_layers} layers.")
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise UserError(f"--layers {text!r} is not a list of layer indices such as 0,3,8-11.") from None
+        if a > b:
+            raise UserError(f"--layers {text!r}: the range {part.strip()} runs backwards; write it low-high "
+                            f"({b}-{a}).")
+        out.update(range(a, b + 1))
+    bad = sorted(i for i in out if i < 0 or (num_layers is not None and i >= num_layers))
+    if bad:
+        span = f"0..{num_layers - 1}; the model has {num_layers} layers" if num_layers is not None else "0 and up"
+        raise UserError(f"--layers {text!r} names layer {bad[0]}, outside {span}.")
     return sorted(out)
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text, read_json_manifest
-from sparsecal.formats.tensors import load_arrays, serialize_arrays, write_bytes
+from sparsecal.formats.sample_values import check_record, check_shapes, check_values
+from sparsecal.formats.tensors import header_shapes, load_arrays, serialize_arrays, write_bytes
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
 LOCK = ".lock"
@@ -49,12 +50,16 @@ FIT_DIR = "fit"                 # RUN/fit/: fit.json (kind FIT_KIND) and the ana
 FIT_KIND = "sparsecal-fit"
 # Mostly-zero histograms: stored as (index, value) pairs on disk, dense in memory.
 SPARSE_KEYS = frozenset({"gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
+                         "diag_gap_count", "diag_gap_mass", "decode_diag_gap_count", "decode_diag_gap_mass",
                          "tstar_where", "tstar_hist", "qinit_count", "rescale_count", "shortfall_count"})
 # Running-max rescale / shortfall statistics (every row of prefill, per scan order): new in this
 # sparsecal version; runs captured before it lack them and readers say so in one line.
 RESCALE_KEYS = ("rescale_count", "rescale_excess", "shortfall_count")
 RESCALE_SINCE = "0.2.0"
 RESCALE_MISSING = f"not in this run (captured before sparsecal {RESCALE_SINCE}; re-capture)"
+# Gap histograms of the diagonal tiles (prefill A_i <= j < R_i; a decode row's own last block): samples
+# captured before them lack these keys, so readers load them as optional (analysis.samples.load_arrays).
+DIAG_GAP_KEYS = ("diag_gap_count", "diag_gap_mass", "decode_diag_gap_count", "decode_diag_gap_mass")
 
 
 def as_arrays(tensors: dict) -> dict:
@@ -198,34 +203,72 @@ class RunStore:
         return new
 
     def sample_dirs(self) -> list[Path]:
+        """The sample folders (a symbolic link among them is listed, and reads as damaged)."""
         base = self.root / SAMPLES
-        return sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
+        return sorted(p for p in base.iterdir() if (p.is_dir() or p.is_symlink()) and not p.name.startswith(".")) \
+            if base.is_dir() else []
+
+    def mismatches(self, scan: dict | None = None) -> dict[str, str]:
+        """{sample id: how the manifest's record differs from the sample's own sample.json} of the
+        finished samples (RECORD_KEYS; a record lacking one counts)."""
+        done = self.done_ids(scan)
+        out = {}
+        for rec in self.manifest["samples"]:
+            if rec["id"] not in done or rec["id"] in out:
+                continue
+            own = json.loads((self.root / SAMPLES / rec["id"] / "sample.json").read_text())
+            diff = [f"{k} {rec.get(k, '(missing)')!r} vs {own.get(k)!r}" for k in RECORD_KEYS
+                    if rec.get(k) != own.get(k)]
+            if diff:
+                out[rec["id"]] = ", ".join(diff)
+        return out
 
     def check_sample(self, sid: str) -> str | None:
-        """None when sample ``sid`` is finished and readable, else what is wrong with it."""
+        """None when sample ``sid`` is finished and readable, else what is wrong with it: its files,
+        its record (sample.json) and the shapes its header gives (sample_values)."""
         folder = self.root / SAMPLES / sid
+        if folder.is_symlink():
+            return "its folder is a symbolic link out of the run (sparsecal does not follow it)"
         for name in ("sample.json", "stats.safetensors"):
             if not (folder / name).is_file():
                 return f"{name} is missing"
         try:
             record = json.loads((folder / "sample.json").read_text())
-            if not isinstance(record, dict) or record.get("id") != sid:
-                return "sample.json does not describe this sample"
-            from safetensors import safe_open
-
-            with safe_open(str(folder / "stats.safetensors"), framework="np") as f:
-                meta = f.metadata() or {}
-            if str(meta.get("schema_version")) != str(SCHEMA_VERSION):
-                return f"stats.safetensors has schema version {meta.get('schema_version')}"
+            why = check_record(sid, record)
+            if why is not None:
+                return f"sample.json: {why}"
+            shapes, meta = header_shapes(folder / "stats.safetensors")
         except (OSError, ValueError, UnicodeDecodeError) as e:  # truncated or garbled files
             return f"unreadable ({type(e).__name__})"
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type on a bad header
             return f"unreadable ({type(e).__name__})"
+        if str(meta.get("schema_version")) != str(SCHEMA_VERSION):
+            return f"stats.safetensors has schema version {meta.get('schema_version')}"
+        model = self.manifest.get("model") or {}
+        if isinstance(model.get("num_heads"), int):
+            return check_shapes(shapes, record["length"], self.manifest["config"]["block_m"], len(self.layers()),
+                                model["num_heads"])
         return None
 
-    def scan(self) -> dict[str, str | None]:
-        """{sample id: None when finished and readable, else what is wrong} of every sample folder."""
-        return {p.name: self.check_sample(p.name) for p in self.sample_dirs()}
+    def check_values(self, sid: str) -> str | None:
+        """None when every statistic of a readable sample holds values it allows (reads them all);
+        else the first out-of-range entry."""
+        folder = self.root / SAMPLES / sid
+        try:
+            record = json.loads((folder / "sample.json").read_text())
+            tensors, _ = load_arrays(folder / "stats.safetensors")
+        except Exception as e:  # noqa: BLE001 - damaged past its header
+            return f"unreadable ({type(e).__name__})"
+        cfg = self.manifest["config"]
+        return check_values(tensors, record.get("length"), cfg.get("block_m"), cfg.get("block_n"))
+
+    def scan(self, values: bool = False) -> dict[str, str | None]:
+        """{sample id: None when finished and readable, else what is wrong} of every sample folder;
+        ``values``: also read every statistic and check its range (``check_values``)."""
+        out = {p.name: self.check_sample(p.name) for p in self.sample_dirs()}
+        if values:
+            out.update({sid: self.check_values(sid) for sid, why in out.items() if why is None})
+        return out
 
     def done_ids(self, scan: dict | None = None) -> set[str]:
         """Samples finished on disk and readable (damaged ones count as not finished)."""
@@ -270,7 +313,8 @@ class RunStore:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             t0 = time.perf_counter()
-            meta = {"schema_version": SCHEMA_VERSION, "sample": record["id"], "model": self.manifest["model"]["id"]}
+            meta = {"schema_version": SCHEMA_VERSION, "sample": record["id"], "model": self.manifest["model"]["id"],
+                    RUN_META: json.dumps({k: self.manifest[k] for k in RUN_META_KEYS if k in self.manifest})}
             files = {"stats.safetensors": serialize_arrays(as_arrays(stats), SPARSE_KEYS, meta)}
             if raw:
                 files["raw.safetensors"] = serialize_arrays(as_arrays(raw), metadata=meta)
@@ -281,14 +325,16 @@ class RunStore:
             if profile is not None:
                 record = dict(record, profile=_timed(profile, t1 - t0, time.perf_counter() - t1))
             atomic_write_text(tmp / "sample.json", json.dumps(record, indent=1))
-            if final.exists():
+            if final.is_symlink():  # a link is removed, never followed (its target is not the run's)
+                final.unlink()
+            elif final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except BaseException as e:  # Ctrl-C or a full disk: leave no half-written folder behind
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):
-                raise UserError(f"cannot write sample {record['id']} into {self.root} ({e.strerror}); free space "
-                                "or fix permissions, then run the same command to resume.") from None
+                raise UserError(f"cannot write sample {record['id']} into {self.root} ({e.strerror or e}); free "
+                                "space or fix permissions, then run the same command to resume.") from None
             raise
         return final
 
@@ -305,12 +351,21 @@ class RunStore:
                             "recapture it.")
         record = json.loads((folder / "sample.json").read_text())
         try:
-            tensors, meta = load_arrays(folder / "stats.safetensors", keys)
-            if raw and (folder / "raw.safetensors").is_file():
-                tensors.update(load_arrays(folder / "raw.safetensors")[0])
+            tensors, _ = load_arrays(folder / "stats.safetensors", keys)
         except Exception as e:  # noqa: BLE001 - a file damaged past its header
             raise UserError(f"sample {sid} of {self.root} is damaged ({type(e).__name__}); run the same capture "
                             "command to recapture it.") from None
+        cfg = self.manifest["config"]
+        why = check_values(tensors, record["length"], cfg["block_m"], cfg["block_n"])
+        if why is not None:
+            raise UserError(f"sample {sid} of {self.root} holds an impossible value ({why}); `sparsecal fit` leaves "
+                            f"it out: remove {folder} and run the same capture command to recapture it.")
+        if raw and (folder / "raw.safetensors").is_file():
+            try:
+                tensors.update(load_arrays(folder / "raw.safetensors")[0])
+            except Exception as e:  # noqa: BLE001
+                raise UserError(f"sample {sid} of {self.root}: raw.safetensors is damaged ({type(e).__name__}); "
+                                "run the same capture command to recapture it.") from None
         return record, tensors
 
 
@@ -323,6 +378,9 @@ def _timed(profile: dict, serialize: float, disk: float) -> dict:
 
 
 MANIFEST_KEYS = {"model": dict, "config": dict, "dtype": str, "samples": list}
+RECORD_KEYS = ("task", "length", "seed", "index")  # a manifest record must agree with its sample.json on these
+RUN_META = "sparsecal.run"                          # stats.safetensors metadata: what the manifest says of the run
+RUN_META_KEYS = ("model", "config", "dtype", "backend", "layers", "layer_notes")
 
 
 def captured_layers(manifest: dict) -> list[int]:
@@ -336,16 +394,25 @@ def check_manifest(path: Path, man: dict) -> None:
     for key, kind in MANIFEST_KEYS.items():
         if not isinstance(man.get(key), kind):
             raise UserError(f"{path} lacks {key!r} (or it is not a {kind.__name__}); the manifest is damaged: "
-                            f"`sparsecal doctor {Path(path).parent}` cannot rebuild it, capture into a new directory.")
+                            f"`sparsecal doctor {Path(path).parent}` rebuilds it from the samples.")
     if not isinstance(man["model"].get("id"), str) or not all(isinstance(r, dict) and "id" in r for r in man["samples"]):
         raise UserError(f"{path}: the model id or a planned sample's id is missing; the manifest is damaged: "
-                        "capture into a new directory.")
+                        f"`sparsecal doctor {Path(path).parent}` rebuilds it from the samples.")
 
 
 @contextlib.contextmanager
 def _locked(root: Path):
-    """An exclusive lock on RUN/.lock for the duration of a manifest change (blocks until free)."""
-    with open(Path(root) / LOCK, "a") as f:
+    """An exclusive lock on RUN/.lock for the duration of a manifest change (blocks until free). A
+    .lock that is a symbolic link is refused, never followed (it would create a file outside the run)."""
+    path = Path(root) / LOCK
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if not path.is_symlink():
+            raise
+        raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}); sparsecal does not follow it out of the "
+                        f"run: remove it (rm {path}) and run the command again.") from e
+    with os.fdopen(fd, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

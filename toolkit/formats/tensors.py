@@ -79,3 +79,17 @@ def load_arrays(path: Path, keys=None) -> tuple[dict[str, np.ndarray], dict[str,
         raw = {k: f.get_tensor(k) for k in f.keys() if want is None or k.rsplit(".", 1)[0] in want or k in want}
     shapes = json.loads(meta.pop(SPARSE_META, "{}"))
     return decode(raw, shapes), meta
+
+
+def header_shapes(path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
+    """({array name: shape}, metadata) of a file written by ``save_arrays``, from its header only
+    (arrays stored as idx/val pairs by their dense shape)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        meta = dict(f.metadata() or {})
+        raw = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    sparse = json.loads(meta.pop(SPARSE_META, "{}"))
+    out = {k: v for k, v in raw.items() if not (k.endswith(".idx") or k.endswith(".val"))}
+    out.update({name: tuple(shape) for name, shape in sparse.items() if f"{name}.val" in raw})
+    return out, meta

@@ -120,20 +120,14 @@ def _positions(inp: dict, enabled: dict) -> np.ndarray:
     return np.array([i for i, layer in enumerate(captured) if layer in on], np.int64)
 
 
-def _load_model(store: RunStore, device: str):
-    from sparsecal.capture.models import load_model, resolve_model
-
-    ms = resolve_model(store.manifest["model"]["spec"])
-    return load_model(ms, dtype=store.manifest.get("dtype", "float32"), device=device, attn="eager")
-
-
-def run_verify(inp: dict, recs: list[dict], targets: list[float], masks: bool, device: str, progress=print) -> dict:
-    """Predicted and measured counts of every (phase, target, length); returns the verify document."""
+def run_verify(inp: dict, recs: list[dict], targets: list[float], masks: bool, model, device: str,
+               progress=print) -> dict:
+    """Predicted and measured counts of every (phase, target, length) on ``model`` (the run's model,
+    eager attention, on ``device``); returns the verify document."""
     import torch
 
     store = inp["store"]
     cfg = StatsConfig.from_dict(store.manifest["config"])
-    model = _load_model(store, device)
     enabled = M.apply(model, inp["block"]["block"])
     counter = M.ExactCounter()
     counter.attach(model)

@@ -26,7 +26,10 @@ from sparsecal.analysis.tables import THRESHOLDS, read_table
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.engines import SCALED_SCORES
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import BLASST_ALGORITHM, BLASST_JSON, blasst_dense_below, write_blasst
+from sparsecal.formats.exports import (BLASST_ALGORITHM, BLASST_JSON, BSFA_PT, BSFA_ST, BsfaExport, blasst_dense_below,
+                                       check_bsfa_values, validate_blasst, write_blasst)
+from sparsecal.formats.run import MANIFEST as RUN_MANIFEST
+from sparsecal.formats.run import RUN_KIND, SAMPLES
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.geometry import cdiv
 from sparsecal.formats.stats_config import StatsConfig
@@ -48,7 +51,52 @@ def _thresholds(root: Path, fit: dict):
         raise UserError(f"{path} is damaged ({type(e).__name__}); run `sparsecal fit {root}` again.") from None
     if "thresholds" not in tensors or meta.get("schema_version") != str(SCHEMA_VERSION) or meta.get("model") != fit["model"]["id"]:
         raise UserError(f"{path} does not belong to this fit (schema/model differ); run `sparsecal fit {root}` again.")
+    _finite_or_minus_inf(path, tensors["thresholds"], root)
     return tensors["thresholds"], meta
+
+
+def _finite_or_minus_inf(path: Path, thr: np.ndarray, root: Path) -> None:
+    """Fitted thresholds [K, L', H, P] are finite or -inf (keep every block); NaN or +inf is refused."""
+    bad = np.isnan(thr) | (thr == np.inf)
+    if bad.any():
+        idx = [int(i) for i in np.argwhere(bad)[0]]
+        raise UserError(f"{path} holds {thr[tuple(idx)]} at [k, layer, head, block] = {idx}; thresholds must be finite "
+                        f"or -inf: run `sparsecal fit {root}` again.")
+
+
+EXPORT_NAMES = (BLASST_JSON, BSFA_PT, BSFA_ST)  # a directory holding one of them is an export
+
+
+def _kind(path: Path):
+    """The ``kind`` of a JSON file, None when it is absent or not a JSON object."""
+    try:
+        doc = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return doc.get("kind") if isinstance(doc, dict) else None
+
+
+def check_export_dir(out: Path) -> None:
+    """Refuse an --out that is a file, a run (its root, fit/, samples/ or a sample folder, or
+    anything inside fit/ or samples/), an evaluation directory, or a non-empty directory that is
+    not an export: an export writes only into a new, empty or export directory."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory for the export.")
+    for p in [out, *out.absolute().parents]:
+        run_root = _kind(p.parent / RUN_MANIFEST) == RUN_KIND
+        if p.name in (FIT_DIR, SAMPLES) and run_root:
+            raise UserError(f"--out {out} is {'inside ' if p != out else ''}the {p.name}/ directory of run {p.parent}; "
+                            f"export into a directory of its own (e.g. {p.parent}/export).")
+    what = ("a run" if _kind(out / RUN_MANIFEST) == RUN_KIND else
+            "a run's sample folder" if (out / "sample.json").is_file() or (out / "stats.safetensors").is_file() else
+            "an evaluation directory" if (out / "data" / "manifest.json").is_file() or (out / "results.json").is_file()
+            else None)
+    if what is not None:
+        raise UserError(f"--out {out} is {what}; export into a new or empty directory (e.g. {out}/export).")
+    if out.is_dir() and any(out.iterdir()) and not any((out / n).is_file() for n in EXPORT_NAMES):
+        raise UserError(f"--out {out} is a non-empty directory that is not a sparsecal export; choose a new or empty "
+                        "directory.")
 
 
 LENGTH_POLICY = ("lambda = threshold_scale_factor[mode] / L only where the law holds: sparsify runs dense (ln lambda "
@@ -113,7 +161,8 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
             "length_policy": LENGTH_POLICY, "validity": main["validity"],
             "scan_order": fit["request"]["order"], "fit": main["fit"], "per_length": main["per_length"],
             "targets": entries, "model": model["id"], "num_layers": model["num_layers"],
-            "num_heads": model["num_heads"], "q_block_size": cfg["block_m"], "k_block_size": cfg["block_n"],
+            "num_heads": model["num_heads"], **({"head_dim": model["head_dim"]} if model.get("head_dim") else {}),
+            "q_block_size": cfg["block_m"], "k_block_size": cfg["block_n"],
             "log_base": "e", "score_scale": SCALED_SCORES, "lengths": fit["lengths"], "samples": len(fit["split"]["train"]), "validation": fit["validation"],
             "schema_version": SCHEMA_VERSION, "sparsecal": __version__}
 
@@ -233,8 +282,7 @@ def _checked(store, out: Path, max_length: int | None) -> dict:
     if fit["model"]["id"] != store.manifest["model"]["id"] or fit["config"] != store.manifest["config"]:
         raise UserError(f"{root}/{FIT_DIR} was fitted on a different model or geometry than the run; "
                         f"run `sparsecal fit {root}` again.")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a directory for the export.")
+    check_export_dir(out)
     longest = max(fit["lengths"])
     if max_length is not None and max_length < longest:
         raise UserError(f"--max-length {max_length} is below the longest calibrated length {longest}; "
@@ -296,15 +344,40 @@ def engine_report(built: dict | None) -> str:
     return "\n" + "\n".join(lines).rstrip() + "\n"
 
 
-def _write_bsfa(out: Path, root: Path, fit: dict, thr, meta: dict, layers, structural: dict, max_length) -> None:
-    """thresholds.bsfa.pt and thresholds.safetensors (with the decode thresholds when fitted)."""
+def _bsfa_parts(root: Path, fit: dict, thr, meta: dict, layers, structural: dict, max_length) -> dict:
+    """What thresholds.bsfa.pt and thresholds.safetensors will hold (write_bsfa's arguments), with
+    the decode thresholds when fitted; checked (finite or -inf) before anything is written."""
     cfg, model = fit["config"], fit["model"]
     st_meta = {"model": model["id"], "samples": meta["samples"], "lengths": meta["lengths"],
                "max_length": str(max_length or max(fit["lengths"])), "run": root.name,
                "sparse_layers": layers, "ignored_layers": {str(i): w for i, w in sorted(structural.items())},
-               "score_scale": SCALED_SCORES}
-    write_bsfa(out, thr, fit["k_values"], cfg["block_m"], cfg["block_n"], fit["request"]["aggregation"], st_meta,
-               decode=_decode_thresholds(root, layers, model["num_layers"], thr.shape[-1]))
+               "score_scale": SCALED_SCORES, **({"head_dim": model["head_dim"]} if model.get("head_dim") else {})}
+    decode = _decode_thresholds(root, layers, model["num_layers"], thr.shape[-1])
+    parts = {"thr": thr, "k_values": fit["k_values"], "block_m": cfg["block_m"], "block_n": cfg["block_n"],
+             "aggregation": fit["request"]["aggregation"], "meta": st_meta, "decode": decode}
+    exp = BsfaExport(np.asarray(thr, np.float32), tuple(fit["k_values"]), cfg["block_m"], cfg["block_n"],
+                     parts["aggregation"], decode_thresholds=decode[0])
+    check_bsfa_values(root / FIT_DIR / THRESHOLDS, exp)
+    return parts
+
+
+def _blasst_text(out: Path, doc: dict) -> None:
+    """blasst.json checked as its readers check it, and as JSON without NaN, before anything is written."""
+    validate_blasst(out / BLASST_JSON, doc)
+    try:
+        json.dumps(doc, allow_nan=False)
+    except ValueError:
+        bad = [k for k, v in doc.items() if not _json_ok(v)]
+        raise UserError(f"the export's {BLASST_JSON} would hold NaN or inf (in {', '.join(bad) or 'a value'}); the fit "
+                        f"is damaged: run `sparsecal fit {doc['run']['name']}` again.") from None
+
+
+def _json_ok(v) -> bool:
+    try:
+        json.dumps(v, allow_nan=False)
+    except ValueError:
+        return False
+    return True
 
 
 def export_run(store, out: Path, target: float | None = None, max_length: int | None = None, force: bool = False,
@@ -351,9 +424,11 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     built, ctx = _engines(formats, tiles, doc, fit, cal, {"ignored": ignored, "sparse": sparse_layers}, hf_config, opts)
     rows += built["rows"] if built else []
     doc["simulation"] = rows
+    bsfa = _bsfa_parts(root, fit, thr, meta, layers, structural, max_length)  # everything checked before writing
+    _blasst_text(out, doc)
     check_overwrite(out, model["id"], doc["run"], force)
     out.mkdir(parents=True, exist_ok=True)
-    _write_bsfa(out, root, fit, thr, meta, layers, structural, max_length)
+    write_bsfa(out, **bsfa)
     write_blasst(out, doc)
     text = report(doc, rows, ignored, cfg, root) + engine_report(built)
     atomic_write_text(out / F.REPORT, text)

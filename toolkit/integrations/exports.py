@@ -41,7 +41,7 @@ def write_bsfa(out: Path, thr, k_values, block_m: int, block_n: int, aggregation
     dthr = None if decode[0] is None else _f32(decode[0])
     dpos = None if decode[1] is None else [int(p) for p in np.asarray(decode[1]).tolist()]
     payload = bsfa_pt_payload(torch.from_numpy(arr), k_values, block_m, block_n, aggregation,
-                              None if dthr is None else (torch.from_numpy(dthr), dpos))
+                              None if dthr is None else (torch.from_numpy(dthr), dpos), identity=meta)
     atomic_write(Path(out) / BSFA_PT, lambda p: torch.save(payload, p))
     write_bsfa_safetensors(out, arr, k_values, block_m, block_n, aggregation, meta,
                            None if dthr is None else (dthr, dpos))

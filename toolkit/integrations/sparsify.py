@@ -63,6 +63,7 @@ class _State:
     backend: str = "auto"
     source: dict = field(default_factory=dict)     # register(): load_state arguments, re-checked at first use
     model_id: str | None = None                    # register(): the expected model id
+    export_model: str | None = None                # the model id the export names (None: it names none)
     checked: bool = True                           # register(): False until checked against a model
     stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
     layers: frozenset | None = None                # layers the export runs sparse (None: every layer)
@@ -94,8 +95,34 @@ class _State:
 
 
 def _geometry(config) -> dict:
+    """What the model's config says an export must match: layers, query heads and head_dim."""
     text = config.get_text_config()
-    return {"num_layers": text.num_hidden_layers, "num_heads": text.num_attention_heads}
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return {"num_layers": text.num_hidden_layers, "num_heads": text.num_attention_heads, "head_dim": int(head_dim)}
+
+
+def config_digest(config) -> str | None:
+    """The digest sparsecal puts in the id of a model loaded from a local checkpoint directory
+    (``<dir>#config-<digest>``, capture.models.resolve_model), from the directory the model was
+    loaded from; None when it was not loaded from one."""
+    import hashlib
+
+    where = Path(str(getattr(config, "_name_or_path", "") or ""))
+    if not where.is_dir() or not (where / "config.json").is_file():
+        return None
+    return hashlib.sha1((where / "config.json").read_bytes()).hexdigest()[:8]
+
+
+def check_identity(export_model: str | None, config, export_dir) -> None:
+    """Refuse an export of another checkpoint (``sparsify`` without ``model_id``): an export made from a
+    local checkpoint names its config's digest; the model's own checkpoint must have the same one."""
+    tag = "#config-"
+    own = config_digest(config)
+    if not export_model or tag not in export_model or own is None:
+        return
+    if export_model.rsplit(tag, 1)[1] != own:
+        raise UserError(f"{export_dir} was calibrated for model {export_model}, but this model was loaded from "
+                        f"{config._name_or_path} (config digest {own}); use an export made from a run of this model.")
 
 
 def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
@@ -167,23 +194,24 @@ def _load_method(export_dir, method: str, k, target, blocks, expect: dict, backe
         try:
             exp = load_bsfa(export_dir, expect)
             return _State("dense", exp.q_block_size, exp.k_block_size, backend=backend,
-                          layers=frozenset(exp.sparse_layers))
+                          layers=frozenset(exp.sparse_layers), export_model=exp.model)
         except UserError:
             doc = load_blasst(export_dir, expect)
             return _State("dense", doc["q_block_size"], doc["k_block_size"], backend=backend,
-                          layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]))
+                          layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]),
+                          export_model=doc["model"])
     if method == "bsfa":
         if k is None:
             raise UserError("BSFA needs k: sparsify(model, EXPORT_DIR, method='bsfa', k=64).")
         exp = load_bsfa(export_dir, expect)
         return _State("bsfa", exp.q_block_size, exp.k_block_size, thresholds=exp.for_k(k), backend=backend,
-                      layers=frozenset(exp.sparse_layers))
+                      layers=frozenset(exp.sparse_layers), export_model=exp.model)
     if method == "window":
         if blocks is None or blocks < 0:
             raise UserError("window needs blocks >= 0: sparsify(model, EXPORT_DIR, method='window', blocks=32).")
         exp = load_bsfa(export_dir, expect)
         return _State("window", exp.q_block_size, exp.k_block_size, window=int(blocks), backend=backend,
-                      layers=frozenset(exp.sparse_layers))
+                      layers=frozenset(exp.sparse_layers), export_model=exp.model)
     doc = load_blasst(export_dir, expect)
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
@@ -193,7 +221,8 @@ def _load_method(export_dir, method: str, k, target, blocks, expect: dict, backe
                   layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
                   min_lengths={m: blasst_min_length(doc, m, t) for m in factors if factors[m] is not None},
                   order=doc.get("scan_order", "forward"), backend=backend,
-                  layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]))
+                  layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]),
+                  export_model=doc["model"])
 
 
 def _check_layers(state: _State, config) -> None:
@@ -217,13 +246,17 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     export gives the block sizes); ``dense`` runs the same kernels with skipping off (the
     evaluation's reference), from float32 Q, K, V with ``precision="fp32"``. ``decode``: how decode
     steps run, DECODES[method] (the first is the default: BSFA decodes dense, as the BSFA paper).
-    ``model_id`` (optional) is checked against the export's model.
+    ``model_id`` (optional) is checked against the export's model; without it the export must match
+    the model's layers, heads and head_dim, and an export of a local checkpoint that checkpoint's
+    config digest (check_identity).
     ``backend``: auto (Triton on CUDA, else the reference), triton, reference. ``dispatch``: follow
     the export's dispatch record (prefill sparse only where it pays, SDPA elsewhere); False runs
     every exported layer sparse at every length."""
     geo = _geometry(model.config)
     state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
                        dispatch)
+    if model_id is None:
+        check_identity(state.export_model, model.config, export_dir)
     state.previous = model.config._attn_implementation
     if hasattr(model, _STATE_ATTR):
         state.previous = getattr(model, _STATE_ATTR).previous
@@ -311,6 +344,8 @@ def _module_state(module) -> _State:
                            "sparsecal.register(EXPORT_DIR, ...) before from_pretrained")
     if not state.checked:  # the export against the model it now runs in: the same checks as sparsify
         load_state(**state.source, expect=dict(_geometry(module.config), model=state.model_id))
+        if state.model_id is None:
+            check_identity(state.export_model, module.config, state.source["export_dir"])
         _check_layers(state, module.config)
         state.checked = True
     return state

@@ -1,0 +1,88 @@
+"""What a run sample must hold beyond a readable file: its record, the shapes its length and the
+run's config imply, and values in the range each statistic allows (docs/formats.md "Runs").
+
+Checked by every reader of a sample (``RunStore.load_sample`` on the arrays it reads, ``fit`` and
+``doctor`` on every array of every sample), torch-free:
+
+- sample.json: an object whose ``id`` is the folder's name, ``task`` a string and ``length`` a
+  positive integer N;
+- stats.safetensors, from its header: ``input_ids`` [N], ``candidates`` and ``reachable`` [P] with
+  P = ceil(N / block_m), every other array [Lc, H, ...] (captured layers, query heads);
+- values: no NaN anywhere; thresholds and sorted block maxima (THRESHOLD_KEYS) finite or -inf
+  (-inf: keep every candidate / padding); every other statistic finite and >= 0; per-position
+  masses (UNIT_KEYS) at most 1 + UNIT_EPS; ``candidates`` and ``reachable`` exactly the block
+  counts of N (geometry.block_counts).
+
+Shape legend: N tokens, P query blocks, Lc captured layers, H query heads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sparsecal.formats.geometry import block_counts, cdiv
+
+THRESHOLD_KEYS = frozenset({"bsfa_threshold", "bsfa_top_bmax", "decode_bsfa_threshold", "decode_bsfa_top_bmax"})
+UNIT_KEYS = frozenset({"bsfa_skipped_mass", "bsfa_top_mass", "bsfa_cand_mass", "decode_bsfa_skipped_mass",
+                       "decode_bsfa_top_mass", "decode_bsfa_cand_mass"})
+UNIT_EPS = 1e-3          # float32 sums of a row's softmax weights land a little above 1
+FLAT_KEYS = ("input_ids", "candidates", "reachable")
+
+
+def check_record(sid: str, record) -> str | None:
+    """None when a sample record (sample.json, or the manifest's entry) describes sample ``sid``
+    with a task and a positive integer length; else what is wrong."""
+    if not isinstance(record, dict) or record.get("id") != sid:
+        return "its record does not describe this sample (id)"
+    n = record.get("length")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return f"its record's length is {n!r}, not a positive integer"
+    if not isinstance(record.get("task"), str):
+        return f"its record's task is {record.get('task')!r}, not a string"
+    return None
+
+
+def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: int, heads: int) -> str | None:
+    """None when the arrays' shapes {name: shape} fit a sample of ``length`` tokens; else what is wrong."""
+    want = {"input_ids": (length,), "candidates": (cdiv(length, block_m),), "reachable": (cdiv(length, block_m),)}
+    for name in FLAT_KEYS:
+        if name not in shapes:
+            return f"stats.safetensors lacks {name}"
+        if tuple(shapes[name]) != want[name]:
+            return (f"{name} has shape {list(shapes[name])}, not {list(want[name])} of a {length}-token sample "
+                    "(its record's length)")
+    for name, shape in sorted(shapes.items()):
+        if name not in FLAT_KEYS and tuple(shape[:2]) != (layers, heads):
+            return f"{name} has shape {list(shape)}, not [{layers} layers, {heads} heads, ...] of this run"
+    return None
+
+
+def _first_bad(name: str, a: np.ndarray, bad: np.ndarray) -> str:
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    return f"{name}{list(idx)} is {a[idx].item()!r}"
+
+
+def check_values(arrays: dict[str, np.ndarray], length: int | None = None, block_m: int | None = None,
+                 block_n: int | None = None) -> str | None:
+    """None when every array holds values its statistic allows (module docstring); else the first
+    offending entry, e.g. "gap_mass[0, 1, 0, 3] is nan". With the geometry given, ``candidates``
+    and ``reachable`` must be the block counts of ``length``."""
+    for name in sorted(arrays):
+        a = np.asarray(arrays[name])
+        if a.size == 0:
+            continue
+        if a.dtype.kind == "f":
+            bad = np.isnan(a) | (a == np.inf) | ((a == -np.inf) if name not in THRESHOLD_KEYS else False)
+            if bad.any():
+                return _first_bad(name, a, bad)
+        if name in THRESHOLD_KEYS or a.dtype.kind not in "fiu":
+            continue
+        bad = a < 0
+        if name in UNIT_KEYS:
+            bad = bad | (a > 1.0 + UNIT_EPS)
+        if bad.any():
+            return _first_bad(name, a, bad) + (" (outside [0, 1])" if name in UNIT_KEYS else " (negative)")
+    if None not in (length, block_m, block_n):
+        for name, want in zip(("candidates", "reachable"), block_counts(length, block_m, block_n)):
+            if name in arrays and not np.array_equal(np.asarray(arrays[name]), want):
+                return f"{name} are not the block counts of a {length}-token sample"
+    return None
