@@ -47,7 +47,8 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "COLUMN
        "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 CAPTURED = re.compile(r"captured (\d+) samples, skipped \d+ already finished, in ([\d.]+) s")
 LOADED = re.compile(r"model loaded in ([\d.]+) s")
-TIMELINE = re.compile(r"timeline since the process started \(s\): (.*); total ([\d.]+)")
+TIMELINE = re.compile(r"(?:\[rank (\d+)/\d+\] )?timeline since the process started \(s\): (.*?); total ([\d.]+); "
+                      r"started at ([\d.]+)")
 PHASES = ("forward_other", "attention_kernels", "reductions", "device_to_host", "serialize", "disk", "wall")
 
 
@@ -100,15 +101,15 @@ def cli(argv: list, gpus: int = 1) -> dict:
 
 
 def timeline(text: str) -> dict | None:
-    """Rank 0's --profile timeline: {step: seconds, 'total': seconds since its process started}."""
-    found = TIMELINE.search(text.replace("\n", " "))
-    if not found:
-        return None
-    steps = {}
-    for part in found.group(1).split(", "):
-        label, _, value = part.rpartition(" ")
-        steps[label.strip()] = float(value)
-    return dict(steps, total=float(found.group(2)))
+    """Each rank's --profile timeline: {rank: {step: seconds, 'total': s, 'started': Unix time}}."""
+    out = {}
+    for rank, steps, total, started in TIMELINE.findall(text.replace("\n", " ")):
+        row = {}
+        for part in steps.split(", "):
+            label, _, value = part.rpartition(" ")
+            row[label.strip()] = float(value)
+        out[int(rank or 0)] = dict(row, total=float(total), started=float(started))
+    return out or None
 
 
 def sample_rows(run: Path) -> list[dict]:
@@ -207,6 +208,8 @@ def scaling(b: Bench) -> dict:
         rows = sample_rows(runs / f"g{gpus}")
         rep.update(first_sample_after_s=rows[0]["finished"] - rep["started"] - rows[0]["record"]["seconds"],
                    last_sample_after_s=rows[-1]["finished"] - rep["started"])
+        for r in (rep["timeline_s"] or {}).values():  # when the launcher had the rank's process started
+            r["process_started_after_s"] = r["started"] - rep["started"]
         rep.pop("started")
         out[f"gpus_{gpus}"] = rep
         log(f"{gpus} GPU(s): whole command {rep['wall_s']:.1f} s, capture phase {rep['capture_s']} s, "

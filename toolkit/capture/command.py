@@ -156,9 +156,18 @@ def capture_command(req: CaptureRequest) -> None:
 
     clock = Startup()
     ranks = distributed.start()
-    if ranks.several and not ranks.main:
-        _preload()  # while rank 0 checks and plans
-    job = ranks.lead(lambda: prepare(req, ranks))
+    if ranks.several:
+        clock.mark("group")
+        if not ranks.main:
+            _preload()  # while rank 0 checks and plans
+            clock.mark("preloaded")
+
+    def checked():
+        job = prepare(req, ranks)
+        clock.mark("checked")
+        return job
+
+    job = ranks.lead(checked)
     clock.mark("planned")
     if job.todo:
         capture_share(req, job, ranks, clock)
@@ -236,6 +245,8 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None) -> No
     results = ranks.gather(dict(result, peak=distributed.peak_memory(model, device)))
     distributed.close()  # the last collective: close the group now, not at interpreter exit
     if not ranks.main:
+        if req.profile:
+            console.print(f"{ranks.tag}{clock.line()}", soft_wrap=True)
         return
     seconds, done = time.perf_counter() - t0, sum(r["done"] for r in results)
     console.print(f"captured {done} samples, skipped {job.total - done} already finished, in "
@@ -249,7 +260,7 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None) -> No
     print_summary(store)
     clock.mark("summary")
     if req.profile:
-        console.print(("rank 0 " if ranks.several else "") + clock.line(), soft_wrap=True)
+        console.print(f"{ranks.tag}{clock.line()}", soft_wrap=True)
 
 
 def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = False, clock=None) -> dict:

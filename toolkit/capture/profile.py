@@ -110,24 +110,31 @@ _IMPORTED = time.perf_counter()
 
 
 class Startup:
-    """The command's milestones in seconds since its process started: 'cli' (the command parsed),
-    'planned' (rank 0's checks and plan done), 'loaded' (this rank's model loaded), 'first' (its
-    first sample written), 'captured', 'summary'."""
+    """The command's milestones in seconds since its process started: 'cli' (the command parsed,
+    torch imported), 'group' (the ranks' process group joined), 'preloaded' (a rank other than 0:
+    its imports done while rank 0 checks), 'checked' (rank 0: checks, prompts and plan done),
+    'planned' (every rank: rank 0's plan received), 'loaded' (this rank's model loaded), 'first'
+    (its first sample written), 'captured', 'summary'."""
 
-    STEPS = (("cli", "python+CLI"), ("planned", "checks+imports+plan"), ("loaded", "model load"),
+    STEPS = (("cli", "python+CLI+torch"), ("group", "process group"), ("preloaded", "preload"),
+             ("checked", "checks+imports+plan"), ("planned", "wait for rank 0"), ("loaded", "model load"),
              ("first", "first sample"), ("captured", "other samples"), ("summary", "totals+summary"))
 
     def __init__(self):
-        self.at = {"cli": process_age()}
+        age = process_age()
+        self.at = {"cli": age}
+        self.started = time.time() - age
 
     def mark(self, name: str) -> None:
         self.at.setdefault(name, process_age())
 
     def line(self) -> str:
-        """'timeline since the process started (s): python+CLI 0.9, checks+imports+plan 4.1, ...'."""
+        """'timeline since the process started (s): python+CLI+torch 0.9, ...; total 60.2; started
+        at 1764163200.12' (the steps reached; the start as a Unix time)."""
         parts, last = [], 0.0
         for key, label in self.STEPS:
             if key in self.at:
                 parts.append(f"{label} {self.at[key] - last:.1f}")
                 last = self.at[key]
-        return f"timeline since the process started (s): {', '.join(parts)}; total {last:.1f}"
+        return (f"timeline since the process started (s): {', '.join(parts)}; total {last:.1f}; "
+                f"started at {self.started:.2f}")
