@@ -52,6 +52,7 @@ def test_profiled_capture_records_phases_and_the_same_statistics(tmp_path, seed,
     res = cli(*args, "--out", tmp_path / "prof", "--profile")
     assert res.exit_code == 0, res.output
     assert "where a sample's time goes" in res.output and "attention_kernels" in res.output
+    assert "timeline since the process started" in res.output.replace("\n", " ")
     recs = records(tmp_path / "prof")
     assert recs and all(set(PHASES) | {"wall", "write_overlapped"} <= set(r["profile"]) for r in recs)
     for r in recs:
