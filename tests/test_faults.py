@@ -116,7 +116,7 @@ def test_interrupted_sample_write_leaves_no_temp_folder(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run_module, "save_arrays", interrupted)
+    monkeypatch.setattr(run_module, "write_bytes", interrupted)  # Ctrl-C inside the temp folder
     with pytest.raises(KeyboardInterrupt):
         store.write_sample({"id": "s-1-abc"}, {"x": np.zeros(3)})
     assert list((store.root / "samples").iterdir()) == []

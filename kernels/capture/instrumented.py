@@ -276,11 +276,14 @@ def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) ->
 
 
 def instrumented_capture_triton(q, k, v, scale: float, cfg: StatsConfig, scratch_bytes: int | None = None,
-                                launch: dict | None = None, *, softcap: float = 0.0):
+                                launch: dict | None = None, *, softcap: float = 0.0, mark=None):
     """The two-pass capture path: (out [1, H, N, D], the per-sample reductions of one call) with the
     histograms counted in the kernels; equal to reduce_tiles(instrumented_attention_triton(...)).
     All three orders are computed at once (``pipeline.capture_triton`` picks this path for two or
-    three configured orders). softcap as in instrumented_forward."""
+    three configured orders). softcap as in instrumented_forward; ``mark()`` (optional) is called
+    between the kernels and the reductions."""
     res = instrumented_forward(q, k, v, scale, cfg, True, scratch_bytes, launch, fused=True, softcap=softcap)
     decode = decode_forward(q, k, res.lse, scale, cfg, launch, fused=True, softcap=softcap)
+    if mark is not None:
+        mark()
     return res.out, fused_reduce(res, decode, q.shape[2], cfg)

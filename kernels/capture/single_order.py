@@ -31,17 +31,19 @@ from sparsecal.kernels.capture.tilestats import HistLayout
 
 
 def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch: dict | None = None, *,
-                                softcap: float = 0.0):
+                                softcap: float = 0.0, mark=None):
     """(out [1, H, N, D] in q.dtype, the per-sample reductions of one call) for cfg.orders of
     length one. q [1, H, N, D], k/v [1, Hkv, N, D]. ``launch`` may hold (num_warps, num_stages)
     under "forward_stats", "mass" and "decode". softcap: the cap c of c * tanh(s / c) on every
-    scaled score (0 or None: off)."""
+    scaled score (0 or None: off). ``mark()`` (optional) is called between the passes and the reductions."""
     if len(cfg.orders) != 1:
         raise ValueError(f"the single-order capture takes one scan order, got {list(cfg.orders)}")
     order = cfg.orders[0]
     launch = launch or {}
     out, *fwd = instrumented_forward_triton(q, k, v, scale, cfg, order, launch.get("forward_stats"), softcap=softcap)
     mass = block_mass_triton(q, k, fwd[0], scale, cfg, launch.get("mass"), softcap=softcap)
+    if mark is not None:
+        mark()
     return out, single_order_reductions(q, k, tuple(fwd), mass, scale, cfg, launch,
                                         softcap=softcap)
 

@@ -37,6 +37,7 @@ class CaptureRequest:
     layers: str | None = None  # "0,3,8-11": capture only these layers (the rest run dense)
     device_map: str | None = None  # "auto": accelerate spreads the model over the GPUs
     max_memory: str | None = None  # --max-memory "0=20GiB,1=20GiB,cpu=64GiB" (with --device-map auto)
+    profile: bool = False   # --profile: per-sample phases, printed and in each sample.json
 
 
 def stats_config(req: CaptureRequest):
@@ -151,11 +152,38 @@ def capture_command(req: CaptureRequest) -> None:
     """One process, or one rank of ``torchrun ... -m sparsecal.cli capture`` (capture/distributed.py):
     rank 0 checks and plans while the others wait, then every rank captures its share."""
     from sparsecal.capture import distributed
+    from sparsecal.capture.profile import Startup
 
+    clock = Startup()
     ranks = distributed.start()
-    job = ranks.lead(lambda: prepare(req, ranks))
+    if ranks.several:
+        clock.mark("group")
+        if not ranks.main:
+            _preload()  # while rank 0 checks and plans
+            clock.mark("preloaded")
+
+    def checked():
+        job = prepare(req, ranks)
+        clock.mark("checked")
+        return job
+
+    job = ranks.lead(checked)
+    clock.mark("planned")
     if job.todo:
-        capture_share(req, job, ranks)
+        capture_share(req, job, ranks, clock)
+
+
+def _preload() -> None:
+    """Import what loading the model and the first capture need (transformers' model classes,
+    Triton and the capture kernels), so a rank that waits for rank 0's checks spends the wait on it."""
+    import importlib
+    import importlib.util
+
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    if importlib.util.find_spec("triton") is not None:
+        importlib.import_module("sparsecal.kernels.capture.pipeline")
 
 
 def prepare(req: CaptureRequest, ranks) -> CaptureJob:
@@ -192,11 +220,12 @@ def prepare(req: CaptureRequest, ranks) -> CaptureJob:
     return CaptureJob(cfg, ms, backend, len(prompts), todo)
 
 
-def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
+def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None) -> None:
     """Load the model on this rank's device(s) and capture this rank's share of the unfinished
     samples; rank 0 then prints the totals, the peak GPU memory and the summary."""
     from sparsecal.capture import distributed
     from sparsecal.capture.models import load_for_rank
+    from sparsecal.capture.profile import Startup
     from sparsecal.formats.run import RunStore
 
     try:
@@ -207,12 +236,17 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     mine = ranks.share(job.todo, weight=lambda pair: pair[0]["length"])
     device = ranks.device(req.device)
     model = load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+    clock = clock or Startup()
+    clock.mark("loaded")
     ranks.gather(None)  # the ranks start together: the time below is the capture's own
     t0 = time.perf_counter()
-    result = _capture(store, model, [p for _, p in mine], job, ranks)
+    result = _capture(store, model, [p for _, p in mine], job, ranks, req.profile, clock)
+    clock.mark("captured")
     results = ranks.gather(dict(result, peak=distributed.peak_memory(model, device)))
     distributed.close()  # the last collective: close the group now, not at interpreter exit
     if not ranks.main:
+        if req.profile:
+            console.print(f"{ranks.tag}{clock.line()}", soft_wrap=True)
         return
     seconds, done = time.perf_counter() - t0, sum(r["done"] for r in results)
     console.print(f"captured {done} samples, skipped {job.total - done} already finished, in "
@@ -221,31 +255,59 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks) -> None:
     peaks = distributed.memory_line([r["peak"] for r in results])
     if peaks:
         console.print(peaks, soft_wrap=True)
+    if req.profile:
+        print_profile([p for r in results for p in r["profiles"]])
     print_summary(store)
+    clock.mark("summary")
+    if req.profile:
+        console.print(f"{ranks.tag}{clock.line()}", soft_wrap=True)
 
 
-def _capture(store, model, prompts, job: CaptureJob, ranks) -> dict:
+def _capture(store, model, prompts, job: CaptureJob, ranks, profile: bool = False, clock=None) -> dict:
     """run_capture with progress: a bar for one process, rank-tagged lines for several."""
+    from sparsecal.capture.profile import line as profile_line
     from sparsecal.capture.runner import run_capture
 
     def line(rec, secs, mark=""):
+        phases = f"  ({profile_line(rec['profile'])})" if "profile" in rec else ""
         return (f"{ranks.tag}  {rec['id']:<32} {rec['length']:>6} tok  {secs:6.1f} s  "
-                f"({rec['length'] / secs:,.0f} tok/s){mark}")
+                f"({rec['length'] / secs:,.0f} tok/s){phases}{mark}")
 
     if ranks.several:
         def progress(done, total, rec, secs):
+            if clock is not None:
+                clock.mark("first")
             console.print(line(rec, secs, f"  {done}/{total}"), soft_wrap=True)
 
-        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False)
+        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False, profile=profile)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("capturing", total=job.total)
 
         def progress(done, total, rec, secs):
+            if clock is not None:
+                clock.mark("first")
             bar.console.print(line(rec, secs))
             bar.update(task, completed=job.total - total + done)
 
-        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False)
+        return run_capture(store, model, prompts, job.cfg, progress, job.backend, plan=False, profile=profile)
+
+
+def print_profile(profiles: list[dict]) -> None:
+    """The --profile table: seconds per sample in each phase (mean over the samples), and its share."""
+    from sparsecal.capture.profile import PHASES, totals
+
+    if not profiles:
+        return
+    tot = totals(profiles)
+    table = Table(title=f"where a sample's time goes (mean of {tot['samples']} samples)")
+    for col in ("phase", "s/sample", "share of wall"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for p in (*PHASES, "wall"):
+        table.add_row(p, f"{tot[p] / tot['samples']:.4f}", f"{tot[p] / max(tot['wall'], 1e-12):.1%}")
+    Console(width=max(100, Console().width)).print(table)
+    if any(r.get("write_overlapped") for r in profiles):
+        console.print("serialize and disk ran on a background thread, beside the next sample's forward")
 
 
 def print_summary(store) -> None:

@@ -142,6 +142,8 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
     if device_map is not None:
         on_cpu = torch.device(device).type == "cpu" and not max_memory
         kwargs.update(device_map={"": "cpu"} if on_cpu else device_map, max_memory=dict(max_memory or {}) or None)
+    elif torch.device(device).type == "cuda" and not ms.hf_kwargs().get("gguf_file"):
+        kwargs.update(device_map={"": device})  # the weights go to the GPU as they load, not through a CPU copy
     try:
         with quiet_gguf():
             model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation=attn, **kwargs)

@@ -37,6 +37,7 @@ class Collector:
     backend: str = "reference"  # resolved: "triton" or "reference"
     captured: frozenset | None = None  # layer indices to instrument (None: every layer)
     specs: dict = field(default_factory=dict)  # layer index -> formats.layers.LayerSpec
+    profiler: object = None  # capture.profile.Profiler: stamps kernels / reductions (None: off)
 
 
 def _triton_importable() -> bool:
@@ -131,16 +132,26 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, d
 def _instrumented(query, key, value, scale: float, col: Collector, softcap: float | None):
     """(the layer's per-sample reductions, out [1, H, N, D]) on the collector's backend."""
     cap = {"softcap": softcap} if softcap else {}
+    prof, marks = col.profiler, []
+    if prof is not None:
+        marks.append(prof.stamp())
     if col.backend == "triton":  # histograms counted in the kernels, same keys/shapes/dtypes
         from sparsecal.kernels.capture.pipeline import capture_triton
 
-        out, reduced = capture_triton(query, key, value, scale, col.cfg, **cap)
-        return reduced, out
-    from sparsecal.kernels.capture.reduce_reference import reduce_tiles
-    from sparsecal.kernels.capture.reference import instrumented_attention
+        mark = (lambda: marks.append(prof.stamp())) if prof is not None else None
+        out, reduced = capture_triton(query, key, value, scale, col.cfg, **cap, mark=mark)
+    else:
+        from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+        from sparsecal.kernels.capture.reference import instrumented_attention
 
-    out, tiles = instrumented_attention(query, key, value, scale, col.cfg, **cap)
-    return reduce_tiles(tiles, query.shape[2], col.cfg), out
+        out, tiles = instrumented_attention(query, key, value, scale, col.cfg, **cap)
+        if prof is not None:
+            marks.append(prof.stamp())
+        reduced = reduce_tiles(tiles, query.shape[2], col.cfg)
+    if prof is not None:
+        prof.add("attention_kernels", marks[0], marks[1])
+        prof.add("reductions", marks[1], prof.stamp())
+    return reduced, out
 
 
 def register() -> None:
@@ -151,11 +162,12 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def collecting(cfg, backend: str = "reference", layers=None, specs=None):
+def collecting(cfg, backend: str = "reference", layers=None, specs=None, profiler=None):
     """Collect the statistics of the layers in ``layers`` (None: all) during forwards in this context;
-    ``specs`` [LayerSpec] gives the other layers' windows and chunks."""
+    ``specs`` [LayerSpec] gives the other layers' windows and chunks; ``profiler`` (capture.profile)
+    stamps each captured layer's kernels and reductions."""
     col = Collector(cfg, backend=backend, captured=None if layers is None else frozenset(layers),
-                    specs={s.index: s for s in specs or ()})
+                    specs={s.index: s for s in specs or ()}, profiler=profiler)
     token = _ACTIVE.set(col)
     try:
         yield col
@@ -165,10 +177,23 @@ def collecting(cfg, backend: str = "reference", layers=None, specs=None):
 
 @torch.no_grad()
 def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto",
-                   layers: list[int] | None = None):
+                   layers: list[int] | None = None, profiler=None):
     """One instrumented forward. Returns (stats {name: [Lc, ...]}, raw {name: [Lc, ...]}, logits) over
     the captured layers ``layers`` in order (None: every layer ``formats.layers.plan_layers`` admits
-    at this length). ``backend``: auto | triton | reference (see ``resolve_backend``)."""
+    at this length), on the host. ``backend``: auto | triton | reference (see ``resolve_backend``).
+    ``profiler`` (capture.profile.Profiler) gets the forward's, kernels', reductions' and copies' spans."""
+    staged, logits = capture_staged(model, input_ids, cfg, logits_to_keep, backend, layers, profiler)
+    stacked = dict(staged.result())
+    raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
+    return stacked, raw, logits
+
+
+@torch.no_grad()
+def capture_staged(model, input_ids: list[int], cfg, logits_to_keep: int = 1, backend: str = "auto",
+                   layers: list[int] | None = None, profiler=None):
+    """``capture_sample`` without waiting: (capture.staging.Staged of every statistic, raw keys
+    included, whose copy to the host is under way; logits)."""
+    from sparsecal.capture.staging import stage
     from sparsecal.formats.layers import layer_specs, plan_layers
 
     backend = resolve_backend(backend, model.device, model_head_dim(model), str(model.dtype).removeprefix("torch."),
@@ -181,24 +206,18 @@ def capture_sample(model, input_ids: list[int], cfg, logits_to_keep: int = 1, ba
     model.set_attn_implementation(ATTN_NAME)
     try:
         ids = torch.tensor([input_ids], device=model.get_input_embeddings().weight.device)
-        with collecting(cfg, backend, layers, specs) as col:
+        with collecting(cfg, backend, layers, specs, profiler) as col, _span(profiler, "forward"):
             logits = model(ids, use_cache=False, logits_to_keep=logits_to_keep).logits
     finally:
         model.set_attn_implementation(previous)
     if sorted(col.layers) != sorted(layers):
         raise RuntimeError(f"captured layers {sorted(col.layers)}, planned {sorted(layers)}: a layer bypassed the "
                            "attention interface")
-    names = col.layers[layers[0]].keys()
-    stacked = {k: _compact(torch.stack([col.layers[i][k].cpu() for i in layers])) for k in names}
-    raw = {k: stacked.pop(k) for k in RAW_KEYS if k in stacked}
-    return stacked, raw, logits
+    return stage(col.layers, layers, profiler), logits
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """Storage dtypes: counts as int32, sums as float32 (analysis adds samples in float64)."""
-    if t.dtype == torch.int64:
-        return t.to(torch.int32)
-    return t.float() if t.dtype == torch.float64 else t
+def _span(profiler, phase: str):
+    return profiler.span(phase) if profiler is not None else contextlib.nullcontext()
 
 
 def sample_record(prompt, sid: str) -> dict:
@@ -216,10 +235,15 @@ def pending(store, prompts) -> tuple[list, list]:
     return records, [(r, p) for r, p in records if r["id"] not in finished]
 
 
-def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto", plan: bool = True) -> dict:
+def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto", plan: bool = True,
+                profile: bool = False, background: bool = True) -> dict:
     """Capture every prompt not finished yet into ``store`` (``plan``: first add them to its manifest;
     the ranks of a distributed capture leave that to rank 0). ``progress(done, total, record, secs)``
-    is called after each sample. Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b}."""
+    is called after each sample lands. ``profile``: each record gets its phases (capture/profile.py);
+    ``background``: samples are written on a thread beside the next forward (capture/staging.py).
+    Returns {'done': n, 'skipped': n, 'seconds': s, 'backend': b, 'profiles': [the records' profiles]}."""
+    from sparsecal.capture.profile import Profiler
+    from sparsecal.capture.staging import SampleWriter
     from sparsecal.formats.geometry import block_counts
 
     backend = resolve_backend(backend, model.device, model_head_dim(model), str(model.dtype).removeprefix("torch."),
@@ -227,20 +251,32 @@ def run_capture(store, model, prompts, cfg, progress=None, backend: str = "auto"
     records, todo = pending(store, prompts)
     if plan:
         store.plan([r for r, _ in records])
+    profiler = Profiler(model.device) if profile else None
+    landed: list[dict] = []
+
+    def report(recs):
+        for rec in recs:
+            landed.append(rec)
+            if progress:
+                progress(len(landed), len(todo), rec, rec["seconds"])
+
     total_start = time.perf_counter()
-    for n_done, (rec, prompt) in enumerate(todo, 1):
-        start = time.perf_counter()
-        stats, raw, _ = capture_sample(model, prompt.input_ids, cfg, backend=backend, layers=store.layers())
-        cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
-        stats.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
-                     candidates=cand, reachable=reach)
-        secs = time.perf_counter() - start
-        rec = dict(rec, seconds=round(secs, 3), backend=backend)
-        store.write_sample(rec, stats, raw)
-        if progress:
-            progress(n_done, len(todo), rec, secs)
-    return {"done": len(todo), "skipped": len(records) - len(todo),
-            "seconds": time.perf_counter() - total_start, "backend": backend}
+    with SampleWriter(store, background, RAW_KEYS) as writer:
+        for rec, prompt in todo:
+            start = time.perf_counter()
+            if profiler is not None:
+                profiler.reset()
+            staged, _ = capture_staged(model, prompt.input_ids, cfg, backend=backend, layers=store.layers(),
+                                       profiler=profiler)
+            cand, reach = block_counts(prompt.length, cfg.block_m, cfg.block_n)
+            staged.host.update(input_ids=torch.tensor(prompt.input_ids, dtype=torch.int32),
+                               candidates=cand, reachable=reach)
+            prof = profiler.seconds() if profiler is not None else None  # the one synchronisation
+            report(writer.drain())  # the previous sample, written while this one ran on the device
+            report(writer.submit(dict(rec, backend=backend), staged, start, prof))
+        report(writer.drain())
+    return {"done": len(todo), "skipped": len(records) - len(todo), "seconds": time.perf_counter() - total_start,
+            "backend": backend, "profiles": [r["profile"] for r in landed if "profile" in r]}
 
 
 def check_lengths(lengths, max_context) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from sparsecal.formats.stats_config import StatsConfig
 
 SUMMARY_LAMBDA = 1e-3
+SUMMARY_KEYS = ("gap_count", "gap_mass", "tstar_where", "reachable")
 
 
 def sample_summary(tensors: dict, cfg: StatsConfig, lam: float = SUMMARY_LAMBDA) -> dict:
@@ -41,7 +42,7 @@ def run_summary(store) -> list[dict]:
     cfg = StatsConfig.from_dict(store.manifest["config"])
     groups = defaultdict(list)
     for sid in sorted(store.done_ids()):
-        rec, tensors = store.load_sample(sid)
+        rec, tensors = store.load_sample(sid, keys=SUMMARY_KEYS)  # not the large BSFA arrays
         groups[(rec["task"], rec["length"])].append((rec, sample_summary(tensors, cfg)))
     rows = []
     for (task, length), items in sorted(groups.items()):

@@ -131,6 +131,8 @@ def capture(
                                          "trtllm (trtllm-gen: TensorRT-LLM on Blackwell, SGLang, vLLM; 128x128), "
                                          "trtllm-hopper (fmha_v2: 64 x 256/128/64 by head_dim), modelopt (128x128), "
                                          "sparsecal (128x64)."),
+    profile: bool = typer.Option(False, "--profile", help="Time each sample's phases (forward, attention kernels, "
+                                 "reductions, copies, serialization, disk): printed, and in its sample.json."),
 ):
     """Run the model on prompts with instrumented attention and store the statistics in OUT."""
     from sparsecal.capture.command import CaptureRequest, capture_command
@@ -148,7 +150,7 @@ def capture(
                          k_values=_int_list(k, "k"), decode_rows=decode_rows, raw=raw,
                          orders=[o.strip() for o in orders.split(",") if o.strip()],
                          dtype=dtype, device=device, backend=backend, add=add, layers=layers,
-                         device_map=device_map, max_memory=max_memory)
+                         device_map=device_map, max_memory=max_memory, profile=profile)
     check_capture(ctx, req)  # every option, before ranks start or the model is read
     _launch_ranks(ctx, gpus, device, device_map, max_memory)
     capture_command(req)

@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shutil
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -38,7 +39,7 @@ from pathlib import Path
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text, read_json_manifest
 from sparsecal.formats.sample_values import check_record, check_shapes, check_values
-from sparsecal.formats.tensors import header_shapes, load_arrays, save_arrays
+from sparsecal.formats.tensors import header_shapes, load_arrays, serialize_arrays, write_bytes
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
 LOCK = ".lock"
@@ -302,18 +303,27 @@ class RunStore:
                 self._write_manifest()
         return extra, self.damaged(scan)
 
-    def write_sample(self, record: dict, stats: dict, raw: dict | None = None) -> Path:
-        """Write one finished sample atomically: build it in a temp folder, then rename."""
+    def write_sample(self, record: dict, stats: dict, raw: dict | None = None, profile: dict | None = None) -> Path:
+        """Write one finished sample atomically: build it in a temp folder, then rename. With
+        ``profile`` (capture --profile: seconds per phase) the record gets it as ``profile``, plus
+        ``serialize`` and ``disk`` (the safetensors files) measured here, added to its ``wall``
+        unless ``write_overlapped``."""
         final = self.root / SAMPLES / record["id"]
         tmp = self.root / SAMPLES / f".tmp-{record['id']}~{HOST}~{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            tmp.mkdir(parents=True)
+            t0 = time.perf_counter()
             meta = {"schema_version": SCHEMA_VERSION, "sample": record["id"], "model": self.manifest["model"]["id"],
                     RUN_META: json.dumps({k: self.manifest[k] for k in RUN_META_KEYS if k in self.manifest})}
-            save_arrays(tmp / "stats.safetensors", as_arrays(stats), sparse=SPARSE_KEYS, metadata=meta)
+            files = {"stats.safetensors": serialize_arrays(as_arrays(stats), SPARSE_KEYS, meta)}
             if raw:
-                save_arrays(tmp / "raw.safetensors", as_arrays(raw), metadata=meta)
+                files["raw.safetensors"] = serialize_arrays(as_arrays(raw), metadata=meta)
+            t1 = time.perf_counter()
+            tmp.mkdir(parents=True)
+            for name, data in files.items():
+                write_bytes(tmp / name, data)
+            if profile is not None:
+                record = dict(record, profile=_timed(profile, t1 - t0, time.perf_counter() - t1))
             atomic_write_text(tmp / "sample.json", json.dumps(record, indent=1))
             if final.is_symlink():  # a link is removed, never followed (its target is not the run's)
                 final.unlink()
@@ -357,6 +367,14 @@ class RunStore:
                 raise UserError(f"sample {sid} of {self.root}: raw.safetensors is damaged ({type(e).__name__}); "
                                 "run the same capture command to recapture it.") from None
         return record, tensors
+
+
+def _timed(profile: dict, serialize: float, disk: float) -> dict:
+    """A sample's profile record with its serialization and disk seconds."""
+    out = dict(profile, serialize=round(serialize, 4), disk=round(disk, 4))
+    if not out.get("write_overlapped"):
+        out["wall"] = round(out.get("wall", 0.0) + serialize + disk, 4)
+    return out
 
 
 MANIFEST_KEYS = {"model": dict, "config": dict, "dtype": str, "samples": list}

@@ -48,14 +48,24 @@ def decode(raw: dict[str, np.ndarray], shapes: dict[str, list]) -> dict[str, np.
     return out
 
 
-def save_arrays(path: Path, arrays: dict[str, np.ndarray], sparse=(), metadata=None) -> None:
-    """Save ``arrays`` to a safetensors file atomically; ``metadata`` values are stringified."""
-    from safetensors.numpy import save_file
+def serialize_arrays(arrays: dict[str, np.ndarray], sparse=(), metadata=None) -> bytes:
+    """The safetensors file ``save_arrays`` writes, as bytes; ``metadata`` values are stringified."""
+    from safetensors.numpy import save
 
     out, shapes = encode(arrays, sparse)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     meta[SPARSE_META] = json.dumps(shapes)
-    atomic_write(path, lambda tmp: save_file(out, str(tmp), metadata=meta))
+    return save(out, metadata=meta)
+
+
+def save_arrays(path: Path, arrays: dict[str, np.ndarray], sparse=(), metadata=None) -> None:
+    """Save ``arrays`` to a safetensors file atomically; ``metadata`` values are stringified."""
+    write_bytes(path, serialize_arrays(arrays, sparse, metadata))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write serialized bytes to ``path`` atomically."""
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def load_arrays(path: Path, keys=None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
