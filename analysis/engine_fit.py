@@ -79,17 +79,23 @@ class Curve:
         return np.where(x > 0.0, self.full, np.interp(x, self.x, self.s, left=0.0))
 
 
-def curves(hists: dict, edges, sparse: np.ndarray) -> dict[int, Curve]:
+def curves(hists: dict, edges, sparse: np.ndarray, diagonal: bool = False) -> dict[int, Curve]:
     """{length: Curve} of summed histograms {length: Hist} (count [L', H, NG]) over the ``sparse``
-    layers ([L'] bool); lengths whose sparse layers have no reachable tile are left out."""
+    layers ([L'] bool); lengths whose sparse layers have no reachable tile are left out. With
+    ``diagonal`` (Model-Optimizer's rule: every reachable tile is a candidate, and lambda >= 1 skips
+    them all) the diagonal tiles' histograms count too where the samples have them."""
     out = {}
+    keep = np.asarray(sparse, bool)
     for n, h in hists.items():
-        counts = np.asarray(h.count, np.float64)[np.asarray(sparse, bool)].sum((0, 1))     # [NG]
+        counts = np.asarray(h.count, np.float64)[keep].sum((0, 1))     # [NG]
+        with_diag = diagonal and h.diag is not None
+        if with_diag:
+            counts = counts + np.asarray(h.diag, np.float64)[keep].sum((0, 1))
         reach = h.reach * int(np.sum(sparse)) * h.count.shape[1]
         if reach <= 0:
             continue
         x, c = _knots(counts, np.asarray(edges, np.float64))
-        out[int(n)] = Curve(x, c / reach, float(counts.sum() / reach))
+        out[int(n)] = Curve(x, c / reach, 1.0 if with_diag else float(counts.sum() / reach))
     return out
 
 

@@ -74,10 +74,14 @@ class Hist:
     reach: float = 0.0           # reachable tiles per (layer, head)
     npos: float = 0.0            # query blocks (prefill) or decode rows per (layer, head)
     samples: int = 0
+    diag: np.ndarray | None = None   # [L', H, NG] the diagonal tiles' gaps (samples since capture records them)
 
     def add(self, other: Hist) -> None:
         self.count += other.count
         self.mass += other.mass
+        if self.samples == 0 and other.diag is not None:
+            self.diag = np.zeros_like(other.diag)
+        self.diag = None if self.diag is None or other.diag is None else self.diag + other.diag
         self.reach += other.reach
         self.npos += other.npos
         self.samples += other.samples
@@ -92,6 +96,7 @@ class RunHists:
 
 
 KEYS = ("gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass", "reachable")
+DIAG_KEYS = ("diag_gap_count", "decode_diag_gap_count")
 
 
 def _sample_hists(arrays: dict, length: int, cfg, o: int) -> dict:
@@ -104,8 +109,9 @@ def _sample_hists(arrays: dict, length: int, cfg, o: int) -> dict:
             reach, npos = float(arrays["reachable"].sum()), float(len(arrays["reachable"]))
         else:
             reach, npos = float(decode_reachable(length, cfg)), float(min(cfg.decode_rows, length))
+        d = arrays.get(f"{PREFIX[mode]}diag_gap_count")
         if reach > 0:
-            out[mode] = Hist(c, m, reach, npos, 1)
+            out[mode] = Hist(c, m, reach, npos, 1, None if d is None else np.asarray(d[:, :, o], np.float64))
     return out
 
 
@@ -123,7 +129,7 @@ def collect(store, fit: dict, cfg, order: str) -> RunHists:
     held_ids = split["test"] or split["train"]
     for sid in dict.fromkeys(split["train"] + held_ids):
         rec = by_id[sid]
-        hists = _sample_hists(load_arrays(store, rec, KEYS), rec["length"], cfg, o)
+        hists = _sample_hists(load_arrays(store, rec, KEYS, optional=DIAG_KEYS), rec["length"], cfg, o)
         for mode, h in hists.items():
             if sid in split["train"]:
                 acc = out.train[mode].setdefault(rec["length"], Hist(np.zeros_like(h.count), np.zeros_like(h.mass)))

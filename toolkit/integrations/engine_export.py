@@ -123,14 +123,15 @@ def block_laws(doc: dict, ctx: dict, weights: dict) -> tuple[dict, str]:
     targets = [e["target_sparsity"] for e in doc["targets"]]
     out = {}
     for mode in F.PHASES:
-        cur = curves(ctx["train"].get(mode, {}), ctx["edges"], ctx["sparse"])
+        cur = curves(ctx["train"].get(mode, {}), ctx["edges"], ctx["sparse"], diagonal=True)
         if cur and doc["threshold_scale_factor"].get(mode) is not None:
             out[mode] = fit_law(cur, {n: w for n, w in weights.items() if n in cur}, targets)
     return out, SPARSE_DEFINITION
 
 
 SPARSE_DEFINITION = ("mean over the enabled (not ignored) layers of each layer's skipped / reachable tiles, as "
-                     "Model-Optimizer's calibrator averages the per-call sparsity over its enabled modules")
+                     "Model-Optimizer's calibrator averages the per-call sparsity over its enabled modules; its rule "
+                     "can skip diagonal tiles too, counted where the samples record them (diag_gap_count)")
 
 
 def scalar_factors(doc: dict, ctx: dict) -> dict:
