@@ -15,6 +15,9 @@ with ``--format modelopt`` into EXPORT. Both calibrations see the run's calibrat
   for prefill (the whole prompt) and for decode (its decode loop's scheme: an SDPA prefill, then
   the last R = the run's decode rows fed one at a time through the sparse path), timed in-process.
 
+Both sides skip on the same layers: the export's block (its ``ignore``) is applied through
+Model-Optimizer's HF path before its calibrator runs, and sparsecal's own export of the train
+prompts leaves the same layers dense (the default --min-layer-sparsity, the same samples).
 Then both laws are measured on the run's held-out prompts by the same exact counter
 (integrations.consumer_modelopt.ExactCounter, dense statistics: no mask applied), per phase,
 target and length: achieved sparsity and retained softmax mass (the mass Model-Optimizer's own
@@ -62,8 +65,7 @@ def time_sparsecal(store, train: list[dict], targets: list[float], out: Path) ->
                                str(cfg["decode_rows"])],
              "fit": cli + ["fit", str(run), "--engine", "modelopt", "--holdout", "0", "--targets",
                            ",".join(f"{t:g}" for t in targets)],
-             "export": cli + ["export", str(run), "--out", str(run / "export"), "--format", "modelopt",
-                              "--min-layer-sparsity", "0"]}
+             "export": cli + ["export", str(run), "--out", str(run / "export"), "--format", "modelopt"]}
     secs = {}
     for name, argv in steps.items():
         t0 = time.perf_counter()
