@@ -13,7 +13,7 @@ from sparsecal.formats import engine_files as F
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.integrations import consumer_modelopt as M
 
-from helpers import assert_user_error, cli, hybrid_synthetic_run, make_checkpoint
+from helpers import ROOT, assert_user_error, cli, hybrid_synthetic_run, make_checkpoint
 
 pytest.importorskip("modelopt.torch.sparsity.attention_sparsity")
 from modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
@@ -157,3 +157,34 @@ def test_verify_refuses_bad_options_before_loading_anything(tmp_path, exports):
     assert_user_error(cli("verify", tmp_path, "--targets", "1.5"), "--targets")
     assert_user_error(cli("verify", tmp_path, "--samples", "some"), "--samples some")
     assert_user_error(cli("verify", tmp_path), "does not exist")
+
+
+COMMITTED = ROOT / "data" / "consumers" / "smollm2-modelopt"
+
+
+@pytest.mark.skipif(not (COMMITTED / "export").is_dir(), reason="the committed consumer result is not in this checkout")
+def test_export_page_draws_the_committed_verify_table(monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("SPARSECAL_RUNS", str(COMMITTED))
+    monkeypatch.setenv("SPARSECAL_RESULTS", "")
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("page_export.py").run()
+    at.text_input(key="ex_other").input(str(COMMITTED / "export")).run()
+    assert not at.exception and not at.error, [e.value for e in at.exception] + [e.value for e in at.error]
+    table = at.dataframe[-1].value
+    assert {"phase", "target", "length", "predicted", "measured_dense", "drift"} <= set(table.columns)
+    assert len(table) == 24 and (table["error"].abs() <= 0.01).all()
+
+
+def test_verify_file_with_an_impossible_value_is_one_line(tmp_path):
+    from sparsecal.formats.errors import UserError
+    from sparsecal.formats.verify import VERIFY_JSON, load_verify
+
+    doc = json.loads((COMMITTED / "export" / VERIFY_JSON).read_text())
+    doc["rows"][3]["measured_dense"] = 1.5
+    (tmp_path / VERIFY_JSON).write_text(json.dumps(doc))
+    with pytest.raises(UserError, match="row 3"):
+        load_verify(tmp_path)
+    assert load_verify(tmp_path / "nothing") is None
