@@ -219,6 +219,12 @@ def format_table(rows: list[dict]) -> str:
              _lambda_cell(r), f"{r['target']:g}", f"{r['achieved']:.3f}",
              f"{r['achieved_min']:.3f}-{r['achieved_max']:.3f}", f"{r['achieved_sparse_layers']:.3f}",
              f"{r['retained_mass']:.4f}") for r in rows]
+    return text_table(head, body)
+
+
+def text_table(head, body) -> str:
+    """Right-aligned fixed-width text of a header row and body rows (strings), with a rule under the
+    header: the tables the CLI prints and report.txt holds."""
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
 
     def line(cells) -> str:

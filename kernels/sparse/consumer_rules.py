@@ -94,7 +94,7 @@ def modelopt_triton(scores: torch.Tensor, factor: float | None = None, *, lam: f
     skipped (its MEASURE_SPARSITY and calibration counters).
 
     Returns kept [B, H, P, T] (False where skipped; True also for tiles beyond the causal bound)."""
-    b, h, nq, nk = scores.shape
+    b, nk = scores.shape[0], scores.shape[-1]
     _, log_lam = log_lambda(factor, lam, kv_len or nk)
     tmax, valid, n_iter, (_, hg, p) = query_tiles(causal_fill(scores, NEG), 1, block_m, block_n)
     skip, visited = vote(tmax, valid, n_iter, log_lam, block_m, update="all" if calibration else "kept")
@@ -139,7 +139,7 @@ def trtllm_gen(scores: torch.Tensor, factor: float | None = None, *, lam: float 
     Returns {"warps": per-warp P zeroing, kept [B, Hg, P, W, T], counted over visited tiles of warps
     with a real row; "tiles": V-load / P.V skipping, kept [B, Hg, P, T], counted over visited
     tiles}."""
-    b, h, nq, nk = scores.shape
+    b, nk = scores.shape[0], scores.shape[-1]
     _, log_lam = log_lambda(factor, lam, kv_len or nk)
     tmax, valid, n_iter, (_, hg, p) = query_tiles(causal_fill(scores, NEG), group, block_m, block_n)
     chunks = None if kv_chunk_tiles is None else torch.arange(tmax.shape[-1]) // kv_chunk_tiles
@@ -168,7 +168,7 @@ def split_kv_decode(scores: torch.Tensor, factor: float | None = None, *, chunks
     total = tiles, skipped = tiles every head of the group skipped.
 
     ``scores`` [B, H, 1, Nk]. Returns kept [B, Hg, T]."""
-    b, h, nq, nk = scores.shape
+    b, _, nq, nk = scores.shape
     if nq != 1:
         raise ValueError(f"split_kv_decode takes one query row, got {nq}")
     if layout not in ("contiguous", "interleaved"):
@@ -241,7 +241,7 @@ def hopper_prefill(scores: torch.Tensor, factor: float | None = None, *, head_di
     at lambda >= 1. Counting (SKIP_SOFTMAX_STAT): total = tiles visited, skipped = tiles skipped.
 
     Returns kept [B, H, P, T]."""
-    b, h, nq, nk = scores.shape
+    b, nk = scores.shape[0], scores.shape[-1]
     _, log_lam = log_lambda(factor, lam, kv_len or nk)
     step = hopper_kv_step(dtype, head_dim)
     tmax, valid, n_iter, (_, hg, p) = query_tiles(causal_fill(scores, NEG), 1, 64, step)
@@ -256,6 +256,15 @@ def fp8_hopper_prefill(scores: torch.Tensor, factor: float | None = None, *, hea
     return hopper_prefill(scores, factor, head_dim=head_dim, dtype="e4m3", lam=lam, kv_len=kv_len)
 
 
-__all__ = ["Decision", "modelopt_hf", "modelopt_triton", "modelopt_vllm_threshold", "trtllm_gen",
-           "split_kv_decode", "xqa_decode", "hopper_kv_step", "hopper_prefill",
-           "fp8_hopper_prefill"]
+__all__ = [
+    "Decision",
+    "fp8_hopper_prefill",
+    "hopper_kv_step",
+    "hopper_prefill",
+    "modelopt_hf",
+    "modelopt_triton",
+    "modelopt_vllm_threshold",
+    "split_kv_decode",
+    "trtllm_gen",
+    "xqa_decode",
+]

@@ -85,7 +85,6 @@ def time_modelopt(model, store, train: list[dict], decode_rows: int, device: str
     then decode; wall time and (a, b) per phase."""
     import torch
     from modelopt.torch.sparsity.attention_sparsity.calibration.calibrator import DynamicThresholdCalibrator
-
     from modelopt.torch.sparsity.attention_sparsity.utils import get_named_sparse_attention_modules
 
     for _, module in get_named_sparse_attention_modules(model):   # its calibrator measures threshold trials

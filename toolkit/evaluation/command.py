@@ -378,8 +378,8 @@ def finish(store, bench_files=()) -> dict:
     files are given; print the summary. Returns the paths written."""
     import json
 
-    from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
     from sparsecal.evaluation.intervals import cells
+    from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
     from sparsecal.evaluation.summary import curves, noise_floor, read_bench, result_rows, summarize, unmatched_bench
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance

@@ -25,8 +25,14 @@ import shlex
 from pathlib import Path
 
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import (LONGEST_LENGTH, blasst_runtime_lambda, check_factor_range, check_geometry,
-                                       check_validity, longest_length)
+from sparsecal.formats.exports import (
+    LONGEST_LENGTH,
+    blasst_runtime_lambda,
+    check_factor_range,
+    check_geometry,
+    check_validity,
+    longest_length,
+)
 from sparsecal.formats.files import atomic_write_text, check_schema, read_json_manifest
 from sparsecal.formats.version import __version__
 

@@ -20,8 +20,18 @@ import json
 from pathlib import Path
 
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.run import (FIT_DIR, FIT_KIND, MANIFEST, MANIFEST_KEYS, RUN_KIND, RUN_META, SAMPLES, RunStore,
-                                   _locked, _now)
+from sparsecal.formats.run import (
+    FIT_DIR,
+    FIT_KIND,
+    MANIFEST,
+    MANIFEST_KEYS,
+    RUN_KIND,
+    RUN_META,
+    SAMPLES,
+    RunStore,
+    _locked,
+    _now,
+)
 from sparsecal.formats.sample_values import check_record
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import header_shapes

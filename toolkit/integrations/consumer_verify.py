@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from sparsecal.analysis import consumer_predict as CP
+from sparsecal.analysis.engine_law import text_table
 from sparsecal.analysis.fit import load_fit
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.errors import UserError
@@ -200,9 +201,4 @@ def format_table(rows: list[dict]) -> str:
              f"{r['lambda']:.3g}" + (" >=1" if r["saturated"] else ""), f(r["predicted"], ".4f"),
              f(r["measured_dense"], ".4f"), f(r["error"], "+.4f"), f(r["measured_masks"], ".4f"),
              f(r["drift"], "+.4f")) for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-
-    def line(cells) -> str:
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()
-
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    return text_table(head, body)

@@ -285,6 +285,14 @@ def traffic(built: dict, doc: dict, ctx: dict) -> dict | None:
     return out
 
 
+def _weighted_rms(rows: dict, weights: dict) -> float:
+    """sqrt(sum_L w_L (achieved_L - target)^2 / sum_L w_L) over the rows {length: row} with weight."""
+    lens = [n for n in sorted(rows) if weights.get(n, 0) > 0]
+    tot = sum(weights[n] for n in lens) or 1.0
+    return math.sqrt(sum(weights[n] * (rows[n]["achieved_sparse_layers"] - rows[n]["target"]) ** 2
+                         for n in lens) / tot)
+
+
 def _traffic_phases(got: list, base: list, weights: dict) -> dict:
     out = {}
     for m in F.PHASES:
@@ -292,16 +300,10 @@ def _traffic_phases(got: list, base: list, weights: dict) -> dict:
         b = {r["length"]: r for r in base if r["mode"] == m}
         if not g:
             continue
-        lens = [n for n in sorted(g) if weights.get(n, 0) > 0]
-
-        def err(rows):
-            tot = sum(weights[n] for n in lens) or 1.0
-            return math.sqrt(sum(weights[n] * (rows[n]["achieved_sparse_layers"] - rows[n]["target"]) ** 2
-                                 for n in lens) / tot)
-
         first = next(iter(g.values()))
         out[m] = {"target": first["target"], "factor": first["factor"],
-                  "unweighted_factor": next(iter(b.values()))["factor"], "error": err(g), "unweighted_error": err(b),
+                  "unweighted_factor": next(iter(b.values()))["factor"], "error": _weighted_rms(g, weights),
+                  "unweighted_error": _weighted_rms(b, weights),
                   "per_length": [{"length": n, "weight": weights.get(n, 0.0),
                                   "achieved": g[n]["achieved_sparse_layers"],
                                   "unweighted_achieved": b[n]["achieved_sparse_layers"]} for n in sorted(g)]}

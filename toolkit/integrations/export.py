@@ -26,12 +26,21 @@ from sparsecal.analysis.tables import THRESHOLDS, read_table
 from sparsecal.formats import engine_files as F
 from sparsecal.formats.engines import SCALED_SCORES
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import (BLASST_ALGORITHM, BLASST_JSON, BSFA_PT, BSFA_ST, BsfaExport, blasst_dense_below,
-                                       check_bsfa_values, validate_blasst, write_blasst)
-from sparsecal.formats.run import MANIFEST as RUN_MANIFEST
-from sparsecal.formats.run import RUN_KIND, SAMPLES
+from sparsecal.formats.exports import (
+    BLASST_ALGORITHM,
+    BLASST_JSON,
+    BSFA_PT,
+    BSFA_ST,
+    BsfaExport,
+    blasst_dense_below,
+    check_bsfa_values,
+    validate_blasst,
+    write_blasst,
+)
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.geometry import cdiv
+from sparsecal.formats.run import MANIFEST as RUN_MANIFEST
+from sparsecal.formats.run import RUN_KIND, SAMPLES
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import load_arrays
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
