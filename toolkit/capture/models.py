@@ -61,8 +61,16 @@ def load_config(ms: ModelSpec):
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
+    from sparsecal.capture import gguf_cache
+
+    cached = gguf_cache.part(ms.path, ms.gguf_file, "config") if ms.gguf_file else None
     try:
-        cfg = AutoConfig.from_pretrained(str(ms.path), **ms.hf_kwargs())
+        if cached is not None:
+            cfg = gguf_cache.renamed(AutoConfig.from_pretrained(str(cached)), ms.path)
+        else:
+            cfg = AutoConfig.from_pretrained(str(ms.path), **ms.hf_kwargs())
+            if ms.gguf_file:
+                gguf_cache.store_config(ms.path, ms.gguf_file, cfg)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"Cannot read the model config in {ms.path}: {str(e).splitlines()[0]}")
     mt = getattr(cfg, "model_type", None)
@@ -99,8 +107,16 @@ def model_info(ms: ModelSpec, cfg) -> dict:
 def load_tokenizer(ms: ModelSpec):
     from transformers import AutoTokenizer
 
+    from sparsecal.capture import gguf_cache
+
+    cached = gguf_cache.part(ms.path, ms.gguf_file, "tokenizer") if ms.gguf_file else None
     try:
-        return AutoTokenizer.from_pretrained(str(ms.path), **ms.hf_kwargs())
+        if cached is not None:
+            return gguf_cache.renamed(AutoTokenizer.from_pretrained(str(cached)), ms.path)
+        tok = AutoTokenizer.from_pretrained(str(ms.path), **ms.hf_kwargs())
+        if ms.gguf_file:
+            gguf_cache.store_tokenizer(ms.path, ms.gguf_file, tok)
+        return tok
     except (OSError, ValueError, TypeError) as e:
         raise UserError(f"{ms.spec} has no usable tokenizer ({type(e).__name__}); give token ids with "
                         '--prompts-file lines of the form {"input_ids": [...]}.')
@@ -144,14 +160,19 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
         kwargs.update(device_map={"": "cpu"} if on_cpu else device_map, max_memory=dict(max_memory or {}) or None)
     elif torch.device(device).type == "cuda" and not ms.hf_kwargs().get("gguf_file"):
         kwargs.update(device_map={"": device})  # the weights go to the GPU as they load, not through a CPU copy
+    source, kwargs = _weights_source(ms, kwargs)
     try:
         with quiet_gguf():
-            model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation=attn, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn, **kwargs)
     except ValueError as e:  # families without an SDPA path (Gemma 2's soft cap) load with eager attention
         if attn != "sdpa" or "attention implementation" not in str(e):
             raise
         with quiet_gguf():
-            model = AutoModelForCausalLM.from_pretrained(str(ms.path), attn_implementation="eager", **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **kwargs)
+    if source != str(ms.path):
+        from sparsecal.capture import gguf_cache
+
+        gguf_cache.renamed(model, ms.path)
     if device_map is None:
         return model.to(device).eval()
     from sparsecal.capture.distributed import follow_layer_devices
@@ -161,6 +182,29 @@ def load_model(ms: ModelSpec, dtype: str = "float32", device: str = "cpu", attn:
                         "raise the budgets, or add cpu=SIZE.")
     follow_layer_devices(model)
     return model.eval()
+
+
+def _weights_source(ms: ModelSpec, kwargs: dict) -> tuple[str, dict]:
+    """Where ``from_pretrained`` reads the weights: a GGUF's cache entry (filled here by one float32
+    GGUF load when it is missing, capture.gguf_cache), else the checkpoint itself."""
+    from sparsecal.capture import gguf_cache
+
+    if not ms.gguf_file or gguf_cache.entry(ms.path, ms.gguf_file) is None:
+        return str(ms.path), kwargs
+    cached = gguf_cache.part(ms.path, ms.gguf_file, "weights")
+    if cached is None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with quiet_gguf():
+            full = AutoModelForCausalLM.from_pretrained(str(ms.path), dtype=torch.float32, **ms.hf_kwargs())
+        gguf_cache.store_weights(ms.path, ms.gguf_file, full)
+        del full
+        cached = gguf_cache.part(ms.path, ms.gguf_file, "weights")
+        if cached is None:  # the cache cannot be written: load the GGUF itself
+            return str(ms.path), kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "gguf_file"}
+    return str(cached), rest
 
 
 def load_run_model(manifest: dict, device: str, attn: str = "sdpa"):
