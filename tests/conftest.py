@@ -19,7 +19,6 @@ for the headless-browser test. ``pytest -m "not model and not browser"`` is the 
 import hashlib
 import importlib.util
 import os
-import pathlib
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

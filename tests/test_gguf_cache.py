@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparsecal.capture import gguf_cache
-from sparsecal.capture.models import load_config, load_model, load_tokenizer, resolve_model
+from sparsecal.capture.models import load_config, load_model, resolve_model
 
 
 @pytest.mark.model
