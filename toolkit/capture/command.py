@@ -150,17 +150,18 @@ class CaptureJob:
 
 def capture_command(req: CaptureRequest) -> None:
     """One process, or one rank of ``torchrun ... -m sparsecal.cli capture`` (capture/distributed.py):
-    rank 0 checks and plans while the others wait, then every rank captures its share."""
+    rank 0 checks and plans while the others wait, then every rank captures its share. With several
+    ranks every rank loads its model and warms its kernels up (``Early``) while rank 0 checks: the
+    other ranks before they wait, rank 0 on a thread beside its checks."""
     from sparsecal.capture import distributed
     from sparsecal.capture.profile import Startup
 
     clock = Startup()
     ranks = distributed.start()
+    early = None
     if ranks.several:
         clock.mark("group")
-        if not ranks.main:
-            _preload()  # while rank 0 checks and plans
-            clock.mark("preloaded")
+        early = Early(req, ranks, clock, background=ranks.main)
 
     def checked():
         job = prepare(req, ranks)
@@ -170,20 +171,77 @@ def capture_command(req: CaptureRequest) -> None:
     job = ranks.lead(checked)
     clock.mark("planned")
     if job.todo:
-        capture_share(req, job, ranks, clock)
+        capture_share(req, job, ranks, clock, early.model() if early is not None else None)
 
 
-def _preload() -> None:
-    """Import what loading the model and the first capture need (transformers' model classes,
-    Triton and the capture kernels), so a rank that waits for rank 0's checks spends the wait on it."""
-    import importlib
-    import importlib.util
+class Early:
+    """This rank's model, loaded and warmed up before rank 0's plan arrives. The options were checked
+    before the ranks started (cli/options.py), so only rank 0's checks of the model, prompts and run
+    directory run beside it; a failure here (an unreadable checkpoint) is raised where the model is
+    needed, after those checks, so a bad input is still reported by the check that names it. The
+    warm-up is one instrumented forward of ``warm_length`` tokens: Triton's kernels for these shapes
+    come from its on-disk cache (TRITON_CACHE_DIR, capture/distributed.shared_defaults) or are compiled
+    once, CUDA's libraries and the model's first-call paths start, before the first sample."""
 
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM  # noqa: F401
+    def __init__(self, req: CaptureRequest, ranks, clock, background: bool):
+        self.req, self.ranks, self.clock = req, ranks, clock
+        self._model, self._error, self._thread = None, None, None
+        if background:  # rank 0: its checks run meanwhile; it ends with os._exit (cli._exit), never joined then
+            import threading
 
-    if importlib.util.find_spec("triton") is not None:
-        importlib.import_module("sparsecal.kernels.capture.pipeline")
+            import transformers  # noqa: F401 - imported whole before two threads ask its lazy module for names
+            from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+            self._thread = threading.Thread(target=self._run, name="sparsecal-early-load", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        from sparsecal.capture.models import load_for_rank, resolve_model
+
+        try:
+            model = load_for_rank(self.ranks, resolve_model(self.req.model), self.req.dtype, self.req.device, None,
+                                  None, console)
+            self.clock.mark("loaded")
+            warm_up(model, self.req)
+            self.clock.mark("warmed")
+            self._model = model
+        except BaseException as e:  # noqa: BLE001 - raised again where the model is needed
+            self._error = e
+
+    def model(self):
+        """The warmed-up model (waits for rank 0's thread); the load's error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._model
+
+
+def warm_length(req: CaptureRequest, max_context: int | None, cuda: bool) -> int:
+    """The warm-up prompt's tokens: on CUDA 16 query and key tiles' lcm (2048 at 128 x 64), so that
+    the token count and the tile counts are multiples of 16 like a long prompt's and Triton picks the
+    same specialisation; on a CPU one lcm (its reference path compiles nothing). At most the model's
+    context."""
+    import math
+
+    tiles = math.lcm(req.block_m, req.block_n) * (16 if cuda else 1)
+    return max(1, min(tiles, max_context or tiles))
+
+
+def warm_up(model, req: CaptureRequest) -> None:
+    """One instrumented forward of ``warm_length`` tokens through the run's backend; nothing stored."""
+    from sparsecal.capture.runner import capture_sample
+
+    cuda = model.device.type == "cuda"
+    n = warm_length(req, getattr(model.config, "max_position_embeddings", None), cuda)
+    vocab = getattr(model.config, "vocab_size", None) or 2
+    capture_sample(model, [i % vocab for i in range(n)], stats_config(req), backend=req.backend)
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize(model.device)
 
 
 def prepare(req: CaptureRequest, ranks) -> CaptureJob:
@@ -220,9 +278,10 @@ def prepare(req: CaptureRequest, ranks) -> CaptureJob:
     return CaptureJob(cfg, ms, backend, len(prompts), todo)
 
 
-def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None) -> None:
-    """Load the model on this rank's device(s) and capture this rank's share of the unfinished
-    samples; rank 0 then prints the totals, the peak GPU memory and the summary."""
+def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None, model=None) -> None:
+    """Load the model on this rank's device(s) (unless ``model``: loaded early) and capture this
+    rank's share of the unfinished samples; rank 0 then prints the totals, the peak GPU memory and
+    the summary."""
     from sparsecal.capture import distributed
     from sparsecal.capture.models import load_for_rank
     from sparsecal.capture.profile import Startup
@@ -235,7 +294,8 @@ def capture_share(req: CaptureRequest, job: CaptureJob, ranks, clock=None) -> No
                         "several hosts, --out must be on a filesystem they share.") from None
     mine = ranks.share(job.todo, weight=lambda pair: pair[0]["length"])
     device = ranks.device(req.device)
-    model = load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+    if model is None:
+        model = load_for_rank(ranks, job.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
     clock = clock or Startup()
     clock.mark("loaded")
     ranks.gather(None)  # the ranks start together: the time below is the capture's own

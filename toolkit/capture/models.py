@@ -123,21 +123,23 @@ def load_tokenizer(ms: ModelSpec):
 
 
 def check_dtype_device(dtype: str, device: str) -> None:
-    """Refuse an unknown dtype or a device this torch cannot use, before anything is written."""
-    import torch
+    """Refuse an unknown dtype or a device this torch cannot use, before anything is written (no
+    torch import: the ``--gpus`` launcher checks it before starting its ranks)."""
+    from sparsecal.capture.distributed import cuda_count, parse_device
 
     if dtype not in DTYPES:
         raise UserError(f"Unknown dtype '{dtype}'. Available: {', '.join(DTYPES)}.")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
+        kind, index = parse_device(device)
+    except ValueError:
         raise UserError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1).") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
+    if kind == "cuda":
+        have = cuda_count()  # without torch in the --gpus launcher; torch's own count in a rank
+        if not have:
             raise UserError(f"--device {device}: this torch has no usable CUDA device; use --device cpu.")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here.")
-    elif dev.type != "cpu":
+        if index is not None and index >= have:
+            raise UserError(f"--device {device}: only {have} CUDA device(s) here.")
+    elif kind != "cpu":
         raise UserError(f"--device {device}: only cpu and cuda devices are supported.")
 
 

@@ -113,12 +113,15 @@ class Startup:
     """The command's milestones in seconds since its process started: 'cli' (the command parsed,
     torch imported), 'group' (the ranks' process group joined), 'preloaded' (a rank other than 0:
     its imports done while rank 0 checks), 'checked' (rank 0: checks, prompts and plan done),
-    'planned' (every rank: rank 0's plan received), 'loaded' (this rank's model loaded), 'first'
-    (its first sample written), 'captured', 'summary'."""
+    'planned' (every rank: rank 0's plan received), 'loaded' (this rank's model loaded), 'warmed'
+    (several ranks: its warm-up forward done, capture/command.Early), 'first' (its first sample
+    written), 'captured', 'summary'. With several ranks the model loads beside rank 0's checks, so
+    the line lists the steps in the order they were reached."""
 
     STEPS = (("cli", "python+CLI+torch"), ("group", "process group"), ("preloaded", "preload"),
              ("checked", "checks+imports+plan"), ("planned", "wait for rank 0"), ("loaded", "model load"),
-             ("first", "first sample"), ("captured", "other samples"), ("summary", "totals+summary"))
+             ("warmed", "warm-up"), ("first", "first sample"), ("captured", "other samples"),
+             ("summary", "totals+summary"))
 
     def __init__(self):
         age = process_age()
@@ -132,9 +135,8 @@ class Startup:
         """'timeline since the process started (s): python+CLI+torch 0.9, ...; total 60.2; started
         at 1764163200.12' (the steps reached; the start as a Unix time)."""
         parts, last = [], 0.0
-        for key, label in self.STEPS:
-            if key in self.at:
-                parts.append(f"{label} {self.at[key] - last:.1f}")
-                last = self.at[key]
+        for key, label in sorted(((k, lb) for k, lb in self.STEPS if k in self.at), key=lambda s: self.at[s[0]]):
+            parts.append(f"{label} {self.at[key] - last:.1f}")
+            last = self.at[key]
         return (f"timeline since the process started (s): {', '.join(parts)}; total {last:.1f}; "
                 f"started at {self.started:.2f}")

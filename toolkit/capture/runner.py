@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.geometry import CAPTURE_BACKENDS as BACKENDS
 from sparsecal.formats.geometry import TRITON_HEAD_DIMS
 
 ATTN_NAME = "sparsecal_capture"
-BACKENDS = ("auto", "triton", "reference")
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sparsecal_collector", default=None)
 RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")
 

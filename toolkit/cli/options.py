@@ -48,8 +48,8 @@ def check_capture(ctx, req) -> None:
     from sparsecal.capture.command import stats_config
     from sparsecal.capture.distributed import check_gpus, check_placement
     from sparsecal.capture.models import check_dtype_device
-    from sparsecal.capture.runner import BACKENDS
     from sparsecal.formats.errors import unknown
+    from sparsecal.formats.geometry import CAPTURE_BACKENDS as BACKENDS
     from sparsecal.formats.layers import parse_layers
 
     positive(req.lengths, "lengths")

@@ -16,6 +16,7 @@ ORDERS = ("forward", "reverse", "sink_local")
 WHERE = ("sink", "diagonal", "middle")  # where the running max stabilizes (t* categories)
 PREFIXES = ("first", "local")  # running-max shortfall after the first / first local_prefix() scanned blocks
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # head dims the Triton kernels compile for
+CAPTURE_BACKENDS = ("auto", "triton", "reference")  # capture --backend (capture/runner.py resolves them)
 
 
 def cdiv(a: int, b: int) -> int:
