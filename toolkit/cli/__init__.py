@@ -59,7 +59,7 @@ def _float_list(text: str, name: str) -> list[float]:
     return _list(text, name, float, "numbers", "0.5,0.7")
 
 
-GPUS_HELP = ("Ranks of a data-parallel run on this host, started through torchrun: one per GPU with --device "
+GPUS_HELP = ("Ranks of a data-parallel run on this host, started by sparsecal as torchrun would: one per GPU with --device "
              "cuda, or N processes with --device cpu (README: Several GPUs).")
 DEVICE_MAP_HELP = "'auto': spread one model over the GPUs (accelerate), for a model larger than one GPU."
 MAX_MEMORY_HELP = "Budgets of --device-map auto per GPU (and cpu), e.g. 0=20GiB,1=20GiB,cpu=64GiB."
