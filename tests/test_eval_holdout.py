@@ -170,4 +170,6 @@ def test_eval_labels_held_out_and_seen_rows_and_reports_both(calibrated, tmp_pat
     assert_user_error(cli("eval", export, "--out", tmp_path / "ev2", "--model", ckpt, "--tasks", "text_stdlib",
                           "--holdout-tasks", "text", "--lengths", 96, "--calibration", run),
                       "--holdout-tasks text", "captured task text")
+    assert_user_error(cli("eval", export, "--out", tmp_path / "ev2", "--model", ckpt, "--holdout-tasks", "text,nope"),
+                      "nope")
     assert not (tmp_path / "ev2").exists()

@@ -392,8 +392,7 @@ def finish(store, bench_files=()) -> dict:
 
     from sparsecal.evaluation.intervals import cells
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
-    from sparsecal.evaluation.summary import (curves, noise_floor, read_bench, result_rows, split_rows, summarize,
-                                              unmatched_bench)
+    from sparsecal.evaluation.summary import curves, noise_floor, read_bench, result_rows, summarize, unmatched_bench
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance
 
@@ -407,7 +406,7 @@ def finish(store, bench_files=()) -> dict:
     write_parquet(store.root / SUMMARY, summary)
     doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, ci), "noise_floor": noise_floor(summary),
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"],
-           "dispatch": store.manifest.get("dispatch"), "splits": split_rows(summary)}
+           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary)}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
     if bench_files:
@@ -464,13 +463,18 @@ def noise_floor_lines(floor: list[dict]) -> list[str]:
     return lines
 
 
+def _split_rows(summary) -> list[dict]:
+    """results.json's ``splits``: the seen and held-out task families per method and length."""
+    from sparsecal.evaluation.summary import split_rows
+
+    return split_rows(summary)
+
+
 def split_lines(summary) -> list[str]:
     """One line per method (dense aside) and length whose rows know their split: each split's (seen,
     held-out) relative accuracy (averaged over its tasks where defined), top-1 and KL, and its tasks."""
-    from sparsecal.evaluation.summary import split_rows
-
     by: dict = {}
-    for r in split_rows(summary):
+    for r in _split_rows(summary):
         by.setdefault((r["label"], r["length"]), []).append(r)
     return [f"{label} at {length} tokens: " + "; ".join(
         f"{r['split']} rel. dense {_fmt(r['accuracy_rel_dense'], '.3f')}, top-1 {_fmt(r['top1'], '.4f')}, "

@@ -9,7 +9,7 @@ dense's values beside them, and the headline ``accuracy_rel_dense`` with its ``m
                                      task the dense model cannot do says nothing about sparsity,
                                      and a ratio of tiny scores is noise: SmolLM2 scores 0.02 on
                                      cwe at 8K, so one lucky sample reads as 0.75 or 1.5)
-    text                             metric "ppl": dense perplexity / the method's (1 = no loss)
+    text, text_stdlib                metric "ppl": dense perplexity / the method's (1 = no loss)
 
 Every accuracy and relative-accuracy cell carries its paired bootstrap 95% interval
 (``<stat>_lo``/``_hi``, evaluation/intervals.py), and ``answer_ll_delta`` the teacher-forced
