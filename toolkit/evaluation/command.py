@@ -190,9 +190,10 @@ def _manifest(req: EvalRequest, plan: Plan, prompts=None) -> dict:
            "dispatch": plan.export.dispatch}
     if prompts is not None:
         split = {t: split_of(t, plan.cal, req.holdout_tasks) for t in req.tasks}
+        held = {t: None if s is None else s == HELD_OUT for t, s in split.items()}
         man["prompts"] = [{"id": _sid(p), "task": p.task, "length": p.length, "index": p.index, "seed": p.seed,
-                           "answer": p.answer, "held_out_task": None if split[p.task] is None else split[p.task] == HELD_OUT,
-                           "split": split[p.task], "corpus": p.meta.get("source")} for p in prompts]
+                           "answer": p.answer, "held_out_task": held[p.task], "split": split[p.task],
+                           "corpus": p.meta.get("source")} for p in prompts]
     return json.loads(json.dumps(man))
 
 
@@ -375,8 +376,8 @@ def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
 
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     return {"sample_id": _sid(prompt), "task": prompt.task, "length": prompt.length, "index": prompt.index,
-            "seed": prompt.seed, "held_out_task": held, "split": _split(held), "label": method.label, "method": method.name,
-            "config": method.config, "answer": " | ".join(prompt.answer), "generated": text,
+            "seed": prompt.seed, "held_out_task": held, "split": _split(held), "label": method.label,
+            "method": method.name, "config": method.config, "answer": " | ".join(prompt.answer), "generated": text,
             "score": score(prompt, text), "correct": is_correct(prompt, text), "kl": fid.kl, "top1": fid.top1,
             "nll": fid.nll, "ppl": fid.ppl,
             "sparsity": sparsity_of(pre.skipped, pre.reachable), "prefill_skipped": pre.skipped,

@@ -186,7 +186,8 @@ def check_disjoint(prompts, calibration: Calibration, seed: int) -> None:
 
     tokens = {_tokens(i) for i in calibration.ids}
     for p in prompts:
-        if (p.task, p.length, p.seed) in calibration.seeds or _tokens(sample_id(p.task, p.length, p.input_ids)) in tokens:
+        same_tokens = _tokens(sample_id(p.task, p.length, p.input_ids)) in tokens
+        if (p.task, p.length, p.seed) in calibration.seeds or same_tokens:
             raise UserError(f"evaluation prompt {p.task}/{p.length}/#{p.index} (seed {p.seed}) is a calibration "
                             f"prompt of {calibration.manifest}; choose another --seed than {seed}.")
 
