@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from sparsecal.capture.prompts import TASKS, build_task_prompts
+from sparsecal.capture.prompts import TASKS, TEXT_TASKS, build_task_prompts
 from sparsecal.capture.prompts.scoring import answer_budget, answer_items, is_correct, score
 from sparsecal.evaluation.methods import GRAMMAR, Method, parse_methods, with_dense
 from sparsecal.evaluation.metrics import Fidelity, Reference, fidelity, sparsity
@@ -51,7 +51,7 @@ def _right(s) -> str:
     """A generation that gives the right answer, in the wording a model would use."""
     if s.task in ("niah_single", "niah_multikey"):
         return f" {s.answer[0]}.\n\nThe passage"
-    if s.task == "text":
+    if s.task in TEXT_TASKS:
         return " " + s.answer[0]
     return " " + ", ".join(reversed(s.answer)) + "."
 
@@ -75,7 +75,7 @@ def test_task_prompts_exact_length_answer_inside_and_scored(tok):  # noqa: F811
     for s in samples:
         assert len(s.input_ids) == s.length
         text = tok.decode(s.input_ids)
-        if s.task != "text":
+        if s.task not in TEXT_TASKS:
             assert all(a in text for a in s.answer), (s.task, s.answer)
         assert score(s, _right(s)) == 1.0 and is_correct(s, _right(s)), (s.task, _right(s))
         for wrong in _wrong(s):
@@ -305,7 +305,7 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     assert blasst["kl"] == 0 and blasst["top1"] == 1 and blasst["sparsity"] == 0 and blasst["decode_sparsity"] == 0
     assert blasst["decode_reachable"] > 0 and blasst["held_out_task"] is False  # calibrated on niah_single
     man = json.loads((out / "data" / "manifest.json").read_text())
-    assert man["calibration"]["tasks"] == sorted(TASKS) and man["request"]["methods"] == "dense,dense:fp32,blasst:0.5"
+    assert man["calibration"]["tasks"] == sorted(set(TASKS) - {"text_stdlib"}) and man["request"]["methods"] == "dense,dense:fp32,blasst:0.5"
     assert set(man["export"]["files"]) == {"thresholds.safetensors", "thresholds.bsfa.pt", "blasst.json"}
     # the dashboard reads the result file; the per-sample tables stay out of its way
     pts = results.curves([results.read_result_file(p) for p in results.result_files([out])])

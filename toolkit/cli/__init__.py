@@ -105,7 +105,7 @@ def capture(
     ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Run directory (created, or resumed if it holds the same run)."),
     model: str = typer.Option("smollm2", help="'smollm2' (embedded default) or a local HF checkpoint directory."),
-    task: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS}."),
+    task: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS},text_stdlib."),
     lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens of the model's tokenizer."),
     samples: int = typer.Option(1, min=1, help="Samples per task and length."),
     seed: int = typer.Option(0, help="Base seed; each sample's own seed is recorded."),
@@ -310,6 +310,7 @@ def eval_(
     reuse_last_threshold: Optional[bool] = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) (default: no)."),
     calibration: Optional[Path] = typer.Option(None, help="The calibration run (default: the one recorded in the export, or its parent directory)."),
     held_out_tasks_only: bool = typer.Option(False, "--held-out-tasks-only", help="Refuse tasks the export was calibrated on."),
+    holdout_tasks: Optional[str] = typer.Option(None, "--holdout-tasks", help="Comma-separated task families that must be held out (e.g. vt,text_stdlib): added to --tasks, refused if the calibration captured them; rows get split seen|held-out from the calibration run, else from this list."),
     bench: Optional[list[Path]] = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
     gpus: int = typer.Option(1, min=1, help=GPUS_HELP),
     device_map: Optional[str] = typer.Option(None, help=DEVICE_MAP_HELP),
@@ -325,6 +326,7 @@ def eval_(
                       lengths=_int_list(lengths, "lengths") if lengths else None, samples=samples, seed=seed,
                       methods=methods, dtype=dtype, device=device, reuse_last_threshold=reuse_last_threshold,
                       calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []),
+                      holdout_tasks=[t.strip() for t in holdout_tasks.split(",") if t.strip()] if holdout_tasks else None,
                       device_map=device_map, max_memory=max_memory)
     check_options(req)  # every option, --bench files included, before ranks start or the model is read
     _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)

@@ -44,6 +44,7 @@ class EvalRequest:
     reuse_last_threshold: bool | None = None
     calibration: Path | None = None
     held_out_tasks_only: bool = False
+    holdout_tasks: list | None = None  # task families that must be held out (added to tasks); see inputs.split_of
     bench: list = field(default_factory=list)
     device_map: str | None = None   # placement only, not recorded: "auto" spreads the model over the GPUs
     max_memory: str | None = None   # budgets of --device-map auto ("0=20GiB,cpu=64GiB")
@@ -51,7 +52,7 @@ class EvalRequest:
 
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
             "lengths": [1024, 2048, 4096], "samples": 1, "seed": DEFAULT_SEED, "methods": "dense",
-            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False}
+            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False, "holdout_tasks": None}
 RECORDED = tuple(DEFAULTS)
 
 
@@ -63,6 +64,7 @@ def resolve(req: EvalRequest) -> EvalRequest:
     for name in RECORDED:
         if getattr(req, name) is None:
             setattr(req, name, have.get(name, DEFAULTS[name]))
+    req.tasks = list(req.tasks) + [t for t in req.holdout_tasks or [] if t not in req.tasks]
     return req
 
 
@@ -79,7 +81,7 @@ def check_options(req: EvalRequest) -> None:
 
     if req.methods is not None:
         parse_methods(req.methods)
-    for t in req.tasks or []:
+    for t in (req.tasks or []) + (req.holdout_tasks or []):
         if t not in P.TASKS:
             raise unknown("task", t, P.TASKS)
     bad = [n for n in req.lengths or [] if n < 1]
@@ -123,7 +125,7 @@ def _check(req: EvalRequest) -> Plan:
     from sparsecal.capture import prompts as P
     from sparsecal.capture.models import DTYPES, resolve_model
     from sparsecal.capture.runner import check_lengths as check_context
-    from sparsecal.evaluation.inputs import check_lengths, check_methods, find_calibration, load_export
+    from sparsecal.evaluation.inputs import check_holdout, check_lengths, check_methods, find_calibration, load_export
     from sparsecal.evaluation.methods import parse_methods, with_dense
 
     methods = with_dense(parse_methods(req.methods))
@@ -140,6 +142,7 @@ def _check(req: EvalRequest) -> Plan:
     check_context(req.lengths, info["max_context"])
     check_lengths(req.lengths, methods, export, req.reuse_last_threshold)
     cal = find_calibration(export, req.calibration, info["id"])
+    check_holdout(req.holdout_tasks, cal)
     if req.held_out_tasks_only and cal.manifest is None:
         raise UserError("--held-out-tasks-only needs the calibration run: pass --calibration RUN.")
     seen = [t for t in req.tasks if t in cal.tasks]
@@ -179,15 +182,18 @@ def _manifest(req: EvalRequest, plan: Plan, prompts=None) -> dict:
     """The manifest (with the planned prompts when given), in the types a re-read one has."""
     import json
 
+    from sparsecal.evaluation.inputs import HELD_OUT, split_of
     from sparsecal.formats.run import versions
 
     man = {"request": request_record(req, plan.methods), "model": plan.info, "export": plan.export.identity(),
            "export_path": str(plan.export.path), "calibration": plan.cal.record(), "versions": versions(),
            "dispatch": plan.export.dispatch}
     if prompts is not None:
-        held = lambda p: None if plan.cal.manifest is None else p.task not in plan.cal.tasks  # noqa: E731
+        split = {t: split_of(t, plan.cal, req.holdout_tasks) for t in req.tasks}
+        held = {t: None if s is None else s == HELD_OUT for t, s in split.items()}
         man["prompts"] = [{"id": _sid(p), "task": p.task, "length": p.length, "index": p.index, "seed": p.seed,
-                           "answer": p.answer, "held_out_task": held(p)} for p in prompts]
+                           "answer": p.answer, "held_out_task": held[p.task], "split": split[p.task],
+                           "corpus": p.meta.get("source")} for p in prompts]
     return json.loads(json.dumps(man))
 
 
@@ -357,14 +363,21 @@ def _held_out(manifest: dict, prompt):
     return next((p["held_out_task"] for p in manifest["prompts"] if p["id"] == _sid(prompt)), None)
 
 
+def _split(held) -> str | None:
+    """The row's split from its prompt's held-out flag (the manifest's ``split`` says the same)."""
+    from sparsecal.evaluation.inputs import HELD_OUT, SEEN
+
+    return None if held is None else HELD_OUT if held else SEEN
+
+
 def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
     from sparsecal.capture.prompts.scoring import is_correct, score
     from sparsecal.evaluation.metrics import sparsity as sparsity_of
 
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     return {"sample_id": _sid(prompt), "task": prompt.task, "length": prompt.length, "index": prompt.index,
-            "seed": prompt.seed, "held_out_task": held, "label": method.label, "method": method.name,
-            "config": method.config, "answer": " | ".join(prompt.answer), "generated": text,
+            "seed": prompt.seed, "held_out_task": held, "split": _split(held), "label": method.label,
+            "method": method.name, "config": method.config, "answer": " | ".join(prompt.answer), "generated": text,
             "score": score(prompt, text), "correct": is_correct(prompt, text), "kl": fid.kl, "top1": fid.top1,
             "nll": fid.nll, "ppl": fid.ppl,
             "sparsity": sparsity_of(pre.skipped, pre.reachable), "prefill_skipped": pre.skipped,
@@ -394,7 +407,7 @@ def finish(store, bench_files=()) -> dict:
     write_parquet(store.root / SUMMARY, summary)
     doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, ci), "noise_floor": noise_floor(summary),
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"],
-           "dispatch": store.manifest.get("dispatch")}
+           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary)}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
     if bench_files:
@@ -425,7 +438,7 @@ def print_summary(summary, root) -> None:
                       f"{_fmt(r['sparsity'], '.2f')}/{_fmt(r['decode_sparsity'], '.2f')}")
     out = Console(width=max(170, Console().width))
     out.print(table)
-    for line in noise_floor_lines(noise_floor(summary)):
+    for line in noise_floor_lines(noise_floor(summary)) + split_lines(summary):
         out.print(line, soft_wrap=True)
 
 
@@ -449,3 +462,22 @@ def noise_floor_lines(floor: list[dict]) -> list[str]:
                      f"top-1 {_ci(r, 'top1', '.4f')}, KL {_ci(r, 'kl', '.2e')}, "
                      f"rel. dense {_ci(r, 'accuracy_rel_dense', '.3f')}")
     return lines
+
+
+def _split_rows(summary) -> list[dict]:
+    """results.json's ``splits``: the seen and held-out task families per method and length."""
+    from sparsecal.evaluation.summary import split_rows
+
+    return split_rows(summary)
+
+
+def split_lines(summary) -> list[str]:
+    """One line per method (dense aside) and length whose rows know their split: each split's (seen,
+    held-out) relative accuracy (averaged over its tasks where defined), top-1 and KL, and its tasks."""
+    by: dict = {}
+    for r in _split_rows(summary):
+        by.setdefault((r["label"], r["length"]), []).append(r)
+    return [f"{label} at {length} tokens: " + "; ".join(
+        f"{r['split']} rel. dense {_fmt(r['accuracy_rel_dense'], '.3f')}, top-1 {_fmt(r['top1'], '.4f')}, "
+        f"KL {_fmt(r['kl'], '.2e')} ({r['tasks']}, {r['samples']} samples)" for r in rows)
+        for (label, length), rows in by.items() if label != "dense"]

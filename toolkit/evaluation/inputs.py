@@ -6,6 +6,13 @@ The export's identity is its files' SHA-256 digests plus what they say about the
 geometry; a resumed evaluation refuses an export whose files changed. The calibration run is
 found from ``--calibration RUN``, else the ``run`` recorded in the BSFA export's metadata, else
 the export directory's parent (where `sparsecal export RUN --out RUN/export` puts it).
+
+Split: every evaluation prompt is "seen" (its task family was a calibration task) or "held-out"
+(it was not, so neither its generator nor, for the text tasks, its corpus was calibrated on).
+The calibration run's manifest decides; ``--holdout-tasks`` names task families that must be
+held out (refused if the calibration captured them) and, with no calibration run found, is the
+only source: the tasks it names are held-out, the others seen. Without either the split is
+unknown (None).
 """
 from __future__ import annotations
 
@@ -167,11 +174,40 @@ def find_calibration(info: ExportInfo, given: Path | None, model_id: str) -> Cal
     return Calibration(None)
 
 
+def _tokens(sid: str) -> tuple:
+    """(length, token digest) of a sample id ``<task>-<length>-<digest>``: the prompt without its task name."""
+    return tuple(sid.rsplit("-", 2)[-2:])
+
+
 def check_disjoint(prompts, calibration: Calibration, seed: int) -> None:
-    """Refuse evaluation prompts that are calibration prompts (same seed or same token ids)."""
+    """Refuse evaluation prompts that are calibration prompts: the same (task, length, seed), or
+    the same tokens under any task name (another corpus or a prompts file holding the same text)."""
     from sparsecal.formats.run import sample_id
 
+    tokens = {_tokens(i) for i in calibration.ids}
     for p in prompts:
-        if (p.task, p.length, p.seed) in calibration.seeds or sample_id(p.task, p.length, p.input_ids) in calibration.ids:
+        same_tokens = _tokens(sample_id(p.task, p.length, p.input_ids)) in tokens
+        if (p.task, p.length, p.seed) in calibration.seeds or same_tokens:
             raise UserError(f"evaluation prompt {p.task}/{p.length}/#{p.index} (seed {p.seed}) is a calibration "
                             f"prompt of {calibration.manifest}; choose another --seed than {seed}.")
+
+
+SEEN, HELD_OUT = "seen", "held-out"
+
+
+def check_holdout(holdout: list | None, calibration: Calibration) -> None:
+    """Refuse a ``--holdout-tasks`` task family that the calibration run captured."""
+    seen = [t for t in holdout or [] if t in calibration.tasks]
+    if seen:
+        raise UserError(f"--holdout-tasks {seen[0]}: the calibration run {calibration.manifest} captured task "
+                        f"{seen[0]}, so it is not held out; drop it from --holdout-tasks.")
+
+
+def split_of(task: str, calibration: Calibration, holdout: list | None) -> str | None:
+    """"seen" or "held-out" for a prompt of ``task`` (None: no calibration run and no
+    ``--holdout-tasks`` to tell)."""
+    if calibration.manifest is not None:
+        return SEEN if task in calibration.tasks else HELD_OUT
+    if holdout:
+        return HELD_OUT if task in holdout else SEEN
+    return None

@@ -30,6 +30,8 @@ import hashlib
 import numpy as np
 import polars as pl
 
+from sparsecal.capture.prompts.tasks import TEXT_TASKS
+
 MIN_DENSE_SCORE = 0.2  # dense's mean score below which an answer task has no relative accuracy
 DRAWS = 2000
 LEVEL = 0.95
@@ -53,7 +55,7 @@ def _percentiles(x: np.ndarray) -> tuple[float | None, float | None]:
 
 def _rel(task: str, m: dict, d: dict, idx) -> np.ndarray | None:
     """accuracy_rel_dense per draw (idx [B, n]) or at the point (idx [n]); None where undefined."""
-    if task == "text":
+    if task in TEXT_TASKS:
         return np.exp(d["nll"][idx].mean(-1) - m["nll"][idx].mean(-1))
     if d["score"].mean() < MIN_DENSE_SCORE:
         return None

@@ -9,7 +9,7 @@ dense's values beside them, and the headline ``accuracy_rel_dense`` with its ``m
                                      task the dense model cannot do says nothing about sparsity,
                                      and a ratio of tiny scores is noise: SmolLM2 scores 0.02 on
                                      cwe at 8K, so one lucky sample reads as 0.75 or 1.5)
-    text                             metric "ppl": dense perplexity / the method's (1 = no loss)
+    text, text_stdlib                metric "ppl": dense perplexity / the method's (1 = no loss)
 
 Every accuracy and relative-accuracy cell carries its paired bootstrap 95% interval
 (``<stat>_lo``/``_hi``, evaluation/intervals.py), and ``answer_ll_delta`` the teacher-forced
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import polars as pl
 
+from sparsecal.capture.prompts.tasks import TEXT_TASKS
 from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, cells
 from sparsecal.formats.errors import UserError
 
@@ -47,18 +48,19 @@ def _answer_ll(df: pl.DataFrame) -> pl.DataFrame:
 def summarize(rows: list[dict], ci: tuple | None = None) -> pl.DataFrame:
     """Per (method, config, label, length, task) means of the row metrics, with dense's beside
     and the paired bootstrap intervals (``ci``: intervals.cells(rows), computed when not given)."""
-    df = _answer_ll(pl.DataFrame(rows, infer_schema_length=None))
+    df = _with_split(_answer_ll(pl.DataFrame(rows, infer_schema_length=None)))
     agg = df.group_by(KEYS + ["label", "task"]).agg(
         pl.len().alias("samples"), pl.col("score").mean().alias("accuracy"),
         pl.col("correct").cast(pl.Float64).mean().alias("correct"), pl.col("kl").mean(),
         pl.col("top1").mean(), pl.col("nll").mean().exp().alias("ppl"),
         pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("answer_ll_delta").mean(),
-        pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first())
+        pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first(),
+        pl.col("split").first())
     dense = agg.filter(pl.col("label") == "dense").select(
         "length", "task", pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
     out = agg.join(dense, on=["length", "task"], how="left").join(
         (ci or cells(rows))[0], on=["label", "length", "task"], how="left")
-    text = pl.col("task") == "text"
+    text = pl.col("task").is_in(TEXT_TASKS)
     rel = (pl.when(text).then(pl.col("ppl_dense") / pl.col("ppl"))
            .when(pl.col("accuracy_dense") >= MIN_DENSE_SCORE).then(pl.col("accuracy") / pl.col("accuracy_dense"))
            .otherwise(None))
@@ -150,3 +152,28 @@ def noise_floor(summary: pl.DataFrame) -> list[dict]:
     cols = [c for s in ("top1", "kl", "accuracy_rel_dense") for c in (s, f"{s}_lo", f"{s}_hi")]
     out = f.group_by(["label", "length"]).agg(pl.col("samples").sum(), *[pl.col(c).mean() for c in cols])
     return out.sort(["label", "length"]).to_dicts()
+
+
+def _with_split(df: pl.DataFrame) -> pl.DataFrame:
+    """Rows written before the ``split`` column existed: it follows from ``held_out_task``."""
+    if "split" in df.columns:
+        return df
+    held = pl.col("held_out_task")
+    return df.with_columns(pl.when(held.is_null()).then(None).when(held).then(pl.lit("held-out"))
+                           .otherwise(pl.lit("seen")).cast(pl.Utf8).alias("split"))
+
+
+def split_rows(summary: pl.DataFrame) -> list[dict]:
+    """Per (method, config, label, length, split): the seen and held-out task families reported
+    apart: ``accuracy_rel_dense`` averaged over the split's tasks where it is defined, top-1, KL
+    and ``answer_ll_delta`` averaged over its tasks, ``samples`` summed, ``tasks`` (comma-separated).
+    Empty when no row knows its split."""
+    if "split" not in summary.columns:
+        return []
+    f = summary.filter(pl.col("split").is_not_null())
+    if not f.height:
+        return []
+    out = f.group_by(KEYS + ["label", "split"]).agg(
+        pl.col("samples").sum(), pl.col("accuracy_rel_dense").mean(), pl.col("top1").mean(), pl.col("kl").mean(),
+        pl.col("answer_ll_delta").mean(), pl.col("task").sort().str.join(",").alias("tasks"))
+    return out.sort(KEYS + ["split"], descending=[False, False, False, True]).to_dicts()

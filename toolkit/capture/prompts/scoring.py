@@ -6,7 +6,7 @@ all" where the answer has several parts); ``is_correct(sample, text)`` is the st
     niah_single, niah_multikey   the first number in the generation is the asked one
     vt                           every variable of the chain is named, and no decoy variable
     cwe                          all ten common words are named (score: the share named)
-    text                         the first generated word is the continuation's first word
+    text, text_stdlib            the first generated word is the continuation's first word
 
 ``answer_budget(tokenizer, sample)`` is the number of new tokens a greedy generation gets: the
 answer written out, plus a margin for the model's own wording (and list formatting).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from sparsecal.capture.prompts.tasks import PromptSample
+from sparsecal.capture.prompts.tasks import TEXT_TASKS, PromptSample
 
 _NUMBER = re.compile(r"\d+")
 _NAME = re.compile(r"\b[A-Z]{5}\b")
@@ -27,7 +27,7 @@ TEXT_WORDS = 1  # continuation words the text task scores
 
 def answer_items(sample: PromptSample) -> list[str]:
     """The parts of the answer that scoring looks for (text: its first ``TEXT_WORDS`` words)."""
-    if sample.task == "text":
+    if sample.task in TEXT_TASKS:
         return sample.answer[0].split()[:TEXT_WORDS]
     return list(sample.answer)
 
@@ -44,7 +44,7 @@ def score(sample: PromptSample, text: str) -> float:
         found = set(_NAME.findall(text))
     elif sample.task == "cwe":
         found = set(_WORD.findall(text.lower()))
-    elif sample.task == "text":
+    elif sample.task in TEXT_TASKS:
         words = text.split()[:len(items)]
         return sum(a == b for a, b in zip(words, items)) / len(items)
     else:  # a prompts-file task: the answer strings as substrings

@@ -9,7 +9,9 @@ tokenizer adds one by default) are prepended. All randomness comes from one
 
 The natural text (haystack filler, the ``text`` task, the word vocabulary) is the Python
 language reference shipped with every Python install as ``pydoc_data.topics``, normalized to
-ASCII so that token-level trimming never splits a multi-byte character.
+ASCII so that token-level trimming never splits a multi-byte character. The ``text_stdlib`` task
+is built like ``text`` from a second corpus, the standard library's docstrings (corpora.py), so
+an evaluation can hold out text its calibration never saw.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from sparsecal.capture.prompts.corpora import STDLIB_SOURCE, ascii_text, stdlib_text
 from sparsecal.formats.errors import UserError, unknown
 
-TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "vt", "cwe", "text")
-MIN_LENGTH = {"niah_single": 128, "niah_multikey": 256, "vt": 256, "cwe": 384, "text": 16}
+TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "vt", "cwe", "text", "text_stdlib")
+TEXT_TASKS: tuple[str, ...] = ("text", "text_stdlib")  # continuation of natural text, scored by perplexity
+MIN_LENGTH = {"niah_single": 128, "niah_multikey": 256, "vt": 256, "cwe": 384, "text": 16, "text_stdlib": 16}
 TEXT_SOURCE = "pydoc_data.topics"
 MIN_FILLER = 16  # fewest filler tokens a needle task accepts
 MULTIKEY_NEEDLES = 4
@@ -61,10 +65,6 @@ _CWE_QUESTION = (
     "\nQuestion: Which {n} words occur most often in the list above?"
     "\nAnswer: The {n} most frequent words in the list are:"
 )
-_ASCII = str.maketrans({
-    "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-",
-    "\u2014": "--", "\u2026": "...", "\u00b0": " degrees", "\u00df": "ss",
-})
 
 
 @dataclass
@@ -99,8 +99,7 @@ def source_text() -> str:
     """The Python language reference (``pydoc_data.topics``), sorted by topic, as ASCII."""
     from pydoc_data.topics import topics
 
-    text = "".join(topics[key] for key in sorted(topics)).translate(_ASCII)
-    return text.encode("ascii", "ignore").decode("ascii")
+    return ascii_text("".join(topics[key] for key in sorted(topics)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -122,11 +121,15 @@ def _word_pool() -> tuple[str, ...]:
     return tuple(sorted({w for s in _sentences() for w in re.findall(r"\b[a-z]{4,10}\b", s)}))
 
 
-@functools.lru_cache(maxsize=1)
-def _line_starts() -> tuple[int, ...]:
-    """Offsets in the source where a line begins with a letter: start points for ``text``."""
-    text = source_text()
-    return tuple(m.start() for m in re.finditer(r"(?m)^[A-Za-z]", text))
+def corpus(task: str) -> tuple[str, str]:
+    """(source name, text) of a text task's corpus."""
+    return (STDLIB_SOURCE, stdlib_text()) if task == "text_stdlib" else (TEXT_SOURCE, source_text())
+
+
+@functools.lru_cache(maxsize=2)
+def _line_starts(task: str = "text") -> tuple[int, ...]:
+    """Offsets in a text task's corpus where a line begins with a letter: its start points."""
+    return tuple(m.start() for m in re.finditer(r"(?m)^[A-Za-z]", corpus(task)[1]))
 
 
 # ----------------------------------------------------------------------------- token helpers
@@ -345,15 +348,16 @@ def _decoded_end(tokenizer, chunk: str, prompt: list[int]) -> int:
     return max(stop for _, stop in spans["offset_mapping"][:len(prompt)])
 
 
-def _text(tokenizer, rng: random.Random, length: int):
-    """Plain natural text from a seeded line start; the answer is its continuation.
+def _text(tokenizer, rng: random.Random, length: int, task: str = "text"):
+    """Plain natural text of ``task``'s corpus from a seeded line start; the answer is its
+    continuation.
 
     The answer is the next ``CONTINUATION_WORDS`` whitespace-separated words of the source
     after the prompt, joined by single spaces (if the prompt ends inside a word, the first
     one is that word's remainder).
     """
-    text = source_text()
-    offset = rng.choice(_line_starts())
+    source, text = corpus(task)
+    offset = rng.choice(_line_starts(task))
     size = length * 6 + 400
     while True:
         chunk = (text * (size // len(text) + 2))[offset:offset + size]  # wraps around
@@ -365,7 +369,7 @@ def _text(tokenizer, rng: random.Random, length: int):
                 break
         size *= 2
     prompt = ids[:length]
-    meta = {"source": TEXT_SOURCE, "offset": offset, "continuation_words": len(words)}
+    meta = {"source": source, "offset": offset, "continuation_words": len(words)}
     return prompt, [" ".join(words)], meta
 
 
@@ -375,6 +379,7 @@ _BUILDERS = {
     "vt": _vt,
     "cwe": _cwe,
     "text": _text,
+    "text_stdlib": lambda tok, rng, n: _text(tok, rng, n, "text_stdlib"),
 }
 
 
