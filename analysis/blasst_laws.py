@@ -8,7 +8,9 @@ the fit and by its held-out error per length (achieved sparsity minus the target
              This is the law the export deploys (blasst.json's threshold_scale_factor).
 - ``power``: lambda = a_S * L^-b_S, least squares in ln(lambda) per target (>= 2 lengths).
 - ``exp``:   lambda = A exp(B S) / L across the fitted targets S (the form NVIDIA Model-Optimizer
-             exports; A, B from analysis.engine_law.fit_exp_law over the (S, a_S) pairs; >= 2 targets).
+             exports; A, B from analysis.engine_law.fit_exp_law over the (S, a_S) pairs). Fitted and
+             reported only from EXP_MIN_TARGETS = 3 targets: through two it passes through both
+             (S, a_S) points and is a/L itself (same R^2, same errors), not a third law.
 
 Held-out rows add ``fixed`` (lambda_best at the median fitted length, used at every length) and
 ``deployed``: the a/L law as ``sparsify`` runs it (formats.exports.blasst_runtime_lambda): dense
@@ -36,6 +38,7 @@ from sparsecal.formats.exports import blasst_dense_below, blasst_runtime_lambda
 LAWS = ("a/L", "power", "exp")
 DEPLOYED_LAW = "a/L"
 FORMULAS = {"a/L": "lambda = a / L", "power": "lambda = a * L^-b", "exp": "lambda = A * exp(B * S) / L"}
+EXP_MIN_TARGETS = 3  # with two targets A exp(B S) interpolates both a_S exactly: it equals a/L
 
 
 def _points(cal: Calibration) -> tuple[list, list]:
@@ -53,13 +56,22 @@ def fit_laws(cals: list[Calibration]) -> dict[int, dict]:
         if c.law is not None:
             groups.setdefault((c.mode, c.order), []).append(c)
     for group in groups.values():
-        if len({c.target for c in group}) < 2:
+        if len({c.target for c in group}) < EXP_MIN_TARGETS:
             continue
         law = fit_exp_law([c.target for c in group], [c.law.a for c in group])
         for c in group:
             lens, lams = _points(c)
             out[id(c)]["exp"] = (law_at(lens, lams, law.predict(c.target), 1.0), law.a, law.b)
     return out
+
+
+def exp_note(targets) -> str | None:
+    """The line ``fit`` prints when the exp law was not fitted (fewer than EXP_MIN_TARGETS targets)."""
+    n = len(set(targets))
+    if n >= EXP_MIN_TARGETS:
+        return None
+    return (f"exp law A*exp(B*S)/L not fitted: it needs >= {EXP_MIN_TARGETS} targets (this fit has {n}; through "
+            "two it passes through both points and equals a/L)")
 
 
 def _law_fit(laws: dict, name: str) -> LawFit | None:

@@ -66,8 +66,9 @@ def test_noop_thresholds_reproduce_dense(tiny_model, tmp_path, method, kw, seed)
     assert torch.equal(sparse_gen, dense_gen)
     assert stats["skipped"].sum() == 0
     _, reach = block_counts_torch(333, 128, 64)
-    # two sequences per forward; window:6 holds all 4 candidates of 333 tokens: the dense path, counting nothing
-    assert (stats["reachable"] == (0 if method == "window" else 2 * int(reach.sum()))).all()
+    # two sequences per forward; window:6 holds all 4 candidates of 333 tokens: dense's own path (the
+    # kernels with skipping off), which counts the reachable tiles as dense does
+    assert (stats["reachable"] == 2 * int(reach.sum())).all()
     sparsecal.densify(model)
     assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():
@@ -127,15 +128,17 @@ def test_refusals(tiny_model, tmp_path):
 
 
 def test_window_that_holds_every_candidate_runs_dense_attention(tiny_model, tmp_path, seed):
-    """window:4 at 333 tokens (at most 4 candidates a query block): exactly the model's SDPA, no
-    counts; at 700 tokens (up to 8) the sparse kernel runs and skips."""
+    """window:4 at 333 tokens (at most 4 candidates a query block): exactly what ``dense`` runs, bit
+    for bit, with dense's counts (nothing skipped); at 700 tokens (up to 8) the window kernel runs and skips."""
     _, model = tiny_model
     gen = torch.Generator().manual_seed(seed)
     short, long = torch.randint(0, 300, (1, 333), generator=gen), torch.randint(0, 300, (1, 700), generator=gen)
     with torch.no_grad():
-        dense = model(short).logits
-        sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="window", blocks=4)
-        assert torch.equal(model(short).logits, dense) and model.sparsecal_stats["reachable"].sum() == 0
+        sparsecal.sparsify(model, _noop_export(tmp_path / "e"), method="dense")
+        dense, dense_reach = model(short).logits, model.sparsecal_stats["reachable"].clone()
+        sparsecal.sparsify(model, tmp_path / "e", method="window", blocks=4)
+        assert torch.equal(model(short).logits, dense) and torch.equal(model.sparsecal_stats["reachable"], dense_reach)
+        assert model.sparsecal_stats["skipped"].sum() == 0
         model(long)
     cand, _ = block_counts_torch(700, 128, 64)
     assert (model.sparsecal_stats["skipped"] == int(np.clip(cand - 4, 0, None).sum())).all()
@@ -217,13 +220,13 @@ def test_per_layer_factors_run_each_layer_at_its_own_lambda(tiny_model, tmp_path
     doc = json.loads((out / "blasst.json").read_text())
     ids = torch.randint(0, 300, (1, 333), generator=torch.Generator().manual_seed(seed))
     cand = int(block_counts_torch(333, 128, 64)[0].sum()) * 4  # candidate tiles x heads
-    for big, want in ((333.0, 0.0), (1e9, -math.inf)):  # lambda = 1 at layer 1; then lambda > 1: dense
+    for big, want in ((333.0, {"log_lambda": 0.0}), (1e9, {"dense": True})):  # lambda = 1; then > 1: dense's call
         doc["per_layer"] = {"prefill": {"0": NOOP_BLASST_FACTOR, "1": big}}
         write_blasst(out, doc)
         sparsecal.sparsify(model, out, method="blasst", backend="reference")
         state = model._sparsecal_state
         assert method_args(state, 0, "prefill", 333, "cpu")["log_lambda"] == math.log(NOOP_BLASST_FACTOR / 333)
-        assert method_args(state, 1, "prefill", 333, "cpu")["log_lambda"] == want
+        assert method_args(state, 1, "prefill", 333, "cpu") == want
         with torch.no_grad():
             model(ids)
         skipped = model.sparsecal_stats["skipped"].sum(dim=1)

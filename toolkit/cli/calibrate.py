@@ -70,6 +70,11 @@ def _print_laws(out, doc: dict) -> None:
                   _fmt(p.get("r2")), f"{_fmt(e.get('A'))}, {_fmt(e.get('B'))}" if e else "-", _fmt(e.get("r2")),
                   ",".join(map(str, dep.get("validated_lengths", []))), str(dep.get("dense_below", "-")))
     out.print(t)
+    from sparsecal.analysis.blasst_laws import exp_note
+
+    note = exp_note([c["target"] for c in doc["blasst"]])
+    if note:
+        out.print(note)
 
 
 def _print_held_out(out, fit_dir: Path, doc: dict) -> None:

@@ -14,18 +14,25 @@ tiles of that forward, on the device the attention ran on:
 ``{"skipped": [L, H] int64, "reachable": [L, H] int64}``.
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
-cache length (decode), and runs dense (ln lambda = -inf) below the export's validated lengths and
-wherever lambda > 1 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
-(the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
-candidate key blocks nearest to it, with the export's block sizes; a prefill whose candidates all fit
-the window runs the exact dense attention (SDPA) and counts nothing.
+cache length (decode), and runs dense below the export's validated lengths and wherever lambda > 1
+(formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses
+thresholds[k][layer][head, min(query block, P - 1)]; window:B (the sliding-window baseline with
+BSFA's block budget) keeps each query block's diagonal and the B candidate key blocks nearest to it,
+with the export's block sizes.
+
+One dense implementation: a call that skips nothing by construction (BLASST outside its law's
+lengths, a window prefill whose candidates all fit the window) runs exactly what ``dense`` runs at
+that call (``dense_first``): the kernels with skipping off, or, under an export's dispatch record
+(dispatch on), the SDPA backend the record picks for that length bucket, the same one for every
+method and operating point. So a method that skips nothing equals ``dense`` bit for bit.
 
 Dispatch (``dispatch=True``, the default): when blasst.json holds a ``dispatch`` record
 (``sparsecal export --break-even FILE``, formats.dispatch) with an entry for the operating point
 (BSFA k, BLASST target), a prefill of N tokens runs a layer sparse only where the plan says so at
 the bucket of the largest calibrated length <= N (dense below the shortest); elsewhere the layer
 runs PyTorch SDPA (kernels/layer_dense.py) with the break-even file's fastest backend tried first
-(the others in PyTorch's order as fall-backs) and counts nothing. Decode steps are not dispatched.
+(the others in PyTorch's order as fall-backs) and counts nothing. ``dense`` with dispatch on (the
+default) under a record runs every prefill layer that way. Decode steps are not dispatched.
 """
 from __future__ import annotations
 
@@ -75,6 +82,8 @@ class _State:
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
     plan: dict | None = None                       # dispatch: {"lengths" [NL], "sparse" [L][NL], "backends" [NL],
     #                                                "sparsity" [L][NL] calibrated, None where not sparse}
+    dense_backends: dict | None = None             # dispatch record: {"lengths" [NL], "backends" [NL]}, the SDPA
+    #                                                backend every method's dense prefill runs (dense_first)
     _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
 
     def thresholds_on(self, device, decode: bool = False) -> torch.Tensor:
@@ -147,7 +156,37 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
         state.decode_thresholds = _decode_thresholds(export_dir, k, expect or {})
     if dispatch and method in ("bsfa", "blasst"):
         state.plan = _dispatch_plan(export_dir, method, k if method == "bsfa" else target, expect or {})
+    if dispatch:
+        state.dense_backends = _dense_backends(export_dir, expect or {}, method)
     return state
+
+
+def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
+    """Under an export's dispatch record: per length bucket the one SDPA backend that every method's
+    dense prefill tries first (the reference ``dense`` included), the most frequent fastest dense
+    backend over the record's operating points (ties: formats.dispatch.SDPA_BACKENDS order), so a
+    dense layer is the same computation whichever method or point runs it. None: no record."""
+    from collections import Counter
+
+    from sparsecal.formats.dispatch import SDPA_BACKENDS
+    from sparsecal.formats.exports import BLASST_JSON, load_blasst
+
+    folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
+    if not (folder / BLASST_JSON).is_file():
+        return None
+    try:
+        rec = load_blasst(folder, expect).get("dispatch")
+    except UserError:
+        if method == "blasst":
+            raise
+        return None  # bsfa: _dispatch_plan has said so; dense, window: no record they could read
+    if not rec:
+        return None
+    picks = []
+    for j in range(len(rec["lengths"])):
+        votes = Counter(c["dense_backend"][j] for c in rec["configs"])
+        picks.append(min(votes, key=lambda b: (-votes[b], SDPA_BACKENDS.index(b))))
+    return {"lengths": list(rec["lengths"]), "backends": picks}
 
 
 def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
@@ -250,8 +289,9 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     the model's layers, heads and head_dim, and an export of a local checkpoint that checkpoint's
     config digest (check_identity).
     ``backend``: auto (Triton on CUDA, else the reference), triton, reference. ``dispatch``: follow
-    the export's dispatch record (prefill sparse only where it pays, SDPA elsewhere); False runs
-    every exported layer sparse at every length."""
+    the export's dispatch record (prefill sparse only where it pays, SDPA elsewhere; ``dense``
+    then runs that SDPA on every prefill layer, so compare methods with a ``dense`` of the same
+    ``dispatch``); False runs every exported layer sparse at every length."""
     geo = _geometry(model.config)
     state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
                        dispatch)
@@ -374,15 +414,12 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         stats["reachable"].zero_()
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
-    first = dispatched_dense(state, layer, mode, nk)
-    if first is not None or not _runs_sparse(state, layer, spec, window, nk) or _window_covers(state, mode, nk):
-        from sparsecal.kernels.layer_dense import layer_attention
-
-        with _sdpa_first(first) if first else contextlib.nullcontext():
-            out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
-                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
-        return out.transpose(1, 2).contiguous(), None
-    kw = call_args(state, layer, mode, nk, query.device)
+    first, kw = dispatched_dense(state, layer, mode, nk), None
+    if first is None and _runs_sparse(state, layer, spec, window, nk):
+        kw = {"dense": True} if _window_covers(state, mode, nk) else call_args(state, layer, mode, nk, query.device)
+        first = dense_first(state, mode, nk) if kw.get("dense") else None  # skips nothing: dense's own path
+    if kw is None or first is not None:
+        return _exact_dense(state, query, key, value, scale, first, spec, window, kwargs), None
     if kwargs.get("softcap"):
         kw["softcap"] = kwargs["softcap"]
     if state.precision == "fp32":
@@ -398,6 +435,33 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     return (out.to(dtype) if state.precision == "fp32" else out), None
 
 
+def _exact_dense(state: _State, query, key, value, scale: float, first: str | None, spec, window, kwargs):
+    """The layer's exact dense attention (kernels/layer_dense.py: SDPA, ``first`` the backend tried
+    first), in float32 for ``precision="fp32"``; counts nothing. query [B, H, Nq, D] -> [B, Nq, H, D]."""
+    from sparsecal.kernels.layer_dense import layer_attention
+
+    dtype = query.dtype
+    if state.precision == "fp32":
+        query, key, value = query.float(), key.float(), value.float()
+    with _sdpa_first(first) if first else contextlib.nullcontext():
+        out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
+                              softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    return out.to(dtype).transpose(1, 2).contiguous()
+
+
+def dense_first(state: _State, mode: str, length: int) -> str | None:
+    """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
+    window that covers every candidate), it runs what ``dense`` runs: under a dispatch record the
+    bucket's SDPA backend (this is returned; below the shortest length, the shortest's), else the
+    kernels with skipping off (None). Decode is never dispatched."""
+    if state.dense_backends is None or mode != "prefill":
+        return None
+    from sparsecal.formats.dispatch import bucket
+
+    j = bucket(state.dense_backends["lengths"], length)
+    return state.dense_backends["backends"][0 if j is None else j]
+
+
 def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: int) -> bool:
     """A layer runs sparse when the export covers it and its window or chunk does not bind."""
     if state.layers is not None and layer not in state.layers:
@@ -409,7 +473,7 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
 
 def _window_covers(state: _State, mode: str, length: int) -> bool:
     """The window baseline skips nothing in this prefill (every query block's candidate key blocks
-    fit its budget), so the exact dense attention runs instead of the sparse kernel."""
+    fit its budget), so it runs what ``dense`` runs (dense_first) instead of the window kernel."""
     if state.method != "window" or mode != "prefill":
         return False
     last_block_start = (length - 1) // state.block_m * state.block_m  # its candidates are the most
@@ -427,7 +491,7 @@ def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str |
     j = bucket(state.plan["lengths"], length)
     if j is not None and state.plan["sparse"][layer][j]:
         return None
-    return state.plan["backends"][0 if j is None else j]
+    return dense_first(state, mode, length) or state.plan["backends"][0 if j is None else j]
 
 
 class _SdpaFirst:
@@ -560,7 +624,7 @@ def method_args(state: _State, layer: int, mode: str, length: int, device) -> di
     per_layer = state.layer_factors.get(mode)
     a = per_layer[layer] if per_layer else state.factors.get(mode)
     lam = blasst_runtime_lambda(a or None, length, state.min_lengths.get(mode))  # None: dense (never every tile)
-    return {"log_lambda": -math.inf if lam is None else math.log(lam)}
+    return {"dense": True} if lam is None else {"log_lambda": math.log(lam)}  # dense: the reference's own call
 
 
 def _is_causal_only(mask, nq: int, nk: int) -> bool:
