@@ -139,3 +139,32 @@ def test_sparsify_vfa(tiny_model, tmp_path, seed):  # noqa: F811
     st = model.sparsecal_stats
     assert st["skipped"].sum() == 0 and st["vfa_frozen"].min() > 0
     assert (st["fa_rescales"] >= st["vfa_rescales"]).all() and st["fa_rescales"].sum() > st["vfa_rescales"].sum()
+
+
+def test_capture_joint_statistic_matches_bruteforce(seed):
+    """The capture reference's joint_err = max(Q-init, exact max over sink + diagonal blocks) - row
+    max, from the definitions; its histogram on the Q-init edges (joint_reduce) counts every row."""
+    from sparsecal.formats.stats_config import StatsConfig
+    from sparsecal.kernels.capture.reduce_reference import joint_reduce
+    from sparsecal.kernels.capture.reference import instrumented_attention
+
+    n, bm, bn, d = 150, 32, 16, 64
+    q, k, v = _inputs(seed, n, 4, 2, d)
+    cfg = StatsConfig(block_m=bm, block_n=bn, orders=("sink_local",), decode_rows=0)
+    _, t = instrumented_attention(q, k, v, d ** -0.5, cfg)
+    kk = k[0].double().repeat_interleave(2, 0)
+    s = (q[0].double() @ kk.transpose(1, 2)) * d ** -0.5
+    want = torch.empty(4, n, dtype=torch.float64)
+    for r in range(n):
+        i, nr = r // bm, (min((r // bm + 1) * bm, n) - 1) // bn + 1
+        a = (i * bm) // bn
+        local = torch.tensor([c for c in range(r + 1) if c // bn == 0 or c // bn >= a])
+        reps = []
+        for j in range(nr):  # signed-absmax representative of key block j (first key on ties)
+            blk = kk[:, j * bn: min((j + 1) * bn, n)]
+            reps.append(blk.gather(1, blk.abs().argmax(dim=1, keepdim=True)).squeeze(1))
+        m_init = torch.stack([(q[0, :, r].double() * rep).sum(-1) for rep in reps], -1).amax(-1) * d ** -0.5
+        want[:, r] = torch.maximum(m_init, s[:, r, local].amax(-1)) - s[:, r, : r + 1].amax(-1)
+    torch.testing.assert_close(t.joint_err.double(), want, atol=2e-5, rtol=0)
+    assert (t.joint_err >= t.qinit_err - 1e-6).all() and (want < 0).any() and (want > 0).any()
+    assert joint_reduce(t, cfg)["joint_count"].sum(dim=-1).tolist() == [n] * 4
