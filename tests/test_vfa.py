@@ -6,12 +6,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_sparsify import _noop_export, tiny_model  # noqa: F401  (fixture)
 
 import sparsecal
 from sparsecal.kernels.sparse.reference import sparse_attention
 from sparsecal.kernels.sparse.vfa import nothing_to_freeze, vfa_attention, vfa_decode
-
-from test_sparsify import _noop_export, tiny_model  # noqa: F401  (fixture)
 
 NEG = -math.inf
 
@@ -39,7 +38,7 @@ def _brute(q, k, v, scale, bm, bn, log_lambda=None, rows=None):
         for blk in blocks:
             r0, r1 = blk[0], blk[-1] + 1
             nr, a = (r1 - 1) // bn + 1, (r0 // bn) if rows is not None else (r0 // bm * bm) // bn
-            keys = lambda j: range(j * bn, min((j + 1) * bn, n))  # noqa: E731
+            keys = lambda j: range(j * bn, min((j + 1) * bn, n))
             rep = [np.array([kh[max(keys(j), key=lambda t: (abs(kh[t, e]), -t)), e] for e in range(d)])
                    for j in range(nr)]
             s = {r: scale * kh[: r + 1] @ qq[hh, r] for r in blk}

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_sparsify import _noop_export, tiny_model  # noqa: F401  (fixture)
 
 import sparsecal
 from sparsecal.evaluation.methods import Method, parse_methods
@@ -16,7 +17,6 @@ from sparsecal.kernels.sparse.prefill import sparse_attention_triton
 from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
 
 from helpers import TOL, block_counts_torch
-from test_sparsify import _noop_export, tiny_model  # noqa: F401  (fixture)
 
 
 def _inputs(seed, b, n, h, hkv, d, dtype):

@@ -18,7 +18,8 @@ cache length (decode), and runs dense (ln lambda = -inf) below the export's vali
 wherever lambda > 1 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses thresholds[k][layer][head, min(query block, P - 1)]; window:B
 (the sliding-window baseline with BSFA's block budget) keeps each query block's diagonal and the B
 candidate key blocks nearest to it, with the export's block sizes; a prefill whose candidates all fit
-the window runs the exact dense attention (SDPA) and counts nothing.
+the window runs the exact dense attention (SDPA) and counts nothing. The baselines and variants
+``window_sink``, ``blasst_sl``, ``vfa`` and ``vsa`` are described in sparsify_variants.py.
 
 Dispatch (``dispatch=True``, the default): when blasst.json holds a ``dispatch`` record
 (``sparsecal export --break-even FILE``, formats.dispatch) with an entry for the operating point
@@ -42,8 +43,6 @@ METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sp
            "dense": "sparsecal_dense", **{m: f"sparsecal_{m}" for m in ("window_sink", "blasst_sl", "vfa", "vsa")}}
 DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense"),
            "dense": ("dense",), **{m: ("sparse", "dense") for m in ("window_sink", "blasst_sl", "vfa", "vsa")}}
-# variants (sparsify_variants.py): the method whose export they read, and what they change
-VARIANT_BASE = {"window_sink": "window", "blasst_sl": "blasst", "vfa": "dense", "vsa": "blasst"}
 PRECISIONS = ("model", "fp32")
 BACKENDS = ("auto", "triton", "reference")
 _STATE_ATTR = "_sparsecal_state"
@@ -554,7 +553,7 @@ def call_args(state: _State, layer: int, mode: str, length: int, device) -> dict
     if state.vfa:
         from sparsecal.integrations.sparsify_variants import vfa_args
 
-        return vfa_args(state, layer, mode, length, device)
+        return vfa_args(state, mode, length, lambda: method_args(state, layer, mode, length, device))
     if state.method == "dense" or (mode == "decode" and state.decode == "dense"):
         return {"dense": True}
     if mode == "decode" and state.decode == "topk":

@@ -32,6 +32,7 @@ import torch
 
 from sparsecal.formats.errors import UserError
 
+VARIANT_BASE = {"window_sink": "window", "blasst_sl": "blasst", "vfa": "dense", "vsa": "blasst"}  # export read as
 VFA_STATS = {"rescales": "vfa_rescales", "fa_rescales": "fa_rescales", "exceed": "vfa_exceed",
              "frozen": "vfa_frozen", "excess": "vfa_excess"}
 
@@ -39,8 +40,6 @@ VFA_STATS = {"rescales": "vfa_rescales", "fa_rescales": "fa_rescales", "exceed":
 def load_variant(export_dir, method: str, k, target, blocks, expect: dict, backend: str, load_method):
     """The state of ``method``: ``load_method`` (sparsify._load_method) for the method a variant
     reads its export as, then the variant's changes."""
-    from sparsecal.integrations.sparsify import VARIANT_BASE
-
     base = VARIANT_BASE.get(method, method)
     if method == "window_sink":
         if blocks is None or blocks < 1:
@@ -55,11 +54,10 @@ def load_variant(export_dir, method: str, k, target, blocks, expect: dict, backe
     return state
 
 
-def vfa_args(state, layer: int, mode: str, length: int, device) -> dict:
+def vfa_args(state, mode: str, length: int, blasst_args) -> dict:
     """The call's arguments for vfa / vsa: {"dense": True} where the dense path runs (decode="dense",
     nothing to freeze), else {"vfa": True, "log_lambda": ln(lambda) or None (vfa, or vsa where the
-    lambda law runs dense)}."""
-    from sparsecal.integrations.sparsify import method_args
+    lambda law runs dense)}; ``blasst_args()``: sparsify.method_args of the call (vsa's lambda)."""
     from sparsecal.kernels.sparse.vfa import nothing_to_freeze
 
     block_m = state.block_m if mode == "prefill" else 1
@@ -67,7 +65,7 @@ def vfa_args(state, layer: int, mode: str, length: int, device) -> dict:
         return {"dense": True}
     if state.method == "dense":  # vfa
         return {"vfa": True, "log_lambda": None}
-    ll = method_args(state, layer, mode, length, device)["log_lambda"]
+    ll = blasst_args()["log_lambda"]
     return {"vfa": True, "log_lambda": None if ll == -math.inf else ll}
 
 
@@ -79,7 +77,7 @@ def run_vfa(state, mode: str, query, key, value, scale: float, kw: dict, stats: 
     if query.is_cuda and not state.said_fallback:
         print("note: vfa / vsa run the plain-torch reference (no Triton VFA kernel yet).", file=sys.stderr)
         state.said_fallback = True
-    args = dict(log_lambda=kw.get("log_lambda"), softcap=kw.get("softcap") or 0.0)
+    args = {"log_lambda": kw.get("log_lambda"), "softcap": kw.get("softcap") or 0.0}
     if mode == "prefill":
         outs, parts = [], []
         for i in range(query.shape[0]):
