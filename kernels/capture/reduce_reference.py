@@ -206,6 +206,14 @@ def gap_reduce(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tensor
     return out
 
 
+def joint_reduce(t: TileStats, cfg: StatsConfig) -> dict[str, torch.Tensor]:
+    """joint_count [H, NQ] i64: rows per bin of VFA's joint statistic (TileStats.joint_err: max(Q-init,
+    exact max over the sink and diagonal blocks) - true row max) on the Q-init error's edges. Not yet
+    part of ``reduce_tiles`` (the sample files): the Triton capture does not compute it yet, and both
+    backends write the same keys."""
+    return {"joint_count": histogram(t.joint_err, torch.from_numpy(cfg.qinit_edges()))}
+
+
 def reduce_tiles(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tensor]:
     """All per-layer reductions of one call (see the module docstring for keys and shapes)."""
     h, o = t.gap.shape[:2]

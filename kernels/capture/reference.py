@@ -49,6 +49,10 @@ class TileStats:
     dec_rows    [R]           the row indices of the decode rows
     dec_bmax    [H, R, Kb]    each decode row's max score in each key block (its block max as a
                               block of its own; -inf where the row sees none of it)
+    joint_err   [H, N]        VFA's frozen max minus the true row max: max(Q-init estimate, exact
+                              max over the sink block 0 and the diagonal blocks A_i .. R_i - 1) -
+                              row max (>= the Q-init error and >= minus the sink_local "local"
+                              shortfall; < 0 exactly when a middle candidate holds a larger score)
     """
 
     bmax: torch.Tensor
@@ -64,6 +68,7 @@ class TileStats:
     rescales: torch.Tensor
     shortfall: torch.Tensor
     dec_bmax: torch.Tensor | None = None
+    joint_err: torch.Tensor | None = None
 
 
 def pad_blocks(x: torch.Tensor, bn: int) -> torch.Tensor:
@@ -177,6 +182,7 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig, *, softcap: 
     tstar_where = torch.zeros((h, len(orders), n), dtype=torch.int8, device=q.device)
     tstar_norm = torch.zeros((h, len(orders), n), **f32)
     qinit_err = torch.zeros((h, n), **f32)
+    joint_err = torch.zeros((h, n), **f32)
     rescales = torch.zeros((h, len(orders), n), dtype=torch.int64, device=q.device)
     shortfall = torch.zeros((h, len(orders), 2, n), **f32)
 
@@ -201,10 +207,12 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig, *, softcap: 
         qi = qs[:, r0:r1].reshape(hkv, group * m, d)
         m_init = torch.bmm(qi, krep[:, :nr].transpose(1, 2)).view(h, m, nr).amax(dim=-1)
         qinit_err[:, r0:r1] = soft_cap(m_init, softcap) - row_max  # tanh is monotone: cap the max
+        local = rmax[..., [0] + list(range(max(a, 1), nr))].amax(dim=-1)  # sink + diagonal blocks
+        joint_err[:, r0:r1] = torch.maximum(soft_cap(m_init, softcap), local) - row_max
 
     dec_rows, dec_gap, dec_mass, dec_bmax = decode_tiles(qs, kp, n, group, cfg, softcap=softcap)
     stats = TileStats(bmax, gap, mass, tstar_step, tstar_where, tstar_norm, qinit_err,
-                      dec_gap, dec_mass, dec_rows, rescales, shortfall, dec_bmax)
+                      dec_gap, dec_mass, dec_rows, rescales, shortfall, dec_bmax, joint_err)
     return out.to(q.dtype).unsqueeze(0), stats
 
 

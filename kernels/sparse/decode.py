@@ -7,7 +7,7 @@ a candidate is skipped when
 
     BSFA     the tile's max score < thresholds[h, min(r // BM, Pt - 1)]
     BLASST   the tile's max score - the running max after it (in scan order) < ln(lambda)
-    window   j < A - W
+    window   j < A - W   (``sink``: and j >= 1, key block 0 kept; decided by a torch mask)
     topk     the tile's max score < the k-th largest candidate tile max of the head (ties kept;
              A <= k skips nothing): reference.topk_skip_mask on the tile maxima, a torch mask
 
@@ -64,7 +64,7 @@ from sparsecal.kernels.jit import (
     soft_cap,
     softcap_args,
 )
-from sparsecal.kernels.sparse.reference import check_method, topk_skip_mask
+from sparsecal.kernels.sparse.reference import check_method, topk_skip_mask, window_skip
 
 DECODE_LAUNCH = (4, 2)  # (num_warps, num_stages) of the two phases on a CUDA GPU
 
@@ -314,7 +314,8 @@ def num_splits(batch_kv: int, n_kb: int, device) -> int:
 
 
 def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int, *, thresholds=None,
-                     log_lambda=None, window=None, order: str = "forward", topk: int | None = None) -> torch.Tensor:
+                     log_lambda=None, window=None, order: str = "forward", topk: int | None = None,
+                     sink: bool = False) -> torch.Tensor:
     """Which key tiles each head skips. tmax [B, H, Kb] f32 tile maxima (log2 units) -> [B, H, Kb] bool."""
     _, h, kb = tmax.shape
     r = length - 1
@@ -323,7 +324,7 @@ def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int
         return topk_skip_mask(tmax, a, int(topk))
     cand = torch.arange(kb, device=tmax.device) < a
     if window is not None:
-        return (torch.arange(kb, device=tmax.device) < a - window).expand_as(tmax).clone()
+        return window_skip(kb, a, window, sink, tmax.device).expand_as(tmax).clone()
     if thresholds is not None:
         thr = thresholds[:, min(r // block_m, thresholds.shape[1] - 1)].to(tmax) * LOG2E
         return cand & (tmax < thr.view(1, h, 1))
@@ -344,7 +345,8 @@ DECIDE_CHUNK = 64  # key tiles per step of the decide kernel
 def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                          log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                          dense: bool = False, schedule: str = "gather", splits: int | None = None,
-                         launch: tuple | None = None, softcap: float = 0.0, topk: int | None = None):
+                         launch: tuple | None = None, softcap: float = 0.0, topk: int | None = None,
+                         sink: bool = False):
     """One decode step; the Triton twin of ``reference.sparse_decode``.
 
     q [B, H, 1, D], k/v [B, Hkv, L, D] (the row sits at L - 1; fp16/bf16, fp32 accepted); exactly
@@ -361,7 +363,7 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
         check_method(thresholds, log_lambda, window, topk)
         if dense:
             raise ValueError("method 'dense' takes no topk")
-    method = TOPK if topk is not None else method_code(thresholds, log_lambda, window, dense)
+    method = TOPK if topk is not None else method_code(thresholds, log_lambda, window, dense, sink)
     b, h, one, d = q.shape
     if one != 1 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or h % k.shape[1] or k.shape[3] != d:
         raise ValueError(f"decode takes q [B,H,1,D] and k, v [B,Hkv,L,D], got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -389,7 +391,7 @@ def sparse_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, t
     part = (torch.empty((b, h, n_split, d), dtype=f32, device=q.device),
             torch.empty((b, h, n_split), dtype=f32, device=q.device), torch.empty((b, h, n_split), dtype=f32, device=q.device))
     dec = _decision(tmax, method, dict(thresholds=thresholds, log_lambda=log_lambda, window=window, order=order,
-                                       topk=topk), length, block_m, block_n)
+                                       topk=topk, sink=sink), length, block_m, block_n)
     run = _attend_gather if schedule == "gather" else _attend_inline
     skipped = run(s, v, tmax, part, dec, length, block_n, tps, common)
     out = torch.empty_like(q)
@@ -403,10 +405,11 @@ def _decision(tmax, method: int, kw: dict, length: int, block_m: int, block_n: i
     BSFA, 3 BLASST forward, 4 window), THR [H, Pt] f32, the torch mask [B, H, Kb] (BLASST reverse /
     sink_local and topk, else None) and the scalar arguments (placeholders where the kernel reads nothing)."""
     thresholds, log_lambda, window, order = kw["thresholds"], kw["log_lambda"], kw["window"], kw["order"]
-    decide = {0: 0, 1: 2, 3: 4, TOPK: 1}.get(method, 3 if order == "forward" else 1)
+    decide = {0: 0, 1: 2, 3: 1 if kw.get("sink") else 4, TOPK: 1}.get(method, 3 if order == "forward" else 1)
     mask = None
-    if decide == 1:
-        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order, topk=kw["topk"])
+    if decide == 1:  # BLASST reverse / sink_local, topk, the window with a sink: a mask made in torch
+        mask = decode_skip_mask(tmax, length, block_m, block_n, log_lambda=log_lambda, order=order, topk=kw["topk"],
+                                window=window if method == 3 else None, sink=bool(kw.get("sink")))
     thr = thresholds.to(device=tmax.device, dtype=torch.float32).contiguous() if decide == 2 else tmax
     return {"decide": decide, "thr": thr, "mask": mask, "n_thr": thr.shape[-1],
             "thr_pos": min((length - 1) // block_m, thr.shape[-1] - 1),

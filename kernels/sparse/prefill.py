@@ -5,7 +5,7 @@ always computes its diagonal key blocks; a candidate key block j < A_i is skippe
 
     BSFA     max over the tile's scores  <  thresholds[h, min(i, Pt - 1)]
     BLASST   max over rows of (row max of the tile - running max after it)  <  ln(lambda)
-    window   j < A_i - W
+    window   j < A_i - W   (``sink``: and j >= 1, key block 0 kept as StreamingLLM's sink)
 
 A skipped tile costs its K load and Q.K^T product (needed for the decision) and nothing else:
 no exponentials, no P.V product, and with ``gate_v`` no V load either. One program owns one query
@@ -111,14 +111,14 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
 @triton.jit
 def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
-                       n_ctx, num_heads, group, n_thr, qk_scale, softcap, log_lambda2, window,
+                       n_ctx, num_heads, group, n_thr, qk_scale, softcap, log_lambda2, window, sink,
                        METHOD: tl.constexpr, ORDER: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, SOFTCAP: tl.constexpr,
                        PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST, 3 window;
     ORDER (BLASST) 0 forward, 1 reverse, 2 sink_local. THR [H, n_thr] f32 natural units (BSFA);
-    log_lambda2 = ln(lambda) * log2(e) (BLASST); window = W (window). O [B, H, N, D] by strides;
+    log_lambda2 = ln(lambda) * log2(e) (BLASST); window = W, sink 1 keeps block 0 (window). O [B, H, N, D] by strides;
     SKIP [B * H, P] i32 tiles skipped by each program. SOFTCAP: scores capped (``softcap``, log2)."""
     i = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -167,7 +167,11 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
         j_lo = 0
         if METHOD == 3:
             j_lo = tl.maximum(n_cand - window, 0)
-            n_skip += j_lo
+            s0 = tl.minimum(sink, j_lo)  # 1: block 0 is outside the window and kept as the sink
+            acc, l_i, m_i, n_skip = _sparse_segment(
+                acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, 0, 1, s0,
+                n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, not EVEN_N, 0, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
+            n_skip += j_lo - s0
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, j_lo, 1, n_cand - j_lo,
             n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, not EVEN_N, CAND, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
@@ -179,22 +183,23 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
     tl.store(SKIP + bh.to(tl.int64) * tl.num_programs(0) + i, n_skip)
 
 
-def method_code(thresholds, log_lambda, window, dense: bool) -> int:
+def method_code(thresholds, log_lambda, window, dense: bool, sink: bool = False) -> int:
     """0 dense, 1 BSFA, 2 BLASST, 3 window (the reference's argument rules, plus dense)."""
     if dense:
-        if any(x is not None for x in (thresholds, log_lambda, window)):
-            raise ValueError("method 'dense' takes no thresholds, log_lambda or window")
+        if any(x is not None for x in (thresholds, log_lambda, window)) or sink:
+            raise ValueError("method 'dense' takes no thresholds, log_lambda, window or sink")
         return 0
-    check_method(thresholds, log_lambda, window)
+    check_method(thresholds, log_lambda, window, sink=sink)
     return 1 if thresholds is not None else 2 if log_lambda is not None else 3
 
 
-def _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense, count_only) -> tuple:
+def _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense, count_only,
+                sink: bool = False) -> tuple:
     """(B, H, Hkv, N, D, method code, thresholds [H, Pt] f32 on q's device or a [1, 1] placeholder)
     after the argument checks of sparse_attention_triton."""
     b, h, hkv, n, d = check_inputs(q, k, v)
     check_fp32_tile(q, block_m, "the Triton sparse prefill")
-    method = method_code(thresholds, log_lambda, window, dense)
+    method = method_code(thresholds, log_lambda, window, dense, sink)
     if order not in ORDERS:
         raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
     if count_only and method not in (1, 2):
@@ -211,11 +216,13 @@ def _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense, 
 def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                             log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                             dense: bool = False, gate_v: bool = True, count_only: bool = False,
-                            out: torch.Tensor | None = None, launch: tuple | None = None, softcap: float = 0.0):
+                            out: torch.Tensor | None = None, launch: tuple | None = None, softcap: float = 0.0,
+                            sink: bool = False):
     """Block-sparse causal attention; the Triton twin of ``reference.sparse_attention``.
 
     q [B, H, N, D], k/v [B, Hkv, N, D]; exactly one of thresholds [H, Pt] (BSFA, natural units of
-    the scaled (capped) scores), log_lambda (BLASST, scan ``order``), window (blocks), or dense=True.
+    the scaled (capped) scores), log_lambda (BLASST, scan ``order``), window (blocks; ``sink``: key
+    block 0 kept too), or dense=True.
     gate_v: load V only for computed tiles (else V is prefetched with K). count_only: decide and
     count as the method does but compute every tile (dense output; what deciding costs, measured
     without the skip). out: optional [B, H, N, D] buffer (any strides, last axis contiguous).
@@ -224,7 +231,7 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
     skipped).
     """
     b, h, hkv, n, d, method, thr = _check_args(q, k, v, block_m, thresholds, log_lambda, window, order, dense,
-                                               count_only)
+                                               count_only, sink)
     cap_on, cap = softcap_args(softcap)
     ll2 = 0.0 if log_lambda is None else log2_lambda(log_lambda)
     p = cdiv(n, block_m)
@@ -235,7 +242,7 @@ def sparse_attention_triton(q, k, v, scale: float, block_m: int, block_n: int, *
     warps, stages = launch or LAUNCH.get(d, (4, 2))
     LAST_COMPILED["sparse"] = _sparse_fwd_kernel[(p, b * h)](
         q, k, v, out, thr, skip, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        n, h, h // hkv, thr.shape[1], scale * LOG2E, cap, ll2, 0 if window is None else int(window),
+        n, h, h // hkv, thr.shape[1], scale * LOG2E, cap, ll2, 0 if window is None else int(window), int(sink),
         METHOD=method, ORDER=ORDERS.index(order) if method == 2 else 0, HEAD_DIM=d, BM=block_m, BN=block_n,
         BLOCK_M=next_pow2(block_m), BLOCK_N=next_pow2(block_n), EVEN_N=block_n == next_pow2(block_n),
         GATE_V=gate_v, DO_SKIP=not count_only, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=warps,

@@ -44,14 +44,16 @@ def pick(head_dim: int, method: int, expected_sparsity: float | None = None) -> 
 
 def sparse_prefill(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                    log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                   dense: bool = False, out=None, softcap: float = 0.0, expected_sparsity: float | None = None):
+                   dense: bool = False, out=None, softcap: float = 0.0, expected_sparsity: float | None = None,
+                   sink: bool = False):
     """The fastest sparse prefill kernel for this call (module docstring), with
     ``sparse_attention_triton``'s arguments and results; ``expected_sparsity``: the share of
-    candidate tiles the call is expected to skip (a hint, None when unknown)."""
-    method = method_code(thresholds, log_lambda, window, dense)
+    candidate tiles the call is expected to skip (a hint, None when unknown); ``sink`` (window: key
+    block 0 kept) runs the Triton kernel."""
+    method = method_code(thresholds, log_lambda, window, dense, sink)
     kw = {"thresholds": thresholds, "log_lambda": log_lambda, "window": window, "order": order, "dense": dense,
           "out": out}
     name = pick(q.shape[-1], method, expected_sparsity)
-    if name != "triton" and gluon_supported(q, block_m, block_n, method, order, softcap):
+    if name != "triton" and not sink and gluon_supported(q, block_m, block_n, method, order, softcap):
         return GLUON_KERNELS[name](q, k, v, scale, block_m, block_n, **kw)
-    return sparse_attention_triton(q, k, v, scale, block_m, block_n, softcap=softcap, **kw)
+    return sparse_attention_triton(q, k, v, scale, block_m, block_n, softcap=softcap, sink=sink, **kw)

@@ -6,6 +6,8 @@ diagonal (non-candidate) key blocks; a candidate block j < A_i is skipped when
     BSFA:    bmax[i, j] <  thresholds[h, min(i, Pt - 1)]      (max score of the tile)
     BLASST:  gap[i, j | order] < ln(lambda)                      (rowmax - running max, DESIGN.md)
     window:  j < A_i - W      (sliding window: the W candidates nearest the diagonal are kept)
+    window with ``sink``: j < A_i - W and j >= 1  (StreamingLLM: key block 0, the attention sink,
+             is kept besides the W nearest candidates; at most W + 1 candidates stay)
 A skipped tile contributes nothing: no V load, no exponentials, no P.V, not in the normalizer. The
 output is the softmax attention over the kept keys. A BLASST-skipped tile has every row below the
 running max, so skipping never changes the running max: the decision made from the dense scan
@@ -48,11 +50,13 @@ class SkipCounts:
     reachable: int          # reachable tiles per head (sparsity = skipped / reachable)
 
 
-def check_method(thresholds, log_lambda, window, topk=None) -> None:
+def check_method(thresholds, log_lambda, window, topk=None, sink: bool = False) -> None:
     """Exactly one of BSFA ``thresholds``, BLASST ``log_lambda``, a ``window`` (>= 0 blocks) or a
-    decode ``topk`` (>= 0 blocks kept per head)."""
+    decode ``topk`` (>= 0 blocks kept per head); ``sink`` only with a window."""
     if sum(x is not None for x in (thresholds, log_lambda, window, topk)) != 1:
         raise ValueError("give exactly one of thresholds (BSFA), log_lambda (BLASST), window or topk (decode)")
+    if sink and window is None:
+        raise ValueError("sink (keep key block 0) goes with a window only")
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 key blocks, got {window}")
     if topk is not None and (isinstance(topk, bool) or int(topk) != topk or topk < 0):
@@ -73,13 +77,20 @@ def topk_skip_mask(tmax: torch.Tensor, a: int, k: int) -> torch.Tensor:
     return cand & (tmax < kth)
 
 
+def window_skip(nr: int, a: int, window: int, sink: bool, device=None) -> torch.Tensor:
+    """The window's skipped key blocks of a row block with ``a`` candidates: [nr] bool, j < a - W
+    (and j >= 1 with ``sink``)."""
+    j = torch.arange(nr, device=device)
+    return (j < a - window) & (j >= 1) if sink else j < a - window
+
+
 def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order: str,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, sink: bool = False) -> torch.Tensor:
     """Which of query block i's reachable key blocks are skipped. rmax [H, m, nr] -> [H, nr] bool."""
     h, _, nr = rmax.shape
     cand = torch.arange(nr, device=rmax.device) < a
     if window is not None:
-        below = (torch.arange(nr, device=rmax.device) < a - window).expand(h, nr)
+        below = window_skip(nr, a, window, sink, rmax.device).expand(h, nr)
     elif thresholds is not None:
         thr = thresholds[:, min(i, thresholds.shape[1] - 1)].to(rmax)
         below = rmax.amax(dim=1) < thr.unsqueeze(-1)
@@ -91,15 +102,15 @@ def _skip_mask(rmax: torch.Tensor, i: int, a: int, thresholds, log_lambda, order
 
 def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                      log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, sink: bool = False):
     """BSFA (``thresholds`` [H, Pt]), BLASST (``log_lambda``, scan ``order``) or sliding-window
-    (``window`` candidate blocks) causal attention.
+    (``window`` candidate blocks; ``sink``: key block 0 kept too) causal attention.
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (any float dtype; computed in fp32). Exactly one of
     thresholds, log_lambda and window; softcap: the cap c of c * tanh(s / c) (0 or None: off).
     Returns (out [1, H, N, D] in q.dtype, SkipCounts).
     """
-    check_method(thresholds, log_lambda, window)
+    check_method(thresholds, log_lambda, window, sink=sink)
     softcap = check_softcap(softcap)
     check_sequence(q, k, "sparse reference attention")
     _, h, n, d = q.shape
@@ -116,7 +127,7 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
         r0, r1 = i * bm, min((i + 1) * bm, n)
         m, nr, a = r1 - r0, num_reachable(i, n, bm, bn), num_candidates(i, bm, bn)
         s = block_scores(qs, kp, r0, r1, nr, bn, group, softcap)             # [H, m, nr*BN]
-        skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order, window)
+        skip = _skip_mask(s.view(h, m, nr, bn).amax(dim=-1), i, a, thresholds, log_lambda, order, window, sink)
         s.view(h, m, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
         out[:, r0:r1] = torch.bmm(p.view(hkv, group * m, nr * bn), vp[:, : nr * bn]).view(h, m, d)
@@ -127,14 +138,14 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
 
 def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                   log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                  softcap: float = 0.0, topk: int | None = None):
+                  softcap: float = 0.0, topk: int | None = None, sink: bool = False):
     """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
 
-    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST), window or topk (keep the topk
-    candidates with the largest tile max per head, ties kept: topk_skip_mask); softcap as in
-    sparse_attention. Returns (out [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
+    Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST), window (``sink``: block 0 kept
+    too) or topk (keep the topk candidates with the largest tile max per head, ties kept:
+    topk_skip_mask); softcap as in sparse_attention. Returns (out [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
     """
-    check_method(thresholds, log_lambda, window, topk)
+    check_method(thresholds, log_lambda, window, topk, sink)
     softcap = check_softcap(softcap)
     b, h, one, d = q.shape
     if one != 1:
@@ -152,7 +163,7 @@ def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, threshol
         if topk is not None:
             skip = topk_skip_mask(tmax[:, 0], a, int(topk))
         else:
-            skip = _skip_mask(tmax, r // block_m, a, thresholds, log_lambda, order, window)
+            skip = _skip_mask(tmax, r // block_m, a, thresholds, log_lambda, order, window, sink)
         s.view(h, 1, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))

@@ -106,7 +106,7 @@ def check_methods(methods: list[Method], info: ExportInfo) -> None:
     """Refuse methods the export cannot run (a k it lacks, a target it was not fitted for, a
     window without the BSFA file that gives sparsify its block sizes)."""
     for m in methods:
-        if m.name == "window" and info.max_num_blocks is None:
+        if m.name in ("window", "window_sink") and info.max_num_blocks is None:
             raise UserError(f"method {m.label}: export {info.path} has no BSFA thresholds file, which gives the "
                             "window baseline its block sizes; export the run again with `sparsecal export`.")
         if m.name == "bsfa" and m.value not in info.k_values:
@@ -116,7 +116,7 @@ def check_methods(methods: list[Method], info: ExportInfo) -> None:
         if m.name == "bsfa" and m.decode == "thresholds" and not info.bsfa_decode:
             raise UserError(f"method {m.label}: export {info.path} has no BSFA decode thresholds (exported before "
                             "they were calibrated); capture, fit and export again, or use decode topk or dense.")
-        if m.name == "blasst" and not any(abs(m.value - t) < 1e-9 for t in info.targets):
+        if m.name in ("blasst", "blasst_sl", "vsa") and not any(abs(m.value - t) < 1e-9 for t in info.targets):
             have = ", ".join(f"{t:g}" for t in info.targets) or "none: the export has no blasst.json"
             raise UserError(f"method {m.label}: target {m.value:g} is not in export {info.path} (targets {have}); "
                             "fit it with `sparsecal fit RUN --targets ...` and export again.")

@@ -1,14 +1,23 @@
 """The attention methods an evaluation compares, and the grammar of ``--methods``.
 
     SPEC   := ITEM ("," ITEM)*
-    ITEM   := "dense" | "sdpa" | NAME ":" VALUE [":" DECODE] | VALUE [":" DECODE]
+    ITEM   := "dense" | "sdpa" | "vfa" [":" DECODE] | NAME ":" VALUE [":" DECODE] | VALUE [":" DECODE]
               (a bare VALUE continues the previous NAME)
     NAME   := "bsfa" (VALUE = k, an integer) | "blasst" (VALUE = target sparsity in (0, 1))
             | "window" (VALUE = B candidate blocks kept per query block, an integer >= 0)
+            | "window_sink" (VALUE = B >= 1: key block 0, the sink, and the B - 1 candidates
+              nearest the diagonal: window B's budget with StreamingLLM's sink)
+            | "blasst_sl" (VALUE = target: BLASST in the sink_local scan order at the export's
+              lambda law for the target, calibrated in the export's own order)
+            | "vsa" (VALUE = target: VFA with BLASST skipping against the frozen max)
     DECODE := how decode steps run: bsfa "dense" (default, the BSFA paper's) | "topk" (the k
               highest tile maxima of the row) | "thresholds" (thresholds calibrated on decode
-              rows); blasst and window "sparse" (default) | "dense" (prefill-only: sparse
-              prefill, dense decode)
+              rows); the others "sparse" (default) | "dense" (prefill-only: sparse prefill,
+              dense decode)
+
+``vfa`` is exact attention with the running max initialised from the Q-init estimate and the sink
+and local blocks, then frozen (kernels/sparse/vfa.py; it skips nothing, its rows show what the
+frozen max does to rounding); integrations/sparsify_variants.py says how each variant runs.
 
 so ``dense,bsfa:16,32:topk,blasst:0.5,0.5:dense,window:32`` is six methods. The reference every
 method is compared with is ``dense``: the project's own kernel path with skipping off, in the
@@ -24,12 +33,16 @@ from dataclasses import dataclass
 
 from sparsecal.formats.errors import UserError
 
-GRAMMAR = ("dense | sdpa | bsfa:K[:DECODE][,K...] | blasst:T[:DECODE][,T...] | window:B[:DECODE][,B...], "
-           "joined by commas")
+GRAMMAR = ("dense | sdpa | vfa[:DECODE] | bsfa:K[:DECODE][,K...] | blasst:T[:DECODE][,T...] | window:B[:DECODE][,B...]"
+           " | window_sink:B | blasst_sl:T | vsa:T (each [:DECODE][,VALUE...]), joined by commas")
 DENSE_CONFIG = "dense"
 FP32 = "fp32"
-_PARAM = {"bsfa": "k", "blasst": "target", "window": "blocks"}
-DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense")}
+_PARAM = {"bsfa": "k", "blasst": "target", "window": "blocks", "window_sink": "blocks", "blasst_sl": "target",
+          "vsa": "target"}
+DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense"),
+           **{m: ("sparse", "dense") for m in ("window_sink", "blasst_sl", "vsa", "vfa")}}
+_TARGETS = ("blasst", "blasst_sl", "vsa")  # methods whose VALUE is a target sparsity
+_BARE = {"dense": None, "sdpa": None, "dense:fp32": FP32, "vfa": None, "vfa:sparse": None, "vfa:dense": "dense"}
 FLOORS = ("dense:fp32", "sdpa")  # labels of the noise-floor methods
 
 
@@ -63,7 +76,8 @@ class Method:
     @property
     def config(self) -> str:
         if self.value is None:
-            return {"dense": DENSE_CONFIG, "sdpa": "sdpa", "dense:fp32": "fp32 attention"}[self.label]
+            return {"dense": DENSE_CONFIG, "sdpa": "sdpa", "dense:fp32": "fp32 attention", "vfa": "frozen max",
+                    "vfa:dense": "frozen max decode=dense"}[self.label]
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f" decode={self.decode}"
         return f"{_PARAM[self.name]}={self.value:g}{tail}"
 
@@ -75,6 +89,8 @@ class Method:
             return {}
         if self.name == "dense":
             return {"method": "dense", "precision": "fp32" if self.decode == FP32 else "model"}
+        if self.name == "vfa":
+            return {"method": "vfa", "decode": self.decode_mode}
         return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode}
 
 
@@ -85,18 +101,19 @@ def _bad(text: str, why: str) -> UserError:
 
 def _value(text: str, name: str, raw: str):
     try:
-        if name == "blasst":
+        if name in _TARGETS:
             v = float(raw)
             if not 0.0 < v < 1.0:
                 raise ValueError
             return v
         v = int(raw)
-        if v < (1 if name == "bsfa" else 0):
+        if v < (1 if name in ("bsfa", "window_sink") else 0):
             raise ValueError
         return v
     except ValueError:
-        want = {"bsfa": "a positive integer k", "blasst": "a target sparsity between 0 and 1",
-                "window": "a whole number of blocks"}[name]
+        want = ("a target sparsity between 0 and 1" if name in _TARGETS else
+                {"bsfa": "a positive integer k", "window": "a whole number of blocks",
+                 "window_sink": "a positive whole number of blocks"}[name])
         raise _bad(text, f"'{raw}' is not {want} for {name}") from None
 
 
@@ -110,9 +127,11 @@ def _decode(text: str, name: str, raw: str | None) -> str | None:
 
 def _item(text: str, raw: str, current: str | None) -> tuple[Method, str | None]:
     """One ITEM and the NAME a following bare VALUE continues."""
-    if raw in ("dense", "sdpa", "dense:fp32"):
-        return Method(*raw.split(":")) if raw != "dense:fp32" else Method("dense", None, FP32), None
+    if raw in _BARE:
+        return Method(raw.split(":")[0], None, _BARE[raw]), None
     parts = raw.split(":")
+    if parts[0] == "vfa":
+        raise _bad(text, f"'{raw}' is not a method: vfa takes no value, only a decode mode (vfa:sparse, vfa:dense)")
     if parts[0] in _PARAM:
         name, parts = parts[0], parts[1:]
         if not parts or len(parts) > 2:

@@ -18,7 +18,8 @@ cache length (decode), and runs dense below the export's validated lengths and w
 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses
 thresholds[k][layer][head, min(query block, P - 1)]; window:B (the sliding-window baseline with
 BSFA's block budget) keeps each query block's diagonal and the B candidate key blocks nearest to it,
-with the export's block sizes.
+with the export's block sizes. The baselines and variants ``window_sink``, ``blasst_sl``, ``vfa``
+and ``vsa`` are described in sparsify_variants.py.
 
 One dense implementation: a call that skips nothing by construction (BLASST outside its law's
 lengths, a window prefill whose candidates all fit the window) runs exactly what ``dense`` runs at
@@ -46,9 +47,9 @@ import torch
 from sparsecal.formats.errors import UserError
 
 METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window",
-           "dense": "sparsecal_dense"}
+           "dense": "sparsecal_dense", **{m: f"sparsecal_{m}" for m in ("window_sink", "blasst_sl", "vfa", "vsa")}}
 DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense"),
-           "dense": ("dense",)}  # decode modes per method, the default first
+           "dense": ("dense",), **{m: ("sparse", "dense") for m in ("window_sink", "blasst_sl", "vfa", "vsa")}}
 PRECISIONS = ("model", "fp32")
 BACKENDS = ("auto", "triton", "reference")
 _STATE_ATTR = "_sparsecal_state"
@@ -67,6 +68,8 @@ class _State:
     min_lengths: dict = field(default_factory=dict)  # mode -> shortest validated length (BLASST; dense below)
     order: str = "forward"
     window: int | None = None                      # candidate blocks kept (window)
+    sink: bool = False                             # window_sink: key block 0 kept besides the window
+    vfa: bool = False                              # vfa / vsa: the frozen-max reference (sparsify_variants.py)
     backend: str = "auto"
     source: dict = field(default_factory=dict)     # register(): load_state arguments, re-checked at first use
     model_id: str | None = None                    # register(): the expected model id
@@ -148,7 +151,9 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
     if precision not in PRECISIONS or (precision != "model" and method != "dense"):
         raise UserError(f"precision {precision!r}: method 'dense' takes one of {', '.join(PRECISIONS)}, "
                         "the sparse methods run in the model's dtype.")
-    state = _load_method(export_dir, method, k, target, blocks, expect or {}, backend)
+    from sparsecal.integrations.sparsify_variants import load_variant
+
+    state = load_variant(export_dir, method, k, target, blocks, expect or {}, backend, _load_method)
     state.decode, state.precision = decode, precision
     if method == "bsfa" and decode == "topk":
         state.topk = int(k)
@@ -410,8 +415,8 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     geo = _geometry(module.config)
     stats = state.stats_on(query.device, geo["num_layers"], h)
     if layer == 0:  # a new forward starts: the counts describe the last forward only
-        stats["skipped"].zero_()
-        stats["reachable"].zero_()
+        for counts in stats.values():
+            counts.zero_()
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
     first, kw = dispatched_dense(state, layer, mode, nk), None
@@ -425,7 +430,11 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     if state.precision == "fp32":
         dtype = query.dtype
         query, key, value = query.float(), key.float(), value.float()
-    if _use_triton(state, query, mode):
+    if kw.pop("vfa", False):  # vfa / vsa: the frozen-max reference (sparsify_variants.py)
+        from sparsecal.integrations.sparsify_variants import run_vfa
+
+        out, skipped, reach = run_vfa(state, mode, query, key, value, scale, kw, stats, layer)
+    elif _use_triton(state, query, mode):
         out, skipped, reach = _run_triton(state, mode, query, key, value, scale, kw,
                                           expected_sparsity(state, layer, mode, nk))
     else:
@@ -477,7 +486,7 @@ def _window_covers(state: _State, mode: str, length: int) -> bool:
     if state.method != "window" or mode != "prefill":
         return False
     last_block_start = (length - 1) // state.block_m * state.block_m  # its candidates are the most
-    return last_block_start // state.block_n <= state.window
+    return last_block_start // state.block_n <= state.window + state.sink  # the sink keeps one more
 
 
 def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str | None:
@@ -604,7 +613,11 @@ def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw
 
 def call_args(state: _State, layer: int, mode: str, length: int, device) -> dict:
     """The kernels' method arguments for one call: dense when the method or its decode mode says
-    so, the decode-row BSFA modes, else ``method_args``."""
+    so, the decode-row BSFA modes, the frozen-max variants (vfa_args), else ``method_args``."""
+    if state.vfa:
+        from sparsecal.integrations.sparsify_variants import vfa_args
+
+        return vfa_args(state, mode, length, lambda: method_args(state, layer, mode, length, device))
     if state.method == "dense" or (mode == "decode" and state.decode == "dense"):
         return {"dense": True}
     if mode == "decode" and state.decode == "topk":
@@ -616,7 +629,7 @@ def call_args(state: _State, layer: int, mode: str, length: int, device) -> dict
 
 def method_args(state: _State, layer: int, mode: str, length: int, device) -> dict:
     if state.method == "window":
-        return {"window": state.window}
+        return {"window": state.window, "sink": True} if state.sink else {"window": state.window}
     if state.method == "bsfa":
         return {"thresholds": state.thresholds_on(device)[layer]}
     from sparsecal.formats.exports import blasst_runtime_lambda
