@@ -31,6 +31,8 @@ FP32 = "fp32"
 _PARAM = {"bsfa": "k", "blasst": "target", "window": "blocks"}
 DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense")}
 FLOORS = ("dense:fp32", "sdpa")  # labels of the noise-floor methods
+DISPATCHED = ("bsfa", "blasst")  # methods the export's dispatch record can run dense per layer
+DISPATCH_TAG = "+dispatch"       # label suffix of a method evaluated with the dispatch record
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Method:
     name: str
     value: float | int | None = None
     decode: str | None = None
+    dispatch: bool = False  # sparsify(..., dispatch=True): the export's dispatch record (bsfa, blasst)
 
     @property
     def is_floor(self) -> bool:
@@ -58,14 +61,14 @@ class Method:
         if self.value is None:
             return self.name if self.decode is None else f"{self.name}:{self.decode}"
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f":{self.decode}"
-        return f"{self.name}:{self.value:g}{tail}"
+        return f"{self.name}:{self.value:g}{tail}" + (DISPATCH_TAG if self.dispatch else "")
 
     @property
     def config(self) -> str:
         if self.value is None:
             return {"dense": DENSE_CONFIG, "sdpa": "sdpa", "dense:fp32": "fp32 attention"}[self.label]
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f" decode={self.decode}"
-        return f"{_PARAM[self.name]}={self.value:g}{tail}"
+        return f"{_PARAM[self.name]}={self.value:g}{tail}" + (" dispatch" if self.dispatch else "")
 
     @property
     def sparsify_kwargs(self) -> dict:
@@ -75,7 +78,8 @@ class Method:
             return {}
         if self.name == "dense":
             return {"method": "dense", "precision": "fp32" if self.decode == FP32 else "model"}
-        return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode}
+        return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode,
+                "dispatch": self.dispatch}
 
 
 def _bad(text: str, why: str) -> UserError:
