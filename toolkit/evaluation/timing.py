@@ -21,10 +21,13 @@ over rounds is kept, so drift hits all alike.
 The same configuration: each method is switched on with the very ``sparsify`` call its rows ran
 (model.use_method: export, method, value, decode mode, dispatch on or off), on one of its own
 evaluated prompts (the one whose row's prefill sparsity is nearest the point's), and the kernels'
-skipped / reachable tiles of the timed forwards are recorded and compared with the point's
-sparsity (the mean over tasks of the rows' mean, as the summary reports it): ``sparsity_match`` and
-``decode_sparsity_match`` say whether they agree within SPARSITY_TOL; a point whose timed sparsity
-does not match gets no speedup in the curves. ``--speed-only`` evaluations (a random-weight
+skipped / reachable tiles of the timed forwards are recorded and compared with the evaluated rows:
+``sparsity_match`` holds when the timed prefill sparsity is within SPARSITY_TOL of the point's (the
+mean over tasks of the rows' mean, as the summary reports it) and the timed reachable tiles equal
+those of the row of the same prompt (the same layers ran sparse: dispatch that runs a layer dense
+counts none of its tiles, so the ratio alone cannot tell the two forms apart);
+``decode_sparsity_match`` compares the decode sparsity within SPARSITY_TOL. A point whose timed
+counts do not match gets no speedup in the curves. ``--speed-only`` evaluations (a random-weight
 checkpoint: no accuracy rows, the accuracy is meaningless) time random token ids instead and have
 nothing to compare.
 
@@ -357,6 +360,8 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
     ps, pr, s = _tiles(t, "prefill")
     ds, dr, sd = _tiles(t, "decode")
     want, want_d = point_sparsity(rows, m.label, length), point_sparsity(rows, m.label, length, "decode_sparsity")
+    row = next((r for r in rows if r["sample_id"] == prompt and r["label"] == m.label), None)
+    row_reach = None if row is None else row["prefill_reachable"]  # the same layers ran sparse: the same count
     ttft, graph, tpot = _median(t["ttft_ms"]), _median(t.get("ttft_graph_ms")), _median(t["tpot_ms"])
     b, g, d = base["ttft_ms"], base["ttft_graph_ms"], base["tpot_ms"]
     return {"label": m.label, "method": m.name, "config": m.config, "value": m.value, "decode": m.decode_mode,
@@ -373,8 +378,8 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
             "prefill_skipped": ps, "prefill_reachable": pr, "sparsity": s,
             "sparse_layers": (t.get("sparse_layers") or [None])[0],
             "decode_skipped": ds, "decode_reachable": dr, "decode_sparsity": sd,
-            "point_sparsity": want, "point_decode_sparsity": want_d,
-            "sparsity_match": None if want is None or s is None else abs(s - want) <= SPARSITY_TOL,
+            "point_sparsity": want, "point_decode_sparsity": want_d, "row_prefill_reachable": row_reach,
+            "sparsity_match": None if want is None or s is None else abs(s - want) <= SPARSITY_TOL and pr == row_reach,
             "decode_sparsity_match": None if want_d is None or sd is None else abs(sd - want_d) <= SPARSITY_TOL}
 
 
