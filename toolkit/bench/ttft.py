@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from sparsecal.bench.harness import log, result_file
-from sparsecal.evaluation.timing import BASELINES, forward_ms, graph_ms, ideal_speedup  # noqa: F401 - shared with eval
+from sparsecal.evaluation.timing import BASELINES, forward_ms, graph_ms, ideal_speedup
 
 PROMPT_SEED = 20261123
 

@@ -9,6 +9,16 @@ prompt: prefill, fidelity against dense in position chunks, greedy generation of
 (sparse prefill and decode), score, achieved sparsity, wall time. Each row is written before the
 next starts, so Ctrl-C loses at most the row in progress and the same command resumes; a finished
 evaluation run again only rewrites the summary (and joins new ``--bench`` files).
+
+``--dispatch off|on|both``: BSFA and BLASST run without the export's dispatch record (off, the
+default), with it (on: labels end in ``+dispatch``), or both, each its own method and rows.
+
+The timing phase (evaluation/timing.py) comes after the rows, in a phase of its own: ``--time``
+runs it when the rows are done (one process), ``--time-only`` runs only it on the rows EVAL holds
+(after rows written by torchrun ranks or by several processes sharing a GPU, which hold that GPU's
+lock shared; the timing phase takes it exclusively and so waits for them). ``--speed-only`` (a
+random-weight checkpoint) writes no accuracy rows, times random prompt ids and labels the accuracy
+meaningless (results.json and curves.parquet ``accuracy_meaningful`` false).
 """
 from __future__ import annotations
 
@@ -423,7 +433,7 @@ def _prompt_ids(plan: Plan, store):
 
     entry = {p["id"]: p for p in store.manifest["prompts"]}
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def ids(sid: str) -> list:
         p = entry[sid]
         s = build_sample(_tokenizer(plan.ms), p["task"], p["length"], p["seed"], p["index"])

@@ -15,10 +15,13 @@ Every accuracy and relative-accuracy cell carries its paired bootstrap 95% inter
 (``<stat>_lo``/``_hi``, evaluation/intervals.py), and ``answer_ll_delta`` the teacher-forced
 log-likelihood of the right answer relative to dense's (a low-noise companion of the score).
 
-Curves: per (method, config, length) the headline averaged over tasks with its interval,
-achieved prefill and decode sparsity, top-1 agreement and KL, left-joined to the bench rows of the
-same point: ``speedup_kernel`` (bench rows with task "kernel" or none), ``speedup_ttft`` (task
-"ttft") and ``speedup`` (kernel, else TTFT).
+Curves: per (method, config, length) one configuration: the headline averaged over tasks with its
+interval, achieved prefill and decode sparsity, top-1 agreement and KL, joined to its own speed
+from the timing phase (evaluation/timing.py: TTFT and TPOT speedups of the same sparsify call,
+kept only where the timed counts match the evaluated ones) and to the bench rows of the same
+configuration (``bench_speedup_kernel``, ``bench_speedup_ttft``), which join only where method,
+config (dispatch included), length and sparsity (within BENCH_SPARSITY_TOL) match: any other
+bench row is refused (``check_bench``). ``speedup``: own TTFT, else the bench's kernel, else its TTFT.
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
     """Per (label, length) the timing phase's speed of that very configuration (timing.py): TTFT
     speedups kept only where the timed prefill sparsity matched the evaluated one, TPOT where the
     decode sparsity did (a --speed-only evaluation has nothing to match: kept)."""
-    ok = lambda c: pl.col(c).fill_null(True)  # noqa: E731 - null: no rows to compare with
+    ok = lambda c: pl.col(c).fill_null(True)  # null: no rows to compare with
     return timing.select(
         "label", "length",
         pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft")).alias("speedup_ttft"),

@@ -444,11 +444,11 @@ def with_speed(rows: list[dict], cur) -> list[dict]:
 
 def read_timing(root):
     """The timing phase's records (EVAL/data/timing.parquet), None before any timing phase."""
+    from pathlib import Path
+
     import polars as pl
 
     from sparsecal.evaluation.store import TIMING
-
-    from pathlib import Path
 
     path = Path(root) / TIMING
     return pl.read_parquet(path) if path.is_file() else None
