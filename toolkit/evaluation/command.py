@@ -62,6 +62,7 @@ class EvalRequest:
     time: bool = False              # the timing phase after the rows (timing.py)
     time_only: bool = False         # the timing phase alone, on the rows EVAL holds
     timing: object = None           # timing.TimingOptions (None: its defaults)
+    time_lengths: list | None = None  # the timing phase at these lengths only (others' records kept)
 
 
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
@@ -399,13 +400,15 @@ def timing_phase(job: EvalJob, store) -> None:
 
     from sparsecal.capture.models import load_model
     from sparsecal.evaluation.store import TIMING, write_parquet
-    from sparsecal.evaluation.timing import TimingOptions, gpu_lock, other_gpu_processes, run_timing
+    from sparsecal.evaluation.timing import TimingOptions, gpu_lock, other_gpu_processes, read_timing, run_timing
 
     req, plan = job.req, job.plan
     opts = req.timing or TimingOptions()
     speed_only = bool(store.manifest["request"].get("speed_only"))
     ids = None if speed_only else _prompt_ids(plan, store)
     lengths = sorted({r["length"] for r in store.rows}) if not speed_only else req.lengths
+    if req.time_lengths:
+        lengths = [n for n in lengths if n in req.time_lengths]
     with gpu_lock(req.device, exclusive=True, say=console.print):
         others = [other_gpu_processes(req.device)]
         console.print(f"[bold]timing phase[/] on {req.device}: {len(lengths)} lengths, {opts.rounds} round-robin rounds")
@@ -423,7 +426,12 @@ def timing_phase(job: EvalJob, store) -> None:
     if known and max(known):
         console.print(f"[yellow]warning:[/] {max(known)} other processes used the GPU during the timing phase; "
                       "the timings are recorded with that count (gpu_other_processes)")
-    write_parquet(store.root / TIMING, pl.DataFrame(records, infer_schema_length=None))
+    new = pl.DataFrame(records, infer_schema_length=None)
+    old = read_timing(store.root)  # records of lengths not timed now stay
+    if old is not None and new.height:
+        old = old.join(new.select("label", "length"), on=["label", "length"], how="anti")
+        new = pl.concat([old, new], how="diagonal_relaxed") if old.height else new
+    write_parquet(store.root / TIMING, new.sort(["length", "label"]))
 
 
 def _prompt_ids(plan: Plan, store):
