@@ -17,7 +17,7 @@ from sparsecal.formats.errors import UserError
 
 from helpers import assert_user_error, cli, dispatch_export, make_checkpoint
 
-TIMING = ["--time", "--rounds", "1", "--reps", "1", "--decode-steps", "1", "--no-graph"]
+TIMING = ["--time", "--rounds", "1", "--reps", "1", "--warmup", "0", "--decode-steps", "1", "--no-graph"]
 
 
 def _byte_tokenizer(folder):

@@ -320,6 +320,7 @@ def eval_(
     speed_only: Optional[bool] = typer.Option(None, "--speed-only/--no-speed-only", help="No accuracy rows (a random-weight checkpoint: accuracy is meaningless, and labelled so): time random prompt ids of --lengths; with --time."),
     rounds: int = typer.Option(3, min=1, help="Timing phase: round-robin rounds over a length's variants (median kept)."),
     reps: int = typer.Option(5, min=1, help="Timing phase: timed prefill forwards per round (median)."),
+    warmup: int = typer.Option(2, min=0, help="Timing phase: untimed forwards (and decode steps) before the timed ones."),
     decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round (median per step)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Timing phase: also CUDA-graph replays of the prefill (CUDA only)."),
     time_lengths: Optional[str] = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
@@ -337,7 +338,8 @@ def eval_(
                       calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []),
                       device_map=device_map, max_memory=max_memory, dispatch=dispatch, speed_only=speed_only,
                       time=time_ or bool(speed_only), time_only=time_only,
-                      timing=TimingOptions(rounds=rounds, reps=reps, decode_steps=decode_steps, graph=graph),
+                      timing=TimingOptions(rounds=rounds, reps=reps, warmup=warmup, decode_steps=decode_steps,
+                                           graph=graph),
                       time_lengths=_int_list(time_lengths, "time-lengths") if time_lengths else None)
     check_options(req)  # every option, --bench files included, before ranks start or the model is read
     _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)

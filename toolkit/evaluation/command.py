@@ -417,6 +417,9 @@ def timing_phase(job: EvalJob, store) -> None:
                              say=lambda line: console.print(line, soft_wrap=True))
         others.append(other_gpu_processes(req.device))
         del model
+    if not records:
+        console.print(f"[yellow]warning:[/] nothing to time at {lengths or 'no length'}: no evaluated rows there")
+        return
     dev = torch.device(req.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     known = [n for n in others if n is not None]
