@@ -1,7 +1,8 @@
 """Accuracy-speedup: accuracy relative to dense against speedup over dense, per method and length,
 from the evaluation and benchmark result files of RUN/results/ and `--results DIR` (format in
 toolkit/formats/results.py). Until such files exist the page says which commands make them.
-Controls: methods and lengths shown."""
+Controls: methods and lengths shown, and, where `sparsecal eval --time` timed the points themselves,
+whether the x axis is each point's own TTFT or TPOT speedup."""
 from __future__ import annotations
 
 import polars as pl
@@ -10,6 +11,9 @@ import streamlit as st
 from sparsecal.dashboard import charts_run, data, ui
 from sparsecal.formats import results
 from sparsecal.formats.errors import UserError
+
+# the x axis when the points carry their own timings: prefill (TTFT) or decode (TPOT) speedup
+SPEEDS = {"TTFT (prefill)": "speedup_ttft", "TPOT (decode)": "speedup_tpot"}
 
 
 def _load(dirs) -> tuple[pl.DataFrame, list[str]]:
@@ -39,6 +43,9 @@ def render() -> None:
     methods = ui.choose_many("Methods", sorted(set(pts["method"])), key="cu_methods", where=c1)
     lengths = ui.choose_many("Lengths", sorted(set(pts["length"])), key="cu_lengths", where=c2, fmt=ui.fmt_len)
     shown = pts.filter(pl.col("method").is_in(methods) & pl.col("length").is_in(lengths))
+    if shown["speedup_tpot"].is_not_null().any():  # timed by `sparsecal eval --time`: each point's own speed
+        of = ui.choose("Speedup of", list(SPEEDS), key="cu_speed")
+        shown = shown.with_columns(pl.col(SPEEDS[of]).alias("speedup"))
     ui.plot(charts_run.accuracy_speedup(shown), key="cu_chart")
     st.dataframe(shown, hide_index=True)
 

@@ -212,6 +212,19 @@ def test_curves_chart_from_result_files(monkeypatch, tmp_path):
     assert not at.exception and any("broken.json" in e.value for e in at.error)
 
 
+def test_curves_shows_each_points_own_ttft_and_tpot_speedup(monkeypatch, tmp_path):
+    """An evaluation timed by `sparsecal eval --time` carries each point's own TTFT and TPOT speedup:
+    the page plots either (TTFT first)."""
+    rows = [{"method": "bsfa", "config": f"k={k}", "length": 512, "accuracy_rel_dense": 1 - k / 100,
+             "speedup": 1 + k / 10, "speedup_ttft": 1 + k / 10, "speedup_tpot": 1 + k / 50} for k in (1, 2)]
+    (tmp_path / "results.json").write_text(json.dumps({"kind": "sparsecal-eval", "rows": rows, "provenance": {}}))
+    at = _page(_app(monkeypatch, FIXTURE, results=tmp_path), "curves")
+    _ok(at, 1)
+    assert list(at.dataframe[0].value["speedup"]) == [1.1, 1.2]
+    _set(at, "selectbox", "cu_speed", "TPOT (decode)", 1)
+    assert list(at.dataframe[0].value["speedup"]) == [1.02, 1.04]
+
+
 @pytest.fixture
 def damaged(tmp_path):
     run = tmp_path / "run"

@@ -24,9 +24,11 @@ def test_methods_grammar():
     ms = parse_methods("dense,bsfa:16,32,64,blasst:0.5,0.7,window:32")
     assert [m.label for m in ms] == ["dense", "bsfa:16", "bsfa:32", "bsfa:64", "blasst:0.5", "blasst:0.7", "window:32"]
     assert [m.config for m in ms] == ["dense", "k=16", "k=32", "k=64", "target=0.5", "target=0.7", "blocks=32"]
-    assert ms[1].sparsify_kwargs == {"method": "bsfa", "k": 16, "decode": "dense"}  # the paper's decode
-    assert ms[4].sparsify_kwargs == {"method": "blasst", "target": 0.5, "decode": "sparse"}
-    assert ms[6].sparsify_kwargs == {"method": "window", "blocks": 32, "decode": "sparse"}
+    assert ms[1].sparsify_kwargs == {"method": "bsfa", "k": 16, "decode": "dense", "dispatch": False}  # the paper's decode
+    assert ms[4].sparsify_kwargs == {"method": "blasst", "target": 0.5, "decode": "sparse", "dispatch": False}
+    assert ms[6].sparsify_kwargs == {"method": "window", "blocks": 32, "decode": "sparse", "dispatch": False}
+    assert (Method("bsfa", 16, None, True).label, Method("bsfa", 16, None, True).config) == ("bsfa:16+dispatch",
+                                                                                          "k=16 dispatch")
     assert ms[0].sparsify_kwargs == {"method": "dense", "precision": "model"}  # the kernels, skipping off
     assert [m.label for m in with_dense(parse_methods("blasst:0.5, window:0"))] == [
         "dense", "dense:fp32", "blasst:0.5", "window:0"]
@@ -240,9 +242,9 @@ def _short_export(out):
 
 
 def _bench_file(path):
-    rows = [{"method": "dense", "config": "dense", "length": 512, "speedup": 1.0, "task": "kernel"},
-            {"method": "blasst", "config": "target=0.5", "length": 512, "speedup": 1.8, "sparsity": 0.6, "task": "kernel"},
-            {"method": "blasst", "config": "target=0.5", "length": 512, "speedup": 1.2, "task": "ttft"}]
+    rows = [{"method": "dense", "config": "dense", "length": 512, "speedup": 1.0, "sparsity": 0.0, "task": "kernel"},
+            {"method": "blasst", "config": "target=0.5", "length": 512, "speedup": 1.8, "sparsity": 0.0, "task": "kernel"},
+            {"method": "blasst", "config": "target=0.5", "length": 512, "speedup": 1.2, "sparsity": 0.0, "task": "ttft"}]
     path.write_text(json.dumps({"kind": "sparsecal-bench", "rows": rows, "provenance": {"gpu": "test"}}))
     return path
 
@@ -323,7 +325,7 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     res = _eval(exp, "--out", out, "--bench", _bench_file(tmp_path / "bench.json"))
     assert res.exit_code == 0 and "0 rows to compute" in res.output, res.output
     cur = pl.read_parquet(out / "curves.parquet").filter(pl.col("method") == "blasst").to_dicts()[0]
-    assert cur["speedup"] == 1.8 and cur["speedup_kernel"] == 1.8 and cur["speedup_ttft"] == 1.2
+    assert cur["speedup"] == 1.8 and cur["bench_speedup_kernel"] == 1.8 and cur["bench_speedup_ttft"] == 1.2
     assert cur["accuracy_rel_dense"] == blasst["score"] / dense["score"]
     meta = pl.read_parquet_metadata(out / "curves.parquet")
     assert json.loads(meta["bench_provenance"])[0]["provenance"] == {"gpu": "test"}

@@ -72,7 +72,7 @@ def test_decode_modes_and_floors_in_the_grammar():
     ms = with_dense(parse_methods("bsfa:16,32:topk,8:thresholds,blasst:0.5,0.5:dense,window:4:dense,sdpa"))
     assert [m.label for m in ms] == ["dense", "dense:fp32", "bsfa:16", "bsfa:32:topk", "bsfa:8:thresholds",
                                      "blasst:0.5", "blasst:0.5:dense", "window:4:dense", "sdpa"]
-    assert ms[3].sparsify_kwargs == {"method": "bsfa", "k": 32, "decode": "topk"}
+    assert ms[3].sparsify_kwargs == {"method": "bsfa", "k": 32, "decode": "topk", "dispatch": False}
     assert ms[1].sparsify_kwargs == {"method": "dense", "precision": "fp32"} and ms[1].is_floor
     assert ms[2].decode_mode == "dense" and ms[5].decode_mode == "sparse" and ms[-1].sparsify_kwargs == {}
     assert parse_methods("bsfa:16:dense") == [Method("bsfa", 16)]  # the default is not written

@@ -91,9 +91,9 @@ def test_grammar():
     ms = parse_methods("window:4,window_sink:4,5:dense,blasst_sl:0.5,vsa:0.7,vfa,vfa:dense")
     assert [m.label for m in ms] == ["window:4", "window_sink:4", "window_sink:5:dense", "blasst_sl:0.5",
                                      "vsa:0.7", "vfa", "vfa:dense"]
-    assert ms[1].sparsify_kwargs == {"method": "window_sink", "blocks": 4, "decode": "sparse"}
-    assert ms[3].sparsify_kwargs == {"method": "blasst_sl", "target": 0.5, "decode": "sparse"}
-    assert ms[5].sparsify_kwargs == {"method": "vfa", "decode": "sparse"} and ms[5].config == "frozen max"
+    assert ms[1].sparsify_kwargs == {"method": "window_sink", "blocks": 4, "decode": "sparse", "dispatch": False}
+    assert ms[3].sparsify_kwargs == {"method": "blasst_sl", "target": 0.5, "decode": "sparse", "dispatch": False}
+    assert ms[5].sparsify_kwargs == {"method": "vfa", "decode": "sparse", "dispatch": False} and ms[5].config == "frozen max"
     assert Method("vsa", 0.7).config == "target=0.7"
     for bad, why in (("window_sink:0", "positive whole number"), ("vsa:2", "between 0 and 1"),
                      ("vfa:sometimes", "not a method")):

@@ -32,93 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from sparsecal.bench.harness import log, result_file
+from sparsecal.evaluation.timing import BASELINES, forward_ms, graph_ms, ideal_speedup
 
 PROMPT_SEED = 20261123
-
-
-def ideal_speedup(share: float, sparsity: float) -> float:
-    """TTFT speedup if the attention (share ``share`` of the forward) ran at the kernel ideal."""
-    return 1.0 / (1.0 - share * sparsity / 2.0)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def forward_ms(model, ids, reps: int, warmup: int) -> float:
-    """Median wall ms of one prefill forward (synchronized; CUDA events on the GPU)."""
-    cuda = ids.device.type == "cuda"
-    times = []
-    with torch.no_grad():
-        for i in range(warmup + reps):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-            t0 = time.perf_counter()
-            model(ids, logits_to_keep=1)
-            if cuda:
-                b.record()
-            _sync(ids.device)
-            if i >= warmup:
-                times.append(a.elapsed_time(b) if cuda else 1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def graph_ms(model, ids, reps: int, warmup: int) -> float:
-    """Median ms of the same forward (no KV cache) captured in a CUDA graph and replayed: device
-    time without Python's launch cost (which bounds a small model's eager forward)."""
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 1)):
-                model(ids, logits_to_keep=1, use_cache=False)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model(ids, logits_to_keep=1, use_cache=False)
-        times = []
-        for i in range(warmup + reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times)
-
-
-def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """Causal SDPA without a mask tensor (unpadded prompts; the sparse functions get none either).
-    Under CUDA-graph capture transformers' own "sdpa" path was measured to materialize a mask and
-    take a slower kernel (SmolLM2 8K: 38 ms replayed vs 22 ms eager), so the baseline is this."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-
-
-def _causal_cudnn(module, query, key, value, attention_mask, **kwargs):
-    from sparsecal.integrations.sparsify import _sdpa_first
-
-    with _sdpa_first("CUDNN_ATTENTION"):
-        return _causal_sdpa(module, query, key, value, attention_mask, **kwargs)
-
-
-def _no_attention(module, query, key, value, attention_mask, **kwargs):
-    """Q copied to SDPA's output layout [B, N, H, D]: the forward without the attention kernel."""
-    return query.transpose(1, 2).contiguous(), None
-
-
-BASELINES = {"sdpa": _causal_sdpa, "sdpa_cudnn": _causal_cudnn, "rest": _no_attention}
 
 
 def configs(export_dir, min_k: int = 16) -> list[tuple[str, str, dict]]:
@@ -257,9 +178,12 @@ def prompts(ms, vocab_size: int, lengths, device) -> dict:
 
 def joinable(rows: list[dict]) -> list[dict]:
     """The rows sparsify runs by default (dispatch where the export has a record, window every
-    layer) in the Accuracy-speedup format (toolkit/formats/results.py)."""
+    layer) in the Accuracy-speedup format (toolkit/formats/results.py), with the sparsity counted as
+    `sparsecal eval` counts it (skipped over reachable tiles of the layers that ran sparse), so that
+    `sparsecal eval --bench` can check it against the evaluated configuration's (``dispatch``: a
+    ``+dispatch`` method's row)."""
     return [{"method": r["method"], "config": r["config"], "length": r["length"], "speedup": r["speedup"],
-             "sparsity": r["sparsity_every_layer"], "task": "ttft", "timing": r["timing"],
+             "sparsity": sum(r["skipped"]) / max(sum(r["reachable"]), 1), "task": "ttft", "timing": r["timing"],
              "dispatch": r["variant"] == "dispatch"}
             for r in rows if r["speedup"] and (r["variant"] == "dispatch" or r.get("method") == "window")]
 

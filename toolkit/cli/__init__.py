@@ -315,11 +315,22 @@ def eval_(
     gpus: int = typer.Option(1, min=1, help=GPUS_HELP),
     device_map: Optional[str] = typer.Option(None, help=DEVICE_MAP_HELP),
     max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
+    dispatch: Optional[str] = typer.Option(None, help="off | on | both: BSFA and BLASST without and/or with the export's dispatch record (labels with it end in +dispatch) (default: off)."),
+    time_: bool = typer.Option(False, "--time", help="After the rows, the timing phase: TTFT and TPOT of every evaluated configuration against the best SDPA, one process with the GPU's lock held exclusively (OUT/data/timing.parquet)."),
+    time_only: bool = typer.Option(False, "--time-only", help="Only the timing phase, on the rows OUT holds (after an evaluation run by several processes or torchrun)."),
+    speed_only: Optional[bool] = typer.Option(None, "--speed-only/--no-speed-only", help="No accuracy rows (a random-weight checkpoint: accuracy is meaningless, and labelled so): time random prompt ids of --lengths; with --time."),
+    rounds: int = typer.Option(3, min=1, help="Timing phase: round-robin rounds over a length's variants (median kept)."),
+    reps: int = typer.Option(5, min=1, help="Timing phase: timed prefill forwards per round (median)."),
+    warmup: int = typer.Option(2, min=0, help="Timing phase: untimed forwards (and decode steps) before the timed ones."),
+    decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round (median per step)."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="Timing phase: also CUDA-graph replays of the prefill (CUDA only)."),
+    time_lengths: Optional[str] = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
 ):
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
     agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
     (options left out on a resumed OUT take the values it was started with)."""
     from sparsecal.evaluation.command import EvalRequest, check_options, eval_command
+    from sparsecal.evaluation.timing import TimingOptions
 
     req = EvalRequest(export=export, out=out, model=model,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
@@ -327,7 +338,11 @@ def eval_(
                       methods=methods, dtype=dtype, device=device, reuse_last_threshold=reuse_last_threshold,
                       calibration=calibration, held_out_tasks_only=held_out_tasks_only, bench=list(bench or []),
                       holdout_tasks=[t.strip() for t in holdout_tasks.split(",") if t.strip()] if holdout_tasks else None,
-                      device_map=device_map, max_memory=max_memory)
+                      device_map=device_map, max_memory=max_memory, dispatch=dispatch, speed_only=speed_only,
+                      time=time_ or bool(speed_only), time_only=time_only,
+                      timing=TimingOptions(rounds=rounds, reps=reps, warmup=warmup, decode_steps=decode_steps,
+                                           graph=graph),
+                      time_lengths=_int_list(time_lengths, "time-lengths") if time_lengths else None)
     check_options(req)  # every option, --bench files included, before ranks start or the model is read
     _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)
     eval_command(req)

@@ -9,6 +9,16 @@ prompt: prefill, fidelity against dense in position chunks, greedy generation of
 (sparse prefill and decode), score, achieved sparsity, wall time. Each row is written before the
 next starts, so Ctrl-C loses at most the row in progress and the same command resumes; a finished
 evaluation run again only rewrites the summary (and joins new ``--bench`` files).
+
+``--dispatch off|on|both``: BSFA and BLASST run without the export's dispatch record (off, the
+default), with it (on: labels end in ``+dispatch``), or both, each its own method and rows.
+
+The timing phase (evaluation/timing.py) comes after the rows, in a phase of its own: ``--time``
+runs it when the rows are done (one process), ``--time-only`` runs only it on the rows EVAL holds
+(after rows written by torchrun ranks or by several processes sharing a GPU, which hold that GPU's
+lock shared; the timing phase takes it exclusively and so waits for them). ``--speed-only`` (a
+random-weight checkpoint) writes no accuracy rows, times random prompt ids and labels the accuracy
+meaningless (results.json and curves.parquet ``accuracy_meaningful`` false).
 """
 from __future__ import annotations
 
@@ -48,12 +58,20 @@ class EvalRequest:
     bench: list = field(default_factory=list)
     device_map: str | None = None   # placement only, not recorded: "auto" spreads the model over the GPUs
     max_memory: str | None = None   # budgets of --device-map auto ("0=20GiB,cpu=64GiB")
+    dispatch: str | None = None     # off | on | both: BSFA and BLASST with the export's dispatch record
+    speed_only: bool | None = None  # no accuracy rows (a random-weight checkpoint): timing only
+    time: bool = False              # the timing phase after the rows (timing.py)
+    time_only: bool = False         # the timing phase alone, on the rows EVAL holds
+    timing: object = None           # timing.TimingOptions (None: its defaults)
+    time_lengths: list | None = None  # the timing phase at these lengths only (others' records kept)
 
 
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
             "lengths": [1024, 2048, 4096], "samples": 1, "seed": DEFAULT_SEED, "methods": "dense",
-            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False, "holdout_tasks": None}
+            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False, "holdout_tasks": None,
+            "dispatch": "off", "speed_only": False}
 RECORDED = tuple(DEFAULTS)
+DISPATCH_MODES = ("off", "on", "both")
 
 
 def resolve(req: EvalRequest) -> EvalRequest:
@@ -81,6 +99,10 @@ def check_options(req: EvalRequest) -> None:
 
     if req.methods is not None:
         parse_methods(req.methods)
+    if req.dispatch is not None and req.dispatch not in DISPATCH_MODES:
+        raise UserError(f"--dispatch {req.dispatch!r} is not one of {', '.join(DISPATCH_MODES)}.")
+    if (req.time or req.time_only) and req.device_map:
+        raise UserError("--time and --time-only time a model on one device; leave out --device-map.")
     for t in (req.tasks or []) + (req.holdout_tasks or []):
         if t not in P.TASKS:
             raise unknown("task", t, P.TASKS)
@@ -104,9 +126,30 @@ def check_options(req: EvalRequest) -> None:
 
 def request_record(req: EvalRequest, methods) -> dict:
     """The manifest's request: what a resumed evaluation must match."""
+    from dataclasses import replace
+
     rec = {f.name: getattr(req, f.name) for f in fields(req) if f.name in RECORDED}
-    rec["methods"] = ",".join(m.label for m in methods)
+    rec["methods"] = ",".join(dict.fromkeys(replace(m, dispatch=False).label for m in methods))
+    for name in ("dispatch", "speed_only"):  # at their defaults, absent: older evaluations still resume
+        if rec.get(name) == DEFAULTS[name]:
+            del rec[name]
     return rec
+
+
+def expand_dispatch(methods: list, mode: str) -> list:
+    """Each BSFA and BLASST method without (``off``), with (``on``) or without and with (``both``)
+    the export's dispatch record; the others as they are."""
+    from dataclasses import replace
+
+    from sparsecal.evaluation.methods import DISPATCHED
+
+    out = []
+    for m in methods:
+        if m.name not in DISPATCHED:
+            out.append(m)
+            continue
+        out += [m] if mode == "off" else [replace(m, dispatch=True)] if mode == "on" else [m, replace(m, dispatch=True)]
+    return out
 
 
 @dataclass
@@ -128,7 +171,7 @@ def _check(req: EvalRequest) -> Plan:
     from sparsecal.evaluation.inputs import check_holdout, check_lengths, check_methods, find_calibration, load_export
     from sparsecal.evaluation.methods import parse_methods, with_dense
 
-    methods = with_dense(parse_methods(req.methods))
+    methods = with_dense(expand_dispatch(parse_methods(req.methods), req.dispatch))
     if req.dtype not in DTYPES:
         raise UserError(f"Unknown dtype '{req.dtype}'. Available: {', '.join(DTYPES)}.")
     for t in req.tasks:
@@ -139,6 +182,9 @@ def _check(req: EvalRequest) -> Plan:
     info = dict(_model_info(ms))
     export = load_export(req.export, info)
     check_methods(methods, export)
+    if req.dispatch != "off" and not export.dispatch and any(m.dispatch for m in methods):
+        raise UserError(f"--dispatch {req.dispatch}: export {export.path} holds no dispatch record; make one with "
+                        "`sparsecal export RUN --out DIR --break-even FILE`, or evaluate with --dispatch off.")
     check_context(req.lengths, info["max_context"])
     check_lengths(req.lengths, methods, export, req.reuse_last_threshold)
     cal = find_calibration(export, req.calibration, info["id"])
@@ -215,13 +261,18 @@ def eval_command(req: EvalRequest) -> dict:
     from sparsecal.evaluation.store import EvalStore
 
     ranks = distributed.start()
+    if ranks.several and (req.time or req.time_only):
+        raise UserError("--time runs in one process: evaluate with torchrun first, then run the same command "
+                        "with --time-only and without torchrun.")
     job = ranks.lead(lambda: _prepare(req, ranks))
-    if job.todo:
+    if job.todo and not req.time_only:
         _run(job, ranks)
     written = {}
     if ranks.main:
         store = EvalStore.open(job.req.out)
         store.merge_parts()
+        if req.time or req.time_only or job.req.speed_only:
+            timing_phase(job, store)
         written = finish(store, job.req.bench)
     ranks.gather(None)  # the ranks leave together, then close their process group in the normal flow:
     distributed.close()  # left to interpreter exit, gloo aborted ("terminate called without an active exception")
@@ -244,8 +295,9 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
                       "SDPA where it says the sparse kernel does not pay, as sparsify does; the rows measure that")
     store, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None
     if store is None:
-        prompts = _prompts(req, plan)[1]
-        store = EvalStore.create(req.out, _manifest(req, plan, prompts))
+        prompts = [] if req.speed_only else _prompts(req, plan)[1]
+        store = EvalStore.create(req.out, dict(_manifest(req, plan, prompts), dispatch_option=req.dispatch))
+    _check_dispatch_rows(store)
     store.merge_parts()  # rows a stopped rank of an earlier run left in its own file
     labels = [m.label for m in plan.methods]
     pending = store.pending(labels)
@@ -253,7 +305,10 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
                   f"{len(store.manifest['prompts'])} prompts x {len(labels)} methods, "
                   f"{sum(map(len, pending.values()))} rows to compute, {len(store.rows)} finished"
                   + (f", on {ranks.world} ranks" if ranks.several else ""))
-    if not pending:
+    if not pending or req.time_only:
+        if pending:
+            console.print(f"[yellow]warning:[/] --time-only: {sum(map(len, pending.values()))} rows are not "
+                          "evaluated yet; their configurations are timed against the rows there are")
         return EvalJob(req, plan, [])
     if prompts is None:
         prompts = _prompts(req, plan)[1]
@@ -262,6 +317,17 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
                             "evaluate again into a new --out directory.")
     by_label = {m.label: m for m in plan.methods}
     return EvalJob(req, plan, [(p, [by_label[x] for x in pending[_sid(p)]]) for p in prompts if _sid(p) in pending])
+
+
+def _check_dispatch_rows(store) -> None:
+    """Refuse to resume an evaluation made before --dispatch existed whose export has a dispatch
+    record: its BSFA and BLASST rows ran dispatched under the labels that now mean dispatch off."""
+    from sparsecal.evaluation.methods import DISPATCHED
+
+    man = store.manifest
+    if man.get("dispatch") and "dispatch_option" not in man and any(r["method"] in DISPATCHED for r in store.rows):
+        raise UserError(f"{store.root} was evaluated before --dispatch existed, with the export's dispatch record: "
+                        "its BSFA and BLASST rows ran dispatched; evaluate again into a new --out directory.")
 
 
 def _run(job: EvalJob, ranks) -> None:
@@ -277,15 +343,18 @@ def _run(job: EvalJob, ranks) -> None:
     mine = ranks.share(job.todo, weight=lambda item: item[0].length * len(item[1]))
     tok = _tokenizer(plan.ms)
     device = ranks.device(req.device)
-    model = load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
-    rows = _rows(model, tok, store, plan, mine)
-    if ranks.several:
-        for row in rows:
-            store.add_row(row)
-            console.print(f"{ranks.tag}{row['sample_id']} {row['label']}: score {row['score']:.2f}, "
-                          f"top-1 {row['top1']:.3f}, KL {row['kl']:.2e}", soft_wrap=True)
-    else:
-        _with_bars(store, plan, rows)
+    from sparsecal.evaluation.timing import gpu_lock
+
+    with gpu_lock(device, exclusive=False, say=console.print):  # the timing phase waits for every holder
+        model = load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+        rows = _rows(model, tok, store, plan, mine)
+        if ranks.several:
+            for row in rows:
+                store.add_row(row)
+                console.print(f"{ranks.tag}{row['sample_id']} {row['label']}: score {row['score']:.2f}, "
+                              f"top-1 {row['top1']:.3f}, KL {row['kl']:.2e}", soft_wrap=True)
+        else:
+            _with_bars(store, plan, rows)
     peaks = ranks.gather(distributed.peak_memory(model, device))  # every rank is done
     if ranks.main and distributed.memory_line(peaks):
         console.print(distributed.memory_line(peaks), soft_wrap=True)
@@ -326,6 +395,70 @@ def _so_far(store, label: str) -> str:
         return ""
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     return f"acc {mean('score'):.2f}  top1 {mean('top1'):.3f}  kl {mean('kl'):.4f}"
+
+
+def timing_phase(job: EvalJob, store) -> None:
+    """The timing phase (evaluation/timing.py): one process, the GPU's lock held exclusively, the
+    model loaded again on ``--device``; every timed configuration on one of its own evaluated
+    prompts (random ids for --speed-only); records to EVAL/data/timing.parquet."""
+    import polars as pl
+    import torch
+
+    from sparsecal.capture.models import load_model
+    from sparsecal.evaluation.store import TIMING, write_parquet
+    from sparsecal.evaluation.timing import TimingOptions, gpu_lock, other_gpu_processes, read_timing, run_timing
+
+    req, plan = job.req, job.plan
+    opts = req.timing or TimingOptions()
+    speed_only = bool(store.manifest["request"].get("speed_only"))
+    ids = None if speed_only else _prompt_ids(plan, store)
+    lengths = sorted({r["length"] for r in store.rows}) if not speed_only else req.lengths
+    if req.time_lengths:
+        lengths = [n for n in lengths if n in req.time_lengths]
+    with gpu_lock(req.device, exclusive=True, say=console.print):
+        others = [other_gpu_processes(req.device)]
+        console.print(f"[bold]timing phase[/] on {req.device}: {len(lengths)} lengths, {opts.rounds} round-robin rounds")
+        model = load_model(plan.ms, req.dtype, req.device)
+        records = run_timing(model, plan.methods, lengths, plan.export.path, plan.info["id"], store.rows, ids, opts,
+                             say=lambda line: console.print(line, soft_wrap=True))
+        others.append(other_gpu_processes(req.device))
+        del model
+    if not records:
+        console.print(f"[yellow]warning:[/] nothing to time at {lengths or 'no length'}: no evaluated rows there")
+        return
+    dev = torch.device(req.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    known = [n for n in others if n is not None]
+    for r in records:
+        r.update(speed_device=name, gpu_other_processes=max(known) if known else None, speed_only=speed_only,
+                 dtype=req.dtype, rounds=opts.rounds, reps=opts.reps, warmup=opts.warmup, decode_steps=opts.decode_steps)
+    if known and max(known):
+        console.print(f"[yellow]warning:[/] {max(known)} other processes used the GPU during the timing phase; "
+                      "the timings are recorded with that count (gpu_other_processes)")
+    new = pl.DataFrame(records, infer_schema_length=None)
+    old = read_timing(store.root)  # records of lengths not timed now stay
+    if old is not None and new.height:
+        old = old.join(new.select("label", "length"), on=["label", "length"], how="anti")
+        new = pl.concat([old, new], how="diagonal_relaxed") if old.height else new
+    write_parquet(store.root / TIMING, new.sort(["length", "label"]))
+
+
+def _prompt_ids(plan: Plan, store):
+    """sample id -> prompt token ids, rebuilt from the prompt's manifest entry (task, length, seed,
+    index) when first asked and checked against its id."""
+    from sparsecal.capture.prompts.tasks import build_sample
+
+    entry = {p["id"]: p for p in store.manifest["prompts"]}
+
+    @functools.cache
+    def ids(sid: str) -> list:
+        p = entry[sid]
+        s = build_sample(_tokenizer(plan.ms), p["task"], p["length"], p["seed"], p["index"])
+        if _sid(s) != sid:
+            raise UserError(f"{store.root} was planned with other prompt tokens (another tokenizer?); time it with "
+                            "the model it was evaluated with.")
+        return s.input_ids
+    return ids
 
 
 def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict, eos: set):
@@ -387,38 +520,53 @@ def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
 
 
 def finish(store, bench_files=()) -> dict:
-    """Write data/summary.parquet and results.json from the rows, and curves.parquet when bench
-    files are given; print the summary. Returns the paths written."""
+    """Write data/summary.parquet and results.json from the rows and the timing phase's records,
+    and curves.parquet when there are timings or bench files (bench rows that are not an evaluated
+    configuration are refused); print the summary. Returns the paths written."""
     import json
+
+    import polars as pl
 
     from sparsecal.evaluation.intervals import cells
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
-    from sparsecal.evaluation.summary import curves, noise_floor, read_bench, result_rows, summarize, unmatched_bench
+    from sparsecal.evaluation.summary import check_bench, curves, noise_floor, read_bench, result_rows, summarize
+    from sparsecal.evaluation.timing import print_speed, read_timing, with_speed
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance
 
-    if not store.rows:
+    timing = read_timing(store.root)
+    if not store.rows and timing is None:
         return {}
-    ci = cells(store.rows)  # the bootstrap, once for the summary, the result rows and the curves
-    summary = summarize(store.rows, ci)
     prov = dict(provenance(), eval=str(store.root), export=store.manifest["export_path"],
                 model=store.manifest["model"]["id"], rows_versions=store.manifest.get("versions"),
                 rows_device=store.manifest["request"].get("device"))  # the rows may come from another machine
-    write_parquet(store.root / SUMMARY, summary)
-    doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, ci), "noise_floor": noise_floor(summary),
+    summary = ci = None
+    written = {}
+    if store.rows:
+        ci = cells(store.rows)  # the bootstrap, once for the summary, the result rows and the curves
+        summary = summarize(store.rows, ci)
+        write_parquet(store.root / SUMMARY, summary)
+        written["summary"] = store.root / SUMMARY
+    bench, bench_prov = read_bench(bench_files) if bench_files else (pl.DataFrame(), [])
+    cur = curves(summary, bench, ci, timing)
+    meaningful = not store.manifest["request"].get("speed_only")
+    doc = {"kind": "sparsecal-eval", "rows": with_speed(result_rows(summary, ci) if summary is not None else [], cur),
+           "noise_floor": noise_floor(summary) if summary is not None else [], "accuracy_meaningful": meaningful,
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"],
-           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary)}
+           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary), "timing": timing is not None}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
-    written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
-    if bench_files:
-        bench, bench_prov = read_bench(bench_files)
-        for point in unmatched_bench(bench, summary):
-            console.print(f"[yellow]warning:[/] bench point {point} has no evaluated configuration")
+    written["results"] = store.root / RESULTS
+    if bench.height:
+        check_bench(bench, cur)
+    if bench.height or timing is not None:
         meta = {"kind": "sparsecal-curves", "eval_provenance": json.dumps(prov),
-                "bench_provenance": json.dumps(bench_prov)}
-        write_parquet(store.root / CURVES, curves(summary, bench, ci), metadata=meta)
+                "bench_provenance": json.dumps(bench_prov), "accuracy_meaningful": json.dumps(meaningful)}
+        write_parquet(store.root / CURVES, cur, metadata=meta)
         written["curves"] = store.root / CURVES
-    print_summary(summary, store.root)
+    if summary is not None:
+        print_summary(summary, store.root)
+    if timing is not None:
+        print_speed(cur, meaningful)
     return written
 
 

@@ -44,6 +44,8 @@ DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"
 _TARGETS = ("blasst", "blasst_sl", "vsa")  # methods whose VALUE is a target sparsity
 _BARE = {"dense": None, "sdpa": None, "dense:fp32": FP32, "vfa": None, "vfa:sparse": None, "vfa:dense": "dense"}
 FLOORS = ("dense:fp32", "sdpa")  # labels of the noise-floor methods
+DISPATCHED = ("bsfa", "blasst")  # methods the export's dispatch record can run dense per layer
+DISPATCH_TAG = "+dispatch"       # label suffix of a method evaluated with the dispatch record
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Method:
     name: str
     value: float | int | None = None
     decode: str | None = None
+    dispatch: bool = False  # sparsify(..., dispatch=True): the export's dispatch record (bsfa, blasst)
 
     @property
     def is_floor(self) -> bool:
@@ -71,7 +74,7 @@ class Method:
         if self.value is None:
             return self.name if self.decode is None else f"{self.name}:{self.decode}"
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f":{self.decode}"
-        return f"{self.name}:{self.value:g}{tail}"
+        return f"{self.name}:{self.value:g}{tail}" + (DISPATCH_TAG if self.dispatch else "")
 
     @property
     def config(self) -> str:
@@ -79,7 +82,7 @@ class Method:
             return {"dense": DENSE_CONFIG, "sdpa": "sdpa", "dense:fp32": "fp32 attention", "vfa": "frozen max",
                     "vfa:dense": "frozen max decode=dense"}[self.label]
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f" decode={self.decode}"
-        return f"{_PARAM[self.name]}={self.value:g}{tail}"
+        return f"{_PARAM[self.name]}={self.value:g}{tail}" + (" dispatch" if self.dispatch else "")
 
     @property
     def sparsify_kwargs(self) -> dict:
@@ -90,8 +93,9 @@ class Method:
         if self.name == "dense":
             return {"method": "dense", "precision": "fp32" if self.decode == FP32 else "model"}
         if self.name == "vfa":
-            return {"method": "vfa", "decode": self.decode_mode}
-        return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode}
+            return {"method": "vfa", "decode": self.decode_mode, "dispatch": self.dispatch}
+        return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode,
+                "dispatch": self.dispatch}
 
 
 def _bad(text: str, why: str) -> UserError:

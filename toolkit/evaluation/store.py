@@ -13,6 +13,8 @@ that an interrupted evaluation resumes where it stopped.
                                whole, atomically); rank 0 merges them into rows.parquet at the end,
                                or at the start of the next run after a rank stopped
       data/summary.parquet     every metric per method, config, length and task
+      data/timing.parquet      the timing phase's records, one per (method label, length)
+                               (evaluation/timing.py; rewritten whole by each timing phase)
 
 Only the dashboard's result files sit at the top: `sparsecal dashboard RUN --results EVAL` reads
 every Parquet and JSON file there as accuracy-speedup rows.
@@ -37,6 +39,7 @@ PARTS = "rows.part-*.parquet"  # under DATA: one rank's rows each
 SUMMARY = Path(DATA) / "summary.parquet"
 RESULTS = "results.json"
 CURVES = "curves.parquet"
+TIMING = Path(DATA) / "timing.parquet"
 
 
 def now() -> str:

@@ -15,10 +15,13 @@ Every accuracy and relative-accuracy cell carries its paired bootstrap 95% inter
 (``<stat>_lo``/``_hi``, evaluation/intervals.py), and ``answer_ll_delta`` the teacher-forced
 log-likelihood of the right answer relative to dense's (a low-noise companion of the score).
 
-Curves: per (method, config, length) the headline averaged over tasks with its interval,
-achieved prefill and decode sparsity, top-1 agreement and KL, left-joined to the bench rows of the
-same point: ``speedup_kernel`` (bench rows with task "kernel" or none), ``speedup_ttft`` (task
-"ttft") and ``speedup`` (kernel, else TTFT).
+Curves: per (method, config, length) one configuration: the headline averaged over tasks with its
+interval, achieved prefill and decode sparsity, top-1 agreement and KL, joined to its own speed
+from the timing phase (evaluation/timing.py: TTFT and TPOT speedups of the same sparsify call,
+kept only where the timed counts match the evaluated ones) and to the bench rows of the same
+configuration (``bench_speedup_kernel``, ``bench_speedup_ttft``), which join only where method,
+config (dispatch included), length and sparsity (within BENCH_SPARSITY_TOL) match: any other
+bench row is refused (``check_bench``). ``speedup``: own TTFT, else the bench's kernel, else its TTFT.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, cells
 from sparsecal.formats.errors import UserError
 
 KEYS = ["method", "config", "length"]
+BENCH_SPARSITY_TOL = 0.02  # a bench row joins a point only within this counted sparsity
 BENCH_KIND = "sparsecal-bench"
 
 
@@ -89,28 +93,21 @@ def result_rows(summary: pl.DataFrame, ci: tuple) -> list[dict]:
 
 
 def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
-    """Bench rows (method, config, length, speedup[, sparsity, task]) and each file's provenance."""
+    """Bench rows (method, config, length, speedup[, sparsity, task, dispatch]) and each file's
+    provenance. A row with ``dispatch`` true measured the export's dispatch record: its config is
+    that of the evaluated ``+dispatch`` method (``k=32 dispatch``)."""
     frames, prov = [], []
     for path in map(Path, paths):
-        try:
-            if path.suffix == ".parquet":
-                df, doc = pl.read_parquet(path), {}
-            else:
-                doc = json.loads(path.read_text())
-                if not isinstance(doc, dict) or doc.get("kind") != BENCH_KIND or not isinstance(doc.get("rows"), list):
-                    raise UserError(f"--bench {path} is not a `sparsecal bench` result "
-                                    f"(expected {{\"kind\": \"{BENCH_KIND}\", \"rows\": [...]}}).")
-                df = pl.DataFrame(doc["rows"], infer_schema_length=None)
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any unreadable file is one line
-            raise UserError(f"--bench {path} is not readable ({type(e).__name__}: {e}).") from None
+        df, doc = _bench_table(path)
         lacking = [c for c in KEYS + ["speedup"] if c not in df.columns]
         if lacking:
             raise UserError(f"--bench {path} lacks columns {', '.join(lacking)}; it should be written by `sparsecal bench`.")
         kind = pl.col("task").fill_null("kernel") if "task" in df.columns else pl.lit("kernel")
         sp = pl.col("sparsity").cast(pl.Float64) if "sparsity" in df.columns else pl.lit(None, pl.Float64)
-        frames.append(df.select(pl.col("method").cast(pl.Utf8), pl.col("config").cast(pl.Utf8),
+        disp = pl.col("dispatch").cast(pl.Boolean).fill_null(False) if "dispatch" in df.columns else pl.lit(False)
+        config = pl.when(disp & ~pl.col("config").cast(pl.Utf8).str.ends_with(" dispatch")).then(
+            pl.col("config").cast(pl.Utf8) + " dispatch").otherwise(pl.col("config").cast(pl.Utf8))
+        frames.append(df.select(pl.col("method").cast(pl.Utf8), config.alias("config"),
                                 pl.col("length").cast(pl.Int64), pl.col("speedup").cast(pl.Float64),
                                 sp.alias("bench_sparsity"), kind.cast(pl.Utf8).alias("kind"),
                                 pl.lit(path.name).alias("source")))
@@ -118,26 +115,97 @@ def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
     return pl.concat(frames) if frames else pl.DataFrame(), prov
 
 
-def curves(summary: pl.DataFrame, bench: pl.DataFrame, ci: tuple) -> pl.DataFrame:
-    """Accuracy per (method, config, length) left-joined to the bench speedups of that point
-    (``ci``: intervals.cells of the summary's rows)."""
-    acc = points(summary, ci)
-    if not bench.height:
-        return acc.sort(KEYS)
-    speed = bench.group_by(KEYS).agg(
-        pl.col("speedup").filter(pl.col("kind") == "kernel").mean().alias("speedup_kernel"),
-        pl.col("speedup").filter(pl.col("kind") == "ttft").mean().alias("speedup_ttft"),
-        pl.col("bench_sparsity").mean(), pl.col("source").unique().sort().str.join(",").alias("bench_sources"))
-    out = acc.join(speed, on=KEYS, how="left")
-    return out.with_columns(pl.coalesce("speedup_kernel", "speedup_ttft").alias("speedup")).sort(KEYS)
+def _bench_table(path: Path) -> tuple[pl.DataFrame, dict]:
+    """A bench file's rows and its JSON document ({} for Parquet); any unreadable file is one line."""
+    try:
+        if path.suffix == ".parquet":
+            return pl.read_parquet(path), {}
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or doc.get("kind") != BENCH_KIND or not isinstance(doc.get("rows"), list):
+            raise UserError(f"--bench {path} is not a `sparsecal bench` result "
+                            f"(expected {{\"kind\": \"{BENCH_KIND}\", \"rows\": [...]}}).")
+        return pl.DataFrame(doc["rows"], infer_schema_length=None), doc
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        raise UserError(f"--bench {path} is not readable ({type(e).__name__}: {e}).") from None
 
 
-def unmatched_bench(bench: pl.DataFrame, summary: pl.DataFrame) -> list[str]:
-    """Bench points (method config @ length) that no evaluated configuration matches."""
+SPEED = ["speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "ideal_ttft", "ideal_tpot", "attention_share",
+         "attention_share_decode", "timed_sparsity", "timed_decode_sparsity", "sparse_layers", "sparsity_match",
+         "decode_sparsity_match", "speed_device"]
+
+
+def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
+    """Per (label, length) the timing phase's speed of that very configuration (timing.py): TTFT
+    speedups kept only where the timed prefill sparsity matched the evaluated one, TPOT where the
+    decode sparsity did (a --speed-only evaluation has nothing to match: kept)."""
+    ok = lambda c: pl.col(c).fill_null(True)  # null: no rows to compare with
+    return timing.select(
+        "label", "length",
+        pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft")).alias("speedup_ttft"),
+        pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft_graph")).alias("speedup_ttft_graph"),
+        pl.when(ok("decode_sparsity_match")).then(pl.col("speedup_tpot")).alias("speedup_tpot"),
+        "ideal_ttft", "ideal_tpot", "attention_share", "attention_share_decode",
+        pl.col("sparsity").alias("timed_sparsity"), pl.col("decode_sparsity").alias("timed_decode_sparsity"),
+        "sparse_layers", "sparsity_match", "decode_sparsity_match", "speed_device")
+
+
+def curves(summary: pl.DataFrame | None, bench: pl.DataFrame, ci: tuple | None,
+           timing: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Per (method, config, length) one configuration: its accuracy (``points``; null without
+    rows), its own speed from the timing phase (``own_speed``) and the bench rows of the same
+    configuration (``bench_speedup_kernel``, ``bench_speedup_ttft``; ``check_bench`` has refused any
+    that does not match). ``speedup``: the point's own TTFT speedup, else the bench's kernel, else
+    its TTFT."""
+    acc = points(summary, ci) if summary is not None else timing.select(*KEYS, "label", pl.col("sparsity"),
+                                                                        pl.col("decode_sparsity"))
+    out = acc
+    if timing is not None and timing.height:
+        out = out.join(own_speed(timing), on=["label", "length"], how="left")
+    else:
+        out = out.with_columns(*[pl.lit(None, pl.Float64).alias(c) for c in ("speedup_ttft", "speedup_tpot")])
+    if bench.height:
+        speed = bench.group_by(KEYS).agg(
+            pl.col("speedup").filter(pl.col("kind") == "kernel").mean().alias("bench_speedup_kernel"),
+            pl.col("speedup").filter(pl.col("kind") == "ttft").mean().alias("bench_speedup_ttft"),
+            pl.col("bench_sparsity").mean(), pl.col("source").unique().sort().str.join(",").alias("bench_sources"))
+        out = out.join(speed, on=KEYS, how="left")
+    else:
+        out = out.with_columns(pl.lit(None, pl.Float64).alias("bench_speedup_kernel"),
+                               pl.lit(None, pl.Float64).alias("bench_speedup_ttft"))
+    return out.with_columns(pl.coalesce("speedup_ttft", "bench_speedup_kernel", "bench_speedup_ttft")
+                            .alias("speedup"), pl.lit(summary is not None).alias("accuracy_meaningful")).sort(KEYS)
+
+
+def unmatched_bench(bench: pl.DataFrame, points_: pl.DataFrame) -> list[str]:
+    """Bench rows that no evaluated configuration matches: no (method, config, length) point, no
+    recorded sparsity, or a sparsity more than BENCH_SPARSITY_TOL from the point's (``points_``:
+    the evaluated points, with ``sparsity``)."""
     if not bench.height:
         return []
-    miss = bench.select(KEYS).unique().join(summary.select(KEYS).unique(), on=KEYS, how="anti").sort(KEYS)
-    return [f"{r['method']} {r['config']} @ {r['length']}" for r in miss.to_dicts()]
+    j = bench.join(points_.select(*KEYS, pl.col("sparsity").alias("_eval_sparsity")), on=KEYS, how="left")
+    out = []
+    for r in j.sort(KEYS).to_dicts():
+        at = f"{r['method']} {r['config']} @ {r['length']} ({r['source']})"
+        if r["_eval_sparsity"] is None:
+            out.append(f"bench point {at} has no evaluated configuration")
+        elif r["bench_sparsity"] is None:
+            out.append(f"bench point {at} records no sparsity to match the evaluated {r['_eval_sparsity']:.3f}")
+        elif abs(r["bench_sparsity"] - r["_eval_sparsity"]) > BENCH_SPARSITY_TOL:
+            out.append(f"bench point {at} ran sparsity {r['bench_sparsity']:.3f}, the evaluated configuration "
+                       f"{r['_eval_sparsity']:.3f}")
+    return out
+
+
+def check_bench(bench: pl.DataFrame, points_: pl.DataFrame) -> None:
+    """Refuse, in one line, bench rows that are not the evaluated configuration (``unmatched_bench``)."""
+    bad = unmatched_bench(bench, points_)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(f"--bench: {bad[0]}{more}; a bench row joins only the same method, config (dispatch "
+                        f"included) and length with sparsity within {BENCH_SPARSITY_TOL}: leave the file out, or "
+                        "time the evaluated configuration itself with `sparsecal eval ... --time`.")
 
 
 def noise_floor(summary: pl.DataFrame) -> list[dict]:
@@ -168,7 +236,7 @@ def split_rows(summary: pl.DataFrame) -> list[dict]:
     apart: ``accuracy_rel_dense`` averaged over the split's tasks where it is defined, top-1, KL
     and ``answer_ll_delta`` averaged over its tasks, ``samples`` summed, ``tasks`` (comma-separated).
     Empty when no row knows its split."""
-    if "split" not in summary.columns:
+    if summary is None or "split" not in summary.columns:
         return []
     f = summary.filter(pl.col("split").is_not_null())
     if not f.height:

@@ -22,6 +22,10 @@ Row columns (the ones marked * are required, plus at least one of the two measur
     accuracy_rel_dense_lo, accuracy_rel_dense_hi
                          float  the 95% interval of accuracy_rel_dense (optional; `sparsecal eval`
                                 writes a paired bootstrap interval, drawn as error bars)
+    speedup_ttft, speedup_tpot
+                         float  the point's own time-to-first-token and time-per-output-token
+                                speedup against the best SDPA, timed on the evaluated configuration
+                                (`sparsecal eval --time`; optional; ``speedup`` is the TTFT one)
     task                 str    evaluation task (optional; accuracies are averaged over tasks)
     metric               str    what accuracy measures, e.g. "accuracy", "top1", "kl" (optional)
 
@@ -40,7 +44,8 @@ from sparsecal.formats.errors import UserError
 
 KEYS = ("method", "config", "length")
 MEASURES = ("accuracy_rel_dense", "speedup")
-OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi")
+OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "speedup_ttft",
+            "speedup_tpot")
 KINDS = ("sparsecal-eval", "sparsecal-bench")
 PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
              "into DIR/curves.parquet) and `sparsecal bench --smollm2` on a GPU (speedup rows, "

@@ -1,0 +1,131 @@
+"""`sparsecal eval --time`: every curve point's speed is timed on the very configuration its
+accuracy rows ran (same method, value, decode mode, dispatch, same counted tiles); a point whose
+timing came from another configuration loses its speedup; bench rows join only the same
+configuration at the same sparsity; a --speed-only evaluation labels its accuracy meaningless.
+
+A tiny random Llama (2 layers, 4 heads) with a byte-level tokenizer of its own (the task prompts
+need one; 256 byte tokens and an EOS), the dispatch export of tests/helpers.py (BSFA k=1 skips
+every candidate; at 256 tokens the dispatch record runs layer 1 dense), timed on the CPU."""
+import json
+import shutil
+
+import polars as pl
+import pytest
+
+from sparsecal.evaluation.methods import DISPATCH_TAG
+from sparsecal.formats.errors import UserError
+
+from helpers import assert_user_error, cli, dispatch_export, make_checkpoint
+
+TIMING = ["--time", "--rounds", "1", "--reps", "1", "--warmup", "0", "--decode-steps", "1", "--no-graph"]
+
+
+def _byte_tokenizer(folder):
+    """A byte-level BPE without merges (every byte one token) and an EOS, saved into ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[])
+    t = Tokenizer(bpe)
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>").save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, module_seed):
+    """(eval dir, checkpoint, export) of dense and bsfa:1 with and without dispatch, text at 256
+    tokens, accuracy rows then the timing phase."""
+    from sparsecal.capture.models import resolve_model
+
+    root = tmp_path_factory.mktemp("speed")
+    ck = make_checkpoint(root / "ck", module_seed, heads=4, kv_heads=2, layers=2, context=512)
+    _byte_tokenizer(ck)
+    export = dispatch_export(root / "export", model=resolve_model(str(ck)).model_id)
+    out = root / "ev"
+    res = cli("eval", export, "--out", out, "--model", ck, "--tasks", "text", "--lengths", "256",
+              "--methods", "dense,bsfa:1", "--dispatch", "both", *TIMING)
+    assert res.exit_code == 0, res.output
+    return out, ck, export
+
+
+def test_every_speed_point_is_the_evaluated_configuration(evaluated):
+    from sparsecal.evaluation.methods import Method
+    from sparsecal.evaluation.summary import own_speed
+    from sparsecal.evaluation.timing import SPARSITY_TOL, method_record
+
+    out = evaluated[0]
+    rows = pl.read_parquet(out / "data" / "rows.parquet").to_dicts()
+    timing = pl.read_parquet(out / "data" / "timing.parquet")
+    curves = pl.read_parquet(out / "curves.parquet")
+    assert sorted(timing["label"]) == ["bsfa:1", "bsfa:1+dispatch", "dense"]  # the floors are not timed
+    assert set(timing["speed_device"]) == {"cpu"}
+    for rec in timing.to_dicts():
+        mine = [r for r in rows if r["label"] == rec["label"] and r["length"] == rec["length"]]
+        assert mine and {(r["method"], r["config"]) for r in mine} == {(rec["method"], rec["config"])}
+        assert rec["dispatch"] == rec["label"].endswith(DISPATCH_TAG)
+        row = next(r for r in mine if r["sample_id"] == rec["prompt"])  # timed on one of its own prompts
+        assert rec["prefill_reachable"] == row["prefill_reachable"]
+        assert abs(rec["sparsity"] - rec["point_sparsity"]) <= SPARSITY_TOL and rec["sparsity_match"]
+        assert rec["ttft_ms"] > 0 and rec["tpot_ms"] > 0 and rec["sdpa_ttft_backend"] == "sdpa"
+        point = curves.filter((pl.col("label") == rec["label"]) & (pl.col("length") == rec["length"])).to_dicts()[0]
+        assert point["speedup"] == point["speedup_ttft"] == rec["speedup_ttft"]
+        assert point["accuracy_rel_dense"] is not None and point["accuracy_meaningful"]
+    by = {r["label"]: r for r in timing.to_dicts()}
+    # the two deployable forms are told apart by their counts: dispatch ran layer 1 dense at 256 tokens
+    assert by["bsfa:1+dispatch"]["sparse_layers"] == 1 and by["bsfa:1"]["sparse_layers"] == 2
+    assert by["bsfa:1+dispatch"]["prefill_reachable"] * 2 == by["bsfa:1"]["prefill_reachable"]
+    # timings of the other configuration put on a point: no match, no speedup on that point
+    t = {k: [by["bsfa:1"][k]] for k in ("prefill_skipped", "prefill_reachable", "decode_skipped",
+                                          "decode_reachable", "sparse_layers")}
+    t.update(ttft_ms=by["bsfa:1"]["ttft_rounds_ms"], tpot_ms=by["bsfa:1"]["tpot_rounds_ms"])
+    base = {m: {"best": "sdpa", "ms": 1.0, "rest": 0.5, "share": 0.5} for m in ("ttft_ms", "ttft_graph_ms", "tpot_ms")}
+    wrong = method_record(Method("bsfa", 1, None, True), 256, t, base, by["bsfa:1+dispatch"]["prompt"], rows)
+    assert wrong["sparsity_match"] is False
+    assert own_speed(pl.DataFrame([wrong]).with_columns(pl.lit("cpu").alias("speed_device")))["speedup_ttft"][0] is None
+
+
+def _bench(path, rows):
+    path.write_text(json.dumps({"kind": "sparsecal-bench", "rows": rows, "provenance": {"gpu": "test"}}))
+    return path
+
+
+def test_bench_join_only_for_the_same_configuration(evaluated, tmp_path):
+    from sparsecal.evaluation.command import finish
+    from sparsecal.evaluation.store import EvalStore
+
+    out = tmp_path / "ev"
+    shutil.copytree(evaluated[0], out)
+    store = EvalStore.open(out)
+    s = {r["label"]: r["sparsity"] for r in store.rows}
+    same = {"method": "bsfa", "config": "k=1", "length": 256, "speedup": 1.5, "task": "kernel", "dispatch": True,
+            "sparsity": s["bsfa:1+dispatch"]}
+    written = finish(store, [_bench(tmp_path / "ok.json", [same])])
+    cur = pl.read_parquet(written["curves"]).filter(pl.col("label") == "bsfa:1+dispatch").to_dicts()[0]
+    assert cur["bench_speedup_kernel"] == 1.5 and cur["speedup"] == cur["speedup_ttft"]  # its own speed first
+    for bad, why in ((dict(same, sparsity=s["bsfa:1+dispatch"] + 0.05), "ran sparsity"),
+                     (dict(same, config="k=2"), "has no evaluated configuration"),
+                     ({k: v for k, v in same.items() if k != "sparsity"}, "records no sparsity")):
+        with pytest.raises(UserError) as e:
+            finish(store, [_bench(tmp_path / "bad.json", [bad])])
+        assert why in str(e.value) and "\n" not in str(e.value)
+    res = cli("eval", evaluated[2], "--out", out, "--bench", _bench(tmp_path / "bad.json", [dict(same, length=512)]))
+    last = res.stderr.strip().splitlines()[-1]  # the progress lines first, then the refusal in one line
+    assert res.exit_code == 2 and last.startswith("error: ") and "bsfa k=1 dispatch @ 512" in last, res.output
+
+
+def test_speed_only_labels_accuracy_meaningless(evaluated, tmp_path):
+    _, ck, export = evaluated
+    out = tmp_path / "speed"
+    res = cli("eval", export, "--out", out, "--model", ck, "--lengths", "256", "--methods", "bsfa:1",
+              "--speed-only", *TIMING[1:])
+    assert res.exit_code == 0, res.output
+    assert not (out / "data" / "rows.parquet").exists()
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["accuracy_meaningful"] is False and doc["timing"] is True
+    assert {r["label"] for r in doc["rows"]} == {"dense", "bsfa:1"}
+    assert all(r["accuracy_rel_dense"] is None and r["speedup_ttft"] > 0 for r in doc["rows"])
+    cur = pl.read_parquet(out / "curves.parquet")
+    assert not cur["accuracy_meaningful"].any() and cur["timed_sparsity"].is_not_null().all()
+    assert "accuracy: meaningless" in res.output
+    assert_user_error(cli("eval", export, "--out", tmp_path / "x", "--model", ck, "--lengths", "256",
+                          "--methods", "bsfa:1", "--dispatch", "sometimes"), "--dispatch 'sometimes'")
