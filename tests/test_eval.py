@@ -29,7 +29,7 @@ def test_methods_grammar():
     assert ms[6].sparsify_kwargs == {"method": "window", "blocks": 32, "decode": "sparse", "dispatch": False}
     assert (Method("bsfa", 16, None, True).label, Method("bsfa", 16, None, True).config) == ("bsfa:16+dispatch",
                                                                                           "k=16 dispatch")
-    assert ms[0].sparsify_kwargs == {"method": "dense", "precision": "model"}  # the kernels, skipping off
+    assert ms[0].sparsify_kwargs == {"method": "dense", "precision": "model", "dispatch": False}  # the kernels, skipping off
     assert [m.label for m in with_dense(parse_methods("blasst:0.5, window:0"))] == [
         "dense", "dense:fp32", "blasst:0.5", "window:0"]
     assert with_dense(parse_methods("bsfa:4,dense"))[0] == Method("dense")

@@ -13,6 +13,8 @@ _dense_calls`` pins on the CPU (BLASST used to run its own kernel with ln lambda
 """
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -90,9 +92,9 @@ def test_skip_nothing_equals_dense_under_a_dispatch_record(tiny):
     as ``dense`` does under the same record."""
     model, ids, root = tiny
     exp, short = dispatch_export(root / "disp"), ids[:200]
-    ref = _outputs(model, Method("dense"), exp, short)
+    ref = _outputs(model, Method("dense", dispatch=True), exp, short)  # eval's dense+dispatch
     for label in ("bsfa:1", "blasst:0.5", "blasst:0.5:dense", "window:8", "window:8:dense"):
-        got = _outputs(model, parse_methods(label)[0], exp, short)
+        got = _outputs(model, replace(parse_methods(label)[0], dispatch=True), exp, short)
         assert got["skipped"] == 0 and torch.equal(got["logits"], ref["logits"]), label
         assert got["tokens"] == ref["tokens"] and got["ll"] == ref["ll"], label
     use_method(model, Method("sdpa"), exp, "tiny")

@@ -138,7 +138,10 @@ def request_record(req: EvalRequest, methods) -> dict:
 
 def expand_dispatch(methods: list, mode: str) -> list:
     """Each BSFA and BLASST method without (``off``), with (``on``) or without and with (``both``)
-    the export's dispatch record; the others as they are."""
+    the export's dispatch record; the others as they are. ``dense`` (the reference) always runs
+    without it; with ``on`` or ``both``, ``dense+dispatch`` (every prefill layer on the record's
+    SDPA, sparsify's one dense path under dispatch) is added as a noise floor: what the dispatched
+    methods' dense layers alone move."""
     from dataclasses import replace
 
     from sparsecal.evaluation.methods import DISPATCHED
@@ -149,6 +152,10 @@ def expand_dispatch(methods: list, mode: str) -> list:
             out.append(m)
             continue
         out += [m] if mode == "off" else [replace(m, dispatch=True)] if mode == "on" else [m, replace(m, dispatch=True)]
+    if mode in ("on", "both") and any(m.dispatch for m in out):
+        from sparsecal.evaluation.methods import Method
+
+        out.append(Method("dense", dispatch=True))
     return out
 
 

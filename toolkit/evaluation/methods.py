@@ -43,7 +43,7 @@ DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"
            **{m: ("sparse", "dense") for m in ("window_sink", "blasst_sl", "vsa", "vfa")}}
 _TARGETS = ("blasst", "blasst_sl", "vsa")  # methods whose VALUE is a target sparsity
 _BARE = {"dense": None, "sdpa": None, "dense:fp32": FP32, "vfa": None, "vfa:sparse": None, "vfa:dense": "dense"}
-FLOORS = ("dense:fp32", "sdpa")  # labels of the noise-floor methods
+FLOORS = ("dense:fp32", "sdpa", "dense+dispatch")  # labels of the noise-floor methods
 DISPATCHED = ("bsfa", "blasst")  # methods the export's dispatch record can run dense per layer
 DISPATCH_TAG = "+dispatch"       # label suffix of a method evaluated with the dispatch record
 
@@ -72,7 +72,8 @@ class Method:
     @property
     def label(self) -> str:
         if self.value is None:
-            return self.name if self.decode is None else f"{self.name}:{self.decode}"
+            return (self.name if self.decode is None else f"{self.name}:{self.decode}") + (
+                DISPATCH_TAG if self.dispatch else "")
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f":{self.decode}"
         return f"{self.name}:{self.value:g}{tail}" + (DISPATCH_TAG if self.dispatch else "")
 
@@ -80,6 +81,7 @@ class Method:
     def config(self) -> str:
         if self.value is None:
             return {"dense": DENSE_CONFIG, "sdpa": "sdpa", "dense:fp32": "fp32 attention", "vfa": "frozen max",
+                    "dense+dispatch": "dense dispatch",
                     "vfa:dense": "frozen max decode=dense"}[self.label]
         tail = "" if self.decode in (None, DECODES[self.name][0]) else f" decode={self.decode}"
         return f"{_PARAM[self.name]}={self.value:g}{tail}" + (" dispatch" if self.dispatch else "")
@@ -91,7 +93,8 @@ class Method:
         if self.name == "sdpa":
             return {}
         if self.name == "dense":
-            return {"method": "dense", "precision": "fp32" if self.decode == FP32 else "model"}
+            return {"method": "dense", "precision": "fp32" if self.decode == FP32 else "model",
+                    "dispatch": self.dispatch}
         if self.name == "vfa":
             return {"method": "vfa", "decode": self.decode_mode, "dispatch": self.dispatch}
         return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode,
