@@ -45,6 +45,7 @@ class EvalRequest:
     calibration: Path | None = None
     held_out_tasks_only: bool = False
     holdout_tasks: list | None = None  # task families that must be held out (added to tasks); see inputs.split_of
+    extrapolate: bool | None = None    # BLASST past its law's validated lengths: a/L (True) or dense (evaluation/laws.py)
     bench: list = field(default_factory=list)
     device_map: str | None = None   # placement only, not recorded: "auto" spreads the model over the GPUs
     max_memory: str | None = None   # budgets of --device-map auto ("0=20GiB,cpu=64GiB")
@@ -52,7 +53,8 @@ class EvalRequest:
 
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
             "lengths": [1024, 2048, 4096], "samples": 1, "seed": DEFAULT_SEED, "methods": "dense",
-            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False, "holdout_tasks": None}
+            "dtype": "float32", "device": "cpu", "reuse_last_threshold": False, "holdout_tasks": None,
+            "extrapolate": False}
 RECORDED = tuple(DEFAULTS)
 
 
@@ -75,12 +77,14 @@ def check_options(req: EvalRequest) -> None:
     from sparsecal.capture import prompts as P
     from sparsecal.capture.distributed import check_placement
     from sparsecal.capture.models import check_dtype_device
+    from sparsecal.evaluation.laws import check_extrapolate
     from sparsecal.evaluation.methods import parse_methods
     from sparsecal.evaluation.summary import read_bench
     from sparsecal.formats.errors import unknown
 
     if req.methods is not None:
         parse_methods(req.methods)
+    check_extrapolate(req.extrapolate, req.methods)
     for t in (req.tasks or []) + (req.holdout_tasks or []):
         if t not in P.TASKS:
             raise unknown("task", t, P.TASKS)
@@ -106,6 +110,8 @@ def request_record(req: EvalRequest, methods) -> dict:
     """The manifest's request: what a resumed evaluation must match."""
     rec = {f.name: getattr(req, f.name) for f in fields(req) if f.name in RECORDED}
     rec["methods"] = ",".join(m.label for m in methods)
+    if not rec.get("extrapolate"):  # the default is not written: evaluations from before the option resume
+        rec.pop("extrapolate", None)
     return rec
 
 
@@ -242,6 +248,10 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
         d = plan.export.dispatch
         console.print(f"the export holds a dispatch record ({d['name']}, {d['gpu']}): BSFA and BLASST prefills run "
                       "SDPA where it says the sparse kernel does not pay, as sparsify does; the rows measure that")
+    from sparsecal.evaluation.laws import plan_lines
+
+    for line in plan_lines(plan.methods, plan.export.path, req.lengths, req.extrapolate):
+        console.print(f"[yellow]note:[/] {line}", soft_wrap=True)
     store, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None
     if store is None:
         prompts = _prompts(req, plan)[1]
@@ -346,7 +356,7 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
     for method in methods:  # dense first (with_dense put it there): the reference of the others
         if ref is not None and method not in pending:
             continue
-        use_method(model, method, export_dir, model_id)
+        use_method(model, method, export_dir, model_id, (manifest.get("request") or {}).get("extrapolate", False))
         pre = prefill(model, prompt.input_ids)
         ref = Reference(head, pre.hidden) if ref is None else ref
         if method in pending:
@@ -383,6 +393,7 @@ def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
             "sparsity": sparsity_of(pre.skipped, pre.reachable), "prefill_skipped": pre.skipped,
             "prefill_reachable": pre.reachable, "decode_sparsity": sparsity_of(gen.skipped, gen.reachable),
             "decode_skipped": gen.skipped, "decode_reachable": gen.reachable, "new_tokens": len(gen.tokens),
+            "prefill_law": pre.law, "decode_law": gen.law,
             "prefill_s": pre.seconds, "decode_s": gen.seconds, "seconds": pre.seconds + gen.seconds}
 
 
@@ -392,6 +403,7 @@ def finish(store, bench_files=()) -> dict:
     import json
 
     from sparsecal.evaluation.intervals import cells
+    from sparsecal.evaluation.laws import law_cells, law_lines
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
     from sparsecal.evaluation.summary import curves, noise_floor, read_bench, result_rows, summarize, unmatched_bench
     from sparsecal.formats.files import atomic_write_text
@@ -407,7 +419,7 @@ def finish(store, bench_files=()) -> dict:
     write_parquet(store.root / SUMMARY, summary)
     doc = {"kind": "sparsecal-eval", "rows": result_rows(summary, ci), "noise_floor": noise_floor(summary),
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"],
-           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary)}
+           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary), "laws": law_cells(store.rows)}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written = {"summary": store.root / SUMMARY, "results": store.root / RESULTS}
     if bench_files:
@@ -419,6 +431,8 @@ def finish(store, bench_files=()) -> dict:
         write_parquet(store.root / CURVES, curves(summary, bench, ci), metadata=meta)
         written["curves"] = store.root / CURVES
     print_summary(summary, store.root)
+    for line in law_lines(store.rows, store.manifest["request"].get("extrapolate", False)):
+        Console(width=max(170, Console().width)).print(line, soft_wrap=True)
     return written
 
 
