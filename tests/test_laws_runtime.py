@@ -121,8 +121,8 @@ def test_rows_summary_lines_and_option_check():
             {"label": "dense", "length": 8192, "prefill_law": None, "decode_law": None}]
     assert law_cells(rows) == [{"label": "blasst:0.5", "length": 8192, "samples": 2,
                                 "prefill": {"interpolated": 2}, "decode": {"extrapolated": 2}}]
-    assert law_lines(rows, False) == ["law extrapolated: blasst:0.5 decode at 8192 tokens in 2 of 2 samples; ran dense "
-                                      "there (pass --extrapolate to apply a/L anyway)"]
+    assert law_lines(rows, False) == [("law extrapolated: blasst:0.5 decode at 8192 tokens in 2 of 2 samples; ran "
+                                       "dense there (pass --extrapolate to apply a/L anyway)")]
     check_extrapolate(True, "blasst:0.5,bsfa:4")
     check_extrapolate(False, "bsfa:4")
     with pytest.raises(UserError, match="has no blasst method"):
@@ -162,10 +162,12 @@ def one_thread():
 
 def test_eval_extrapolate_end_to_end(tmp_path, seed, one_thread):
     """`sparsecal eval --extrapolate` at 96 tokens on a law validated on 32-64 tokens: the rows say
-    extrapolated (that it then skips is test_past_the_law_...'s); the manifest records the option; the plan and the summary say so."""
-    from sparsecal.capture.models import load_config, model_info, resolve_model
+    extrapolated (that it then skips is test_past_the_law_...'s); the manifest records the option;
+    the plan and the summary say so."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from sparsecal.capture.models import load_config, model_info, resolve_model
 
     ckpt = make_checkpoint(tmp_path / "tiny", seed, heads=2, kv_heads=1, layers=2, vocab_size=256)
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from sparsecal.formats.exports import LAW_REGIMES, blasst_law_regime, blasst_validity
 
-__all__ = ["LAW_REGIMES", "law_validity", "law_regime", "note_law", "law_max_length", "worst_regime"]
+__all__ = ["LAW_REGIMES", "law_max_length", "law_regime", "law_validity", "note_law", "worst_regime"]
 
 
 def law_validity(doc: dict, target: float, modes) -> dict:
