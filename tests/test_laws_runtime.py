@@ -20,7 +20,7 @@ from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import blasst_law_regime, blasst_runtime_lambda, write_blasst
 from sparsecal.integrations.sparsify_laws import worst_regime
 
-from helpers import assert_user_error, cli, make_checkpoint
+from helpers import cli, make_checkpoint
 
 LO, HI, A, BLOCK = 64, 128, 100.0, 16   # validated lengths LO..HI, factor a, tile size
 BLASST = Method("blasst", 0.5)
@@ -127,28 +127,6 @@ def test_rows_summary_lines_and_option_check():
     check_extrapolate(False, "bsfa:4")
     with pytest.raises(UserError, match="has no blasst method"):
         check_extrapolate(True, "dense,bsfa:4")
-
-
-@pytest.fixture
-def tripwire(monkeypatch):
-    """Reading the model (config, tokenizer, weights) or starting ranks fails the test."""
-    import sparsecal.capture.distributed as D
-    import sparsecal.capture.models as M
-
-    def trip(*args, **kwargs):
-        raise AssertionError("work started before the options were checked")
-
-    for name in ("load_config", "load_tokenizer", "load_model"):
-        monkeypatch.setattr(M, name, trip)
-    monkeypatch.setattr(D, "launch", trip)
-
-
-def test_eval_extrapolate_refused_before_the_model_is_read(tripwire, tiny, tmp_path):
-    _, _, export = tiny
-    res = cli("eval", export, "--model", tmp_path / "no-model", "--out", tmp_path / "ev", "--methods", "bsfa:4",
-              "--extrapolate")
-    assert_user_error(res, "--extrapolate applies the BLASST law", "has no blasst method")
-    assert not (tmp_path / "ev").exists()
 
 
 @pytest.fixture
