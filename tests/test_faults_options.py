@@ -105,6 +105,8 @@ EVAL_CASES = [
     (["--device", "tpu"], "is not a torch device"),
     (["--calibration", "MISSING_RUN"], "--calibration MISSING_RUN is not a directory"),
     (["--gpus", "2", "--bench", "MISSING.json"], "--bench MISSING.json does not exist"),
+    (["--methods", "bsfa:4", "--extrapolate"], "--extrapolate applies the BLASST law"),
+    (["--gpus", "2", "--methods", "dense", "--extrapolate"], "has no blasst method"),
 ]
 
 

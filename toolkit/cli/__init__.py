@@ -309,6 +309,7 @@ def eval_(
     device: Optional[str] = typer.Option(None, help="torch device for the model (default: cpu)."),
     reuse_last_threshold: Optional[bool] = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) (default: no)."),
     calibration: Optional[Path] = typer.Option(None, help="The calibration run (default: the one recorded in the export, or its parent directory)."),
+    extrapolate: Optional[bool] = typer.Option(None, "--extrapolate/--no-extrapolate", help="BLASST past its law's longest validated length applies a/L (default: no, it runs dense there); rows flag each phase's law as interpolated, extrapolated or below."),
     held_out_tasks_only: bool = typer.Option(False, "--held-out-tasks-only", help="Refuse tasks the export was calibrated on."),
     holdout_tasks: Optional[str] = typer.Option(None, "--holdout-tasks", help="Comma-separated task families that must be held out (e.g. vt,text_stdlib): added to --tasks, refused if the calibration captured them; rows get split seen|held-out from the calibration run, else from this list."),
     bench: Optional[list[Path]] = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
@@ -342,7 +343,8 @@ def eval_(
                       time=time_ or bool(speed_only), time_only=time_only,
                       timing=TimingOptions(rounds=rounds, reps=reps, warmup=warmup, decode_steps=decode_steps,
                                            graph=graph),
-                      time_lengths=_int_list(time_lengths, "time-lengths") if time_lengths else None)
+                      time_lengths=_int_list(time_lengths, "time-lengths") if time_lengths else None,
+                      extrapolate=extrapolate)
     check_options(req)  # every option, --bench files included, before ranks start or the model is read
     _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)
     eval_command(req)

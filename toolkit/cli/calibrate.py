@@ -58,17 +58,19 @@ def _fmt(x) -> str:
 
 def _print_laws(out, doc: dict) -> None:
     """Per mode and target: a/L (deployed), a L^-b and A exp(B S)/L with R^2 in ln lambda, and the
-    lengths the deployed law holds on (sparsify runs dense below ``dense below``)."""
+    lengths the deployed law holds on (sparsify runs dense below ``dense below`` and, unless it is
+    told to extrapolate, past the longest of them: ``dense past``)."""
     t = Table(title=f"BLASST lambda laws ({doc['request']['order']} order; R² in ln λ; a/L is deployed)")
     for col in ("mode", "target", "a (a/L)", "R²", "a·L^-b: b", "R²", "A·e^(BS)/L: A, B", "R²",
-                "holds on (tokens)", "dense below"):
+                "holds on (tokens)", "dense below", "dense past"):
         t.add_column(col, justify="right")
     for c in doc["blasst"]:
         laws, dep = c.get("laws", {}), c.get("deployed") or {}
         p, e = laws.get("power") or {}, laws.get("exp") or {}
         t.add_row(c["mode"], f"{c['target']:g}", f"{c['a']:.4g}", _fmt(c["law"]["r2"]), _fmt(p.get("b")),
                   _fmt(p.get("r2")), f"{_fmt(e.get('A'))}, {_fmt(e.get('B'))}" if e else "-", _fmt(e.get("r2")),
-                  ",".join(map(str, dep.get("validated_lengths", []))), str(dep.get("dense_below", "-")))
+                  ",".join(map(str, dep.get("validated_lengths", []))), str(dep.get("dense_below", "-")),
+                  str(dep.get("max_length", "-")))
     out.print(t)
     from sparsecal.analysis.blasst_laws import exp_note
 

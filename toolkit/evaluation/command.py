@@ -55,6 +55,7 @@ class EvalRequest:
     calibration: Path | None = None
     held_out_tasks_only: bool = False
     holdout_tasks: list | None = None  # task families that must be held out (added to tasks); see inputs.split_of
+    extrapolate: bool | None = None    # BLASST past its law's validated lengths: a/L (True) or dense (evaluation/laws.py)
     bench: list = field(default_factory=list)
     device_map: str | None = None   # placement only, not recorded: "auto" spreads the model over the GPUs
     max_memory: str | None = None   # budgets of --device-map auto ("0=20GiB,cpu=64GiB")
@@ -69,7 +70,7 @@ class EvalRequest:
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
             "lengths": [1024, 2048, 4096], "samples": 1, "seed": DEFAULT_SEED, "methods": "dense",
             "dtype": "float32", "device": "cpu", "reuse_last_threshold": False, "holdout_tasks": None,
-            "dispatch": "off", "speed_only": False}
+            "dispatch": "off", "speed_only": False, "extrapolate": False}
 RECORDED = tuple(DEFAULTS)
 DISPATCH_MODES = ("off", "on", "both")
 
@@ -93,6 +94,7 @@ def check_options(req: EvalRequest) -> None:
     from sparsecal.capture import prompts as P
     from sparsecal.capture.distributed import check_placement
     from sparsecal.capture.models import check_dtype_device
+    from sparsecal.evaluation.laws import check_extrapolate
     from sparsecal.evaluation.methods import parse_methods
     from sparsecal.evaluation.summary import read_bench
     from sparsecal.formats.errors import unknown
@@ -103,6 +105,7 @@ def check_options(req: EvalRequest) -> None:
         raise UserError(f"--dispatch {req.dispatch!r} is not one of {', '.join(DISPATCH_MODES)}.")
     if (req.time or req.time_only) and req.device_map:
         raise UserError("--time and --time-only time a model on one device; leave out --device-map.")
+    check_extrapolate(req.extrapolate, req.methods)
     for t in (req.tasks or []) + (req.holdout_tasks or []):
         if t not in P.TASKS:
             raise unknown("task", t, P.TASKS)
@@ -130,7 +133,7 @@ def request_record(req: EvalRequest, methods) -> dict:
 
     rec = {f.name: getattr(req, f.name) for f in fields(req) if f.name in RECORDED}
     rec["methods"] = ",".join(dict.fromkeys(replace(m, dispatch=False).label for m in methods))
-    for name in ("dispatch", "speed_only"):  # at their defaults, absent: older evaluations still resume
+    for name in ("dispatch", "speed_only", "extrapolate"):  # at their defaults, absent: older evaluations still resume
         if rec.get(name) == DEFAULTS[name]:
             del rec[name]
     return rec
@@ -300,6 +303,10 @@ def _prepare(req: EvalRequest, ranks) -> EvalJob:
         d = plan.export.dispatch
         console.print(f"the export holds a dispatch record ({d['name']}, {d['gpu']}): BSFA and BLASST prefills run "
                       "SDPA where it says the sparse kernel does not pay, as sparsify does; the rows measure that")
+    from sparsecal.evaluation.laws import plan_lines
+
+    for line in plan_lines(plan.methods, plan.export.path, req.lengths, req.extrapolate):
+        console.print(f"[yellow]note:[/] {line}", soft_wrap=True)
     store, prompts = EvalStore.resume(req.out, _manifest(req, plan)), None
     if store is None:
         prompts = [] if req.speed_only else _prompts(req, plan)[1]
@@ -427,7 +434,8 @@ def timing_phase(job: EvalJob, store) -> None:
         console.print(f"[bold]timing phase[/] on {req.device}: {len(lengths)} lengths, {opts.rounds} round-robin rounds")
         model = load_model(plan.ms, req.dtype, req.device)
         records = run_timing(model, plan.methods, lengths, plan.export.path, plan.info["id"], store.rows, ids, opts,
-                             say=lambda line: console.print(line, soft_wrap=True))
+                             say=lambda line: console.print(line, soft_wrap=True),
+                             extrapolate=(store.manifest.get("request") or {}).get("extrapolate", False))
         others.append(other_gpu_processes(req.device))
         del model
     if not records:
@@ -486,7 +494,7 @@ def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict,
     for method in methods:  # dense first (with_dense put it there): the reference of the others
         if ref is not None and method not in pending:
             continue
-        use_method(model, method, export_dir, model_id)
+        use_method(model, method, export_dir, model_id, (manifest.get("request") or {}).get("extrapolate", False))
         pre = prefill(model, prompt.input_ids)
         ref = Reference(head, pre.hidden) if ref is None else ref
         if method in pending:
@@ -523,6 +531,7 @@ def _row(prompt, method, tok, pre, gen, fid, held) -> dict:
             "sparsity": sparsity_of(pre.skipped, pre.reachable), "prefill_skipped": pre.skipped,
             "prefill_reachable": pre.reachable, "decode_sparsity": sparsity_of(gen.skipped, gen.reachable),
             "decode_skipped": gen.skipped, "decode_reachable": gen.reachable, "new_tokens": len(gen.tokens),
+            "prefill_law": pre.law, "decode_law": gen.law,
             "prefill_s": pre.seconds, "decode_s": gen.seconds, "seconds": pre.seconds + gen.seconds}
 
 
@@ -535,6 +544,7 @@ def finish(store, bench_files=()) -> dict:
     import polars as pl
 
     from sparsecal.evaluation.intervals import cells
+    from sparsecal.evaluation.laws import law_cells, law_lines
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
     from sparsecal.evaluation.summary import check_bench, curves, noise_floor, read_bench, result_rows, summarize
     from sparsecal.evaluation.timing import print_speed, read_timing, with_speed
@@ -560,7 +570,8 @@ def finish(store, bench_files=()) -> dict:
     doc = {"kind": "sparsecal-eval", "rows": with_speed(result_rows(summary, ci) if summary is not None else [], cur),
            "noise_floor": noise_floor(summary) if summary is not None else [], "accuracy_meaningful": meaningful,
            "provenance": prov, "request": store.manifest["request"], "calibration": store.manifest["calibration"],
-           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary), "timing": timing is not None}
+           "dispatch": store.manifest.get("dispatch"), "splits": _split_rows(summary), "timing": timing is not None,
+           "laws": law_cells(store.rows)}
     atomic_write_text(store.root / RESULTS, json.dumps(doc, indent=1, allow_nan=False))
     written["results"] = store.root / RESULTS
     if bench.height:
@@ -572,6 +583,8 @@ def finish(store, bench_files=()) -> dict:
         written["curves"] = store.root / CURVES
     if summary is not None:
         print_summary(summary, store.root)
+        for line in law_lines(store.rows, store.manifest["request"].get("extrapolate", False)):
+            Console(width=max(170, Console().width)).print(line, soft_wrap=True)
     if timing is not None:
         print_speed(cur, meaningful)
     return written

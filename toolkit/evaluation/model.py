@@ -6,7 +6,9 @@ states [N, d] (after the last norm), from which the metrics draw next-token dist
 chunks (metrics.py) and ``generate`` the first new token; decode then continues from the
 cache one token at a time. Under a sparse method every forward leaves the skipped and reachable
 tiles of that forward in ``model.sparsecal_stats`` ([L, H] each); prefill keeps its own counts
-and decode sums them over its steps.
+and decode sums them over its steps. ``law`` is where the forward's length sits against the BLASST
+law's validated lengths (integrations/sparsify_laws.py: below | interpolated | extrapolated; decode:
+the worst over its steps; None without a law).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Prefill:
     seconds: float
     skipped: int = 0                # candidate tiles skipped, summed over layers and heads
     reachable: int = 0              # reachable tiles, summed likewise (0 for dense)
+    law: str | None = None          # the BLASST law's regime at this length (sparsify_laws)
 
 
 @dataclass
@@ -33,15 +36,17 @@ class Generation:
     seconds: float
     skipped: int = 0
     reachable: int = 0
+    law: str | None = None          # the worst regime over the decode steps (sparsify_laws.worst_regime)
 
 
-def use_method(model, method: Method, export_dir, model_id: str):
-    """Switch ``model`` to ``method`` (sdpa: the model's own attention)."""
+def use_method(model, method: Method, export_dir, model_id: str, extrapolate: bool = False):
+    """Switch ``model`` to ``method`` (sdpa: the model's own attention); ``extrapolate``: BLASST past
+    its law's validated lengths applies a/L instead of running dense (sparsify's keyword)."""
     from sparsecal.integrations.sparsify import densify, sparsify
 
     densify(model)
     if method.name != "sdpa":
-        sparsify(model, export_dir, model_id=model_id, **method.sparsify_kwargs)
+        sparsify(model, export_dir, model_id=model_id, extrapolate=extrapolate, **method.sparsify_kwargs)
     return model
 
 
@@ -51,6 +56,12 @@ def _counts(model) -> tuple[int, int]:
     if stats is None or not hasattr(model, "_sparsecal_state"):
         return 0, 0
     return int(stats["skipped"].sum()), int(stats["reachable"].sum())
+
+
+def _law(model) -> str | None:
+    """The law regime of the last forward (``model.sparsecal_law``), None when it has none."""
+    law = getattr(model, "sparsecal_law", None)
+    return law.get("law") if law is not None and hasattr(model, "_sparsecal_state") else None
 
 
 def _sync(device: torch.device) -> None:
@@ -69,16 +80,18 @@ def prefill(model, input_ids: list[int]) -> Prefill:
     _sync(device)
     seconds = time.perf_counter() - t0
     skipped, reachable = _counts(model)
-    return Prefill(out.last_hidden_state[0], out.past_key_values, seconds, skipped, reachable)
+    return Prefill(out.last_hidden_state[0], out.past_key_values, seconds, skipped, reachable, _law(model))
 
 
 @torch.no_grad()
 def generate(model, pre: Prefill, max_new_tokens: int, eos_ids: set) -> Generation:
     """Greedy decoding from the prompt's cache: at most ``max_new_tokens``, stopping at EOS."""
+    from sparsecal.integrations.sparsify_laws import worst_regime
+
     device = model.device
     head = model.get_output_embeddings()
     nxt = int(head(pre.hidden[-1:]).argmax(-1))
-    tokens, cache, skipped, reachable = [nxt], pre.cache, 0, 0
+    tokens, cache, skipped, reachable, laws = [nxt], pre.cache, 0, 0, []
     _sync(device)
     t0 = time.perf_counter()
     while len(tokens) < max_new_tokens and nxt not in eos_ids:
@@ -86,10 +99,11 @@ def generate(model, pre: Prefill, max_new_tokens: int, eos_ids: set) -> Generati
         cache = out.past_key_values
         s, r = _counts(model)
         skipped, reachable = skipped + s, reachable + r
+        laws.append(_law(model))
         nxt = int(out.logits[0, -1].argmax(-1))
         tokens.append(nxt)
     _sync(device)
-    return Generation(tokens, time.perf_counter() - t0, skipped, reachable)
+    return Generation(tokens, time.perf_counter() - t0, skipped, reachable, worst_regime(laws))
 
 
 @torch.no_grad()

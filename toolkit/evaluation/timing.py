@@ -291,7 +291,7 @@ def _measure(model, ids, opts: TimingOptions, sparse: bool) -> dict:
     return got
 
 
-def _variants(model, methods, ids_of: dict, base_ids, export_dir, model_id: str) -> dict:
+def _variants(model, methods, ids_of: dict, base_ids, export_dir, model_id: str, extrapolate: bool = False) -> dict:
     """key -> (ids, enter, leave, sparse): the baselines on ``base_ids``, each method on its own
     prompt ``ids_of[label]``, switched on with the same call its rows ran (model.use_method)."""
     from sparsecal.evaluation.model import use_method
@@ -300,17 +300,18 @@ def _variants(model, methods, ids_of: dict, base_ids, export_dir, model_id: str)
     out = {("base", n): (base_ids, enter, leave, False)
            for n, (enter, leave) in baseline_variants(model, base_ids.device.type == "cuda").items()}
     for m in methods:
-        out[("method", m.label)] = (ids_of[m.label], lambda m=m: use_method(model, m, export_dir, model_id),
+        out[("method", m.label)] = (ids_of[m.label], lambda m=m: use_method(model, m, export_dir, model_id, extrapolate),
                                     lambda: densify(model), True)
     return out
 
 
-def time_length(model, methods, ids_of: dict, base_ids, export_dir, model_id: str, opts: TimingOptions) -> dict:
+def time_length(model, methods, ids_of: dict, base_ids, export_dir, model_id: str, opts: TimingOptions,
+                extrapolate: bool = False) -> dict:
     """key -> {measure: [one value per round]} for every variant of one length, in round-robin
     rounds (each round enters every variant once, in the same order)."""
     from sparsecal.integrations.sparsify import densify
 
-    table = _variants(model, methods, ids_of, base_ids, export_dir, model_id)
+    table = _variants(model, methods, ids_of, base_ids, export_dir, model_id, extrapolate)
     got = {key: {} for key in table}
     densify(model)
     for _ in range(opts.rounds):
@@ -390,10 +391,11 @@ def random_ids(vocab_size: int, length: int, device):
 
 
 def run_timing(model, methods, lengths, export_dir, model_id: str, rows: list[dict], ids_of_sample,
-               opts: TimingOptions, say=print) -> list[dict]:
+               opts: TimingOptions, say=print, extrapolate: bool = False) -> list[dict]:
     """Timing records of every timed method at every length. ``ids_of_sample``: a function, sample
     id -> prompt ids of an evaluated prompt (None: --speed-only, random ids); ``rows``: the
-    evaluation's rows (empty for --speed-only)."""
+    evaluation's rows (empty for --speed-only); ``extrapolate``: the evaluation's own (sparsify's keyword),
+    so the timed call is the evaluated one."""
     device = model.device
     vocab = model.get_output_embeddings().weight.shape[0]
     methods, records = timed_methods(methods), []
@@ -404,7 +406,7 @@ def run_timing(model, methods, lengths, export_dir, model_id: str, rows: list[di
                   torch.tensor([ids_of_sample(prompt_of[m.label])], device=device) for m in here}
         if not here:
             continue
-        got = time_length(model, here, ids_of, ids_of[here[0].label], export_dir, model_id, opts)
+        got = time_length(model, here, ids_of, ids_of[here[0].label], export_dir, model_id, opts, extrapolate)
         base = _baseline(got)
         for m in here:
             rec = method_record(m, n, got[("method", m.label)], base, prompt_of[m.label], rows)

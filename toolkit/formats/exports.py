@@ -474,16 +474,35 @@ def blasst_min_length(doc: dict, mode: str = "prefill", target: float | None = N
     return None if v is None else int(v["min_length"])
 
 
-def blasst_runtime_lambda(factor: float | None, length: int, min_length: int | None = None) -> float | None:
+def blasst_runtime_lambda(factor: float | None, length: int, min_length: int | None = None,
+                          max_length: int | None = None) -> float | None:
     """The runtime policy (docs/design.md "Applying thresholds"): lambda = factor / length, or None
     (run dense: ln(lambda) = -inf, nothing skipped) when there is no factor, when ``length`` is below
-    ``min_length`` (the law was never validated that short: extrapolating it is a guess) or when
-    factor / length > 1 (ln(lambda) > 0 skips every candidate tile, since every gap is <= 0).
-    lambda = 1 exactly is kept: it skips the tiles with gap < 0 only."""
+    ``min_length`` (the law was never validated that short: extrapolating it is a guess), when it is
+    past ``max_length`` (given unless the caller opts in to extrapolation: sparsify(..., extrapolate=
+    True)) or when factor / length > 1 (ln(lambda) > 0 skips every candidate tile, since every gap is
+    <= 0). lambda = 1 exactly is kept: it skips the tiles with gap < 0 only."""
     if factor is None or (min_length is not None and length < min_length):
+        return None
+    if max_length is not None and length > max_length:
         return None
     lam = float(factor) / float(length)
     return None if lam > 1.0 else lam
+
+
+LAW_REGIMES = ("below", "interpolated", "extrapolated")  # where a length sits against a law's validated lengths
+
+
+def blasst_law_regime(length: int, validity: dict | None) -> str | None:
+    """Where ``length`` sits against a law's ``validity`` entry ({"min_length", "max_length", ...},
+    blasst_validity): "below" (shorter than min_length: never validated there), "interpolated"
+    (min_length <= length <= max_length) or "extrapolated" (past max_length); None without an entry
+    (no validated lengths known: the law is applied at every length, unchecked)."""
+    if not validity:
+        return None
+    if length < int(validity["min_length"]):
+        return "below"
+    return "extrapolated" if length > int(validity["max_length"]) else "interpolated"
 
 
 def blasst_dense_below(factor: float, min_length: int | None = None) -> int:

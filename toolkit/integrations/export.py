@@ -110,7 +110,9 @@ def check_export_dir(out: Path) -> None:
 
 LENGTH_POLICY = ("lambda = threshold_scale_factor[mode] / L only where the law holds: sparsify runs dense (ln lambda "
                  "= -inf) below validity[mode].min_length (the shortest calibrated length at which the target was "
-                 "reached) and wherever factor / L > 1 (ln lambda > 0 would skip every candidate tile)")
+                 "reached), past validity[mode].max_length (the longest: the law is extrapolated there) unless "
+                 "sparsify(..., extrapolate=True), and wherever factor / L > 1 (ln lambda > 0 would skip every "
+                 "candidate tile)")
 
 
 def _validity(cal: dict) -> dict | None:
@@ -267,7 +269,8 @@ def length_lines(doc: dict) -> list[str]:
                    else f"the law is not validated below {v['min_length']} tokens")
             out.append(f"BLASST target {entry['target_sparsity']:g} {mode}: a/L (a = {a:.4g}) holds on "
                        f"{', '.join(map(str, v['validated_lengths']))} tokens; sparsify runs {mode} dense below "
-                       f"{below} tokens ({why}).")
+                       f"{below} tokens ({why}) and past {v['max_length']} tokens (extrapolated: a/L only with "
+                       "extrapolate=True).")
     return out
 
 

@@ -11,11 +11,13 @@ CUDA device and the plain-torch reference (kernels/sparse/reference.py) elsewher
 auto | triton | reference; triton on a CPU needs TRITON_INTERPRET=1). After each forward,
 ``model.sparsecal_stats`` holds per layer and head the candidate tiles skipped and the reachable
 tiles of that forward, on the device the attention ran on:
-``{"skipped": [L, H] int64, "reachable": [L, H] int64}``.
+``{"skipped": [L, H] int64, "reachable": [L, H] int64}``, and ``model.sparsecal_law`` the forward's
+``{"mode", "length", "law"}`` (BLASST: below | interpolated | extrapolated; sparsify_laws.py).
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
-cache length (decode), and runs dense below the export's validated lengths and wherever lambda > 1
-(formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses
+cache length (decode), and runs dense below the export's validated lengths, past the longest of them
+unless ``extrapolate=True`` (each forward flagged in ``model.sparsecal_law``, sparsify_laws.py) and
+wherever lambda > 1 (formats.exports.blasst_runtime_lambda: never every candidate skipped); BSFA uses
 thresholds[k][layer][head, min(query block, P - 1)]; window:B (the sliding-window baseline with
 BSFA's block budget) keeps each query block's diagonal and the B candidate key blocks nearest to it,
 with the export's block sizes. The baselines and variants ``window_sink``, ``blasst_sl``, ``vfa``
@@ -66,6 +68,9 @@ class _State:
     factors: dict = field(default_factory=dict)   # mode -> a (BLASST)
     layer_factors: dict = field(default_factory=dict)  # mode -> [a per model layer] (BLASST --per-layer)
     min_lengths: dict = field(default_factory=dict)  # mode -> shortest validated length (BLASST; dense below)
+    validity: dict = field(default_factory=dict)     # mode -> the law's validity entry (BLASST; sparsify_laws)
+    extrapolate: bool = False                        # BLASST past max_length: a/L (True) or dense (False)
+    law: dict = field(default_factory=dict)          # the last forward's {"mode", "length", "law"} (sparsify_laws)
     order: str = "forward"
     window: int | None = None                      # candidate blocks kept (window)
     sink: bool = False                             # window_sink: key block 0 kept besides the window
@@ -139,7 +144,8 @@ def check_identity(export_model: str | None, config, export_dir) -> None:
 
 def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
                blocks: int | None = None, expect: dict | None = None, backend: str = "auto",
-               decode: str | None = None, precision: str = "model", dispatch: bool = True) -> _State:
+               decode: str | None = None, precision: str = "model", dispatch: bool = True,
+               extrapolate: bool = False) -> _State:
     """Read and check an export for one method's operating point (see ``sparsify``)."""
     if method not in METHODS:
         raise UserError(f"method {method!r} is not one of {', '.join(METHODS)}.")
@@ -154,7 +160,7 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
     from sparsecal.integrations.sparsify_variants import load_variant
 
     state = load_variant(export_dir, method, k, target, blocks, expect or {}, backend, _load_method)
-    state.decode, state.precision = decode, precision
+    state.decode, state.precision, state.extrapolate = decode, precision, bool(extrapolate)
     if method == "bsfa" and decode == "topk":
         state.topk = int(k)
     if method == "bsfa" and decode == "thresholds":
@@ -260,10 +266,12 @@ def _load_method(export_dir, method: str, k, target, blocks, expect: dict, backe
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
     from sparsecal.formats.exports import blasst_min_length  # runtime policy: dense below the validated lengths
+    from sparsecal.integrations.sparsify_laws import law_validity  # and past them unless extrapolate
 
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
                   layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
                   min_lengths={m: blasst_min_length(doc, m, t) for m in factors if factors[m] is not None},
+                  validity=law_validity(doc, t, [m for m in factors if factors[m] is not None]),
                   order=doc.get("scan_order", "forward"), backend=backend,
                   layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]),
                   export_model=doc["model"])
@@ -282,7 +290,7 @@ def _check_layers(state: _State, config) -> None:
 
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
              model_id: str | None = None, blocks: int | None = None, backend: str = "auto",
-             decode: str | None = None, precision: str = "model", dispatch: bool = True):
+             decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False):
     """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
 
     BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
@@ -296,10 +304,12 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     ``backend``: auto (Triton on CUDA, else the reference), triton, reference. ``dispatch``: follow
     the export's dispatch record (prefill sparse only where it pays, SDPA elsewhere; ``dense``
     then runs that SDPA on every prefill layer, so compare methods with a ``dense`` of the same
-    ``dispatch``); False runs every exported layer sparse at every length."""
+    ``dispatch``); False runs every exported layer sparse at every length. ``extrapolate``: BLASST past
+    its law's longest validated length applies a/L (True) or runs what ``dense`` runs (False, the
+    default); ``model.sparsecal_law`` flags each forward (integrations/sparsify_laws.py)."""
     geo = _geometry(model.config)
     state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
-                       dispatch)
+                       dispatch, extrapolate)
     if model_id is None:
         check_identity(state.export_model, model.config, export_dir)
     state.previous = model.config._attn_implementation
@@ -311,7 +321,7 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     for m in _attention_modules(model):
         m._sparsecal_state = state
     setattr(model, _STATE_ATTR, state)
-    model.sparsecal_stats = state.stats
+    model.sparsecal_stats, model.sparsecal_law = state.stats, state.law
     model.set_attn_implementation(METHODS[method])
     return model
 
@@ -358,7 +368,7 @@ def densify(model):
 
 def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
              blocks: int | None = None, model_id: str | None = None, backend: str = "auto",
-             decode: str | None = None, precision: str = "model", dispatch: bool = True):
+             decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False):
     """Register the sparse attention functions with transformers' AttentionInterface.
 
     With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
@@ -372,7 +382,8 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
     if export_dir is None:
         return None
     source = {"export_dir": export_dir, "method": method, "k": k, "target": target, "blocks": blocks,
-              "backend": backend, "decode": decode, "precision": precision, "dispatch": dispatch}
+              "backend": backend, "decode": decode, "precision": precision, "dispatch": dispatch,
+              "extrapolate": extrapolate}
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
     _REGISTERED[METHODS[method]] = state
@@ -402,6 +413,8 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     Layers the export leaves alone, sliding or chunked layers whose window binds at this length,
     and prefills the dispatch plan runs dense, run their exact dense attention (kernels/layer_dense.py)
     and count nothing."""
+    from sparsecal.integrations.sparsify_laws import note_law
+
     state = _module_state(module)
     _, h, nq, d = query.shape
     nk = key.shape[2]
@@ -417,6 +430,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     if layer == 0:  # a new forward starts: the counts describe the last forward only
         for counts in stats.values():
             counts.zero_()
+    note_law(state, mode, nk)  # state.law = model.sparsecal_law: interpolated | extrapolated | below | None
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
     first, kw = dispatched_dense(state, layer, mode, nk), None
@@ -633,10 +647,12 @@ def method_args(state: _State, layer: int, mode: str, length: int, device) -> di
     if state.method == "bsfa":
         return {"thresholds": state.thresholds_on(device)[layer]}
     from sparsecal.formats.exports import blasst_runtime_lambda
+    from sparsecal.integrations.sparsify_laws import law_max_length
 
     per_layer = state.layer_factors.get(mode)
     a = per_layer[layer] if per_layer else state.factors.get(mode)
-    lam = blasst_runtime_lambda(a or None, length, state.min_lengths.get(mode))  # None: dense (never every tile)
+    lam = blasst_runtime_lambda(a or None, length, state.min_lengths.get(mode),  # None: dense (never every tile,
+                                law_max_length(state, mode))                  # nor past the law unless extrapolate)
     return {"dense": True} if lam is None else {"log_lambda": math.log(lam)}  # dense: the reference's own call
 
 
