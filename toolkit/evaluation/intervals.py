@@ -53,6 +53,7 @@ import hashlib
 import numpy as np
 import polars as pl
 from scipy.stats import norm
+from scipy.stats import t as t_dist
 
 from sparsecal.evaluation.paired import ALPHA, mdd_binary, mdd_normal, mover, sign_test_p, tango, wilson
 
@@ -77,43 +78,55 @@ def weights(key: str, n: int, draws: int = DRAWS) -> np.ndarray:
     return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws) / n
 
 
-def bca(point: float, draws: np.ndarray, jack: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
-    """BCa interval (lo, hi) of a statistic from its value ``point``, its bootstrap ``draws`` [B]
-    and its leave-one-out jackknife values ``jack`` [n]. Draws all equal: (point, point)."""
-    draws = draws[np.isfinite(draws)]
-    if not draws.size or not np.isfinite(point):
-        return None, None
-    if np.ptp(draws) == 0:
-        return float(point), float(point)
-    b = draws.size
-    share = (np.sum(draws < point) + 0.5 * np.sum(draws == point)) / b
-    z0 = norm.ppf(np.clip(share, 0.5 / b, 1 - 0.5 / b))
-    jack = jack[np.isfinite(jack)]
-    d = jack.mean() - jack if jack.size else np.zeros(1)
-    ss = np.sum(d * d)
-    a = np.sum(d ** 3) / (6 * ss ** 1.5) if ss > 0 else 0.0
-    z = norm.ppf([(1 - level) / 2, (1 + level) / 2])
-    q = norm.cdf(z0 + (z0 + z) / (1 - a * (z0 + z)))
-    lo, hi = np.percentile(draws, 100 * q)
-    return float(lo), float(hi)
+def bca(point, draws, jack, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """BCa interval (lo [...], hi [...]) of a statistic from its value ``point`` [...], its
+    bootstrap ``draws`` [..., B] and its leave-one-out jackknife values ``jack`` [..., n], with
+    the small-sample expansion: z_{1-alpha/2} becomes sqrt(n / (n-1)) t_{n-1, 1-alpha/2}.
+    Non-finite draws (a ratio over a draw whose denominator is 0) are left out; none left: nan."""
+    point, jack = np.asarray(point, float), np.asarray(jack, float)
+    draws = np.where(np.isfinite(draws), draws, np.nan)
+    n, b = jack.shape[-1], np.sum(~np.isnan(draws), -1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = (np.sum(draws < point[..., None], -1) + 0.5 * np.sum(draws == point[..., None], -1)) / b
+        z0 = norm.ppf(np.clip(share, 0.5 / b, 1 - 0.5 / b))
+        jack = np.where(np.isfinite(jack), jack, np.nan)
+        d = np.nanmean(jack, -1, keepdims=True) - jack
+        ss = np.nansum(d * d, -1)
+        a = np.where(ss > 0, np.nansum(d ** 3, -1) / (6 * ss ** 1.5), 0.0)
+    half = np.sqrt(n / (n - 1)) * t_dist.ppf((1 + level) / 2, n - 1) if n > 1 else norm.ppf((1 + level) / 2)
+    z = np.array([-half, half])
+    zz = z0[..., None] + z
+    q = norm.cdf(z0[..., None] + zz / (1 - a[..., None] * zz))                  # [..., 2]
+    srt = np.sort(draws, -1)                                                      # nan last
+    pos = q * np.maximum(b - 1, 0)[..., None]
+    i = np.clip(np.floor(np.nan_to_num(pos)).astype(int), 0, draws.shape[-1] - 1)
+    j = np.minimum(i + 1, np.maximum(b - 1, 0)[..., None])
+    f = pos - i
+    ends = np.take_along_axis(srt, i, -1) * (1 - f) + np.take_along_axis(srt, j, -1) * f
+    ends = np.where((b > 0)[..., None] & np.isfinite(point)[..., None], ends, np.nan)
+    return ends[..., 0], ends[..., 1]
 
 
 class Means:
-    """A statistic that is a function ``g`` of the means of sample columns ``x`` [n, k]: its value,
-    draws and jackknife, so that any g gets its BCa interval."""
+    """A statistic that is a function ``g`` of the means of sample columns ``cols`` (each
+    [..., n]; x = their stack [..., n, k]): its value, draws and jackknife, so that any g gets its
+    BCa interval. ``w`` [B, n]: the draws' weights."""
 
-    def __init__(self, x: np.ndarray, w: np.ndarray):
-        self.x, self.w = np.atleast_2d(np.asarray(x, float).T).T, w
-        n = self.x.shape[0]
-        self.mean = self.x.mean(0)
-        self.draws = w @ self.x                                              # [B, k]
-        self.jack = (n * self.mean - self.x) / max(n - 1, 1)                 # [n, k]
+    def __init__(self, w: np.ndarray, *cols):
+        self.x = np.stack([np.asarray(c, float) for c in cols], -1)
+        n = self.x.shape[-2]
+        self.mean = self.x.mean(-2)                                            # [..., k]
+        self.draws = np.einsum("bn,...nk->...bk", w, self.x)                   # [..., B, k]
+        self.jack = (n * self.mean[..., None, :] - self.x) / max(n - 1, 1)     # [..., n, k]
 
-    def interval(self, g) -> tuple[float, float, float]:
-        """(value, lo, hi) of g(means), g mapping [..., k] to [...]."""
+    def interval(self, g) -> tuple:
+        """(value, lo, hi) of g(means), g mapping [..., k] to [...]: floats for one statistic,
+        arrays [...] for a batch; None for an end that is not finite."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            point = float(g(self.mean))
+            point = g(self.mean)
             lo, hi = bca(point, g(self.draws), g(self.jack))
+        if np.ndim(point) == 0:
+            return tuple(float(v) if np.isfinite(v) else None for v in (point, lo, hi))
         return point, lo, hi
 
 
@@ -168,23 +181,23 @@ def _binary_stats(m: dict, d: dict) -> dict:
 
 def _continuous_stats(task: str, m: dict, d: dict, w: np.ndarray) -> dict:
     """accuracy, accuracy_diff and the relative accuracy of a cell of fractional scores (BCa)."""
-    out = {"accuracy": Means(m["score"], w).interval(_mean),
-           "accuracy_diff": Means(m["score"] - d["score"], w).interval(_mean)}
+    out = {"accuracy": Means(w, m["score"]).interval(_mean),
+           "accuracy_diff": Means(w, m["score"] - d["score"]).interval(_mean)}
     if task != "text" and d["score"].mean() >= MIN_DENSE_SCORE:
-        out["accuracy_rel_dense"] = Means(np.stack([m["score"], d["score"]], 1), w).interval(_ratio)
+        out["accuracy_rel_dense"] = Means(w, m["score"], d["score"]).interval(_ratio)
     return out
 
 
 def method_stats(task: str, binary: bool, m: dict, d: dict, w: np.ndarray) -> dict:
     """Every statistic of one method in one cell: name -> (value, lo, hi)."""
     out = _binary_stats(m, d) if binary else _continuous_stats(task, m, d, w)
-    out["ppl_ratio"] = Means(d["nll"] - m["nll"], w).interval(_exp)
+    out["ppl_ratio"] = Means(w, d["nll"] - m["nll"]).interval(_exp)
     if task == "text":
         out["accuracy_rel_dense"] = out["ppl_ratio"]
-    out["top1"] = Means(m["top1"], w).interval(_mean)
-    out["kl"] = Means(m["kl"], w).interval(_mean)
+    out["top1"] = Means(w, m["top1"]).interval(_mean)
+    out["kl"] = Means(w, m["kl"]).interval(_mean)
     if "answer_logprob" in m and "answer_logprob" in d:
-        out["answer_ll_delta"] = Means(m["answer_logprob"] - d["answer_logprob"], w).interval(_mean)
+        out["answer_ll_delta"] = Means(w, m["answer_logprob"] - d["answer_logprob"]).interval(_mean)
     return out
 
 
