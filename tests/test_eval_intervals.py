@@ -25,11 +25,13 @@ def _rows(np_rng, n, task="niah_single", flip=(), nll_shift=0.0, label="bsfa:16"
         sd = float(np_rng.random() < dense_p) if i not in (force or {}) else force[i]
         nll = 2.0 + 0.1 * np_rng.random()
         sm = 1.0 - sd if i in flip else sd
-        for lab, sc, nl, ll in (("dense", sd, nll, -1.0), ("dense:fp32", sd, nll + 1e-4 * np_rng.standard_normal(), -1.0),
+        fp32_nll = nll + 1e-4 * np_rng.standard_normal()
+        for lab, sc, nl, ll in (("dense", sd, nll, -1.0), ("dense:fp32", sd, fp32_nll, -1.0),
                                 (label, sm, nll + nll_shift, -1.0 - 0.1 * (i in flip))):
-            row = dict(sample_id=f"{task}{i}", label=lab, method=lab.split(":")[0], config=lab, length=1024, task=task,
-                       score=sc, correct=sc == 1.0, top1=0.98, kl=0.01, nll=nl, answer_logprob=ll, sparsity=0.5,
-                       decode_sparsity=0.0, prefill_s=0.1, decode_s=0.1, held_out_task=False)
+            row = {"sample_id": f"{task}{i}", "label": lab, "method": lab.split(":")[0], "config": lab,
+                   "length": 1024, "task": task, "score": sc, "correct": sc == 1.0, "top1": 0.98, "kl": 0.01,
+                   "nll": nl, "answer_logprob": ll, "sparsity": 0.5, "decode_sparsity": 0.0, "prefill_s": 0.1,
+                   "decode_s": 0.1, "held_out_task": False}
             rows.append(row if split is None else dict(row, split=split))
     return rows
 
@@ -131,7 +133,7 @@ def test_ratio_bca_coverage_by_simulation(np_rng):
     for n, shape in ((50, 2.0), (100, 2.0), (100, 0.5), (50, 0.5)):
         w = weights(f"coverage/{n}", n, 500)
         x = -np_rng.gamma(shape, 0.02 / shape, size=(reps, n)) + np_rng.normal(0, 0.01, size=(reps, n))
-        v, lo, hi = Means(w, x).interval(_exp)
+        _, lo, hi = Means(w, x).interval(_exp)
         truth = np.exp(-0.02)
         found[(n, shape)] = np.mean((lo <= truth) & (truth <= hi))
         draws = np.exp(np.einsum("bn,rn->rb", w, x))
@@ -144,7 +146,7 @@ def test_ratio_bca_coverage_by_simulation(np_rng):
     d = np_rng.integers(0, 5, size=(reps, n)) / 4
     m = np.clip(d - (np_rng.random((reps, n)) < 0.1) / 4, 0, 1)
     truth = (0.5 - 0.1 / 4 * 0.8) / 0.5  # E[m] / E[d]: a part is lost where d > 0 (P 0.8)
-    v, lo, hi = Means(w, m, d).interval(_ratio)
+    _, lo, hi = Means(w, m, d).interval(_ratio)
     assert np.mean((lo <= truth) & (truth <= hi)) >= 0.93
 
 
@@ -226,8 +228,9 @@ def test_text_cells_test_the_perplexity_and_points_combine_tasks(np_rng):
 def test_cells_and_points_keyed_by_split(np_rng):
     """Rows with a split column: a cell per (length, task, split), a point per (method, length,
     split); the same task seen and held out stays two cells."""
-    rows = _rows(np_rng, 30, split="seen") + [dict(r, sample_id="h" + r["sample_id"]) for r in
-                                              _rows(np_rng, 30, flip=set(range(10)), force=dict.fromkeys(range(10), 1.0), split="held-out")]
+    lose10 = dict.fromkeys(range(10), 1.0)
+    held = _rows(np_rng, 30, flip=set(lose10), force=lose10, split="held-out")
+    rows = _rows(np_rng, 30, split="seen") + [dict(r, sample_id="h" + r["sample_id"]) for r in held]
     ci = cells(rows)
     assert sorted(ci[0].filter(pl.col("label") == "bsfa:16")["split"]) == ["held-out", "seen"]
     assert _one(ci[0], split="seen")["lost"] + _one(ci[0], split="seen")["gained"] == 0
