@@ -89,10 +89,11 @@ def bca(point, draws, jack, level: float = LEVEL) -> tuple[np.ndarray, np.ndarra
     with np.errstate(divide="ignore", invalid="ignore"):
         share = (np.sum(draws < point[..., None], -1) + 0.5 * np.sum(draws == point[..., None], -1)) / b
         z0 = norm.ppf(np.clip(share, 0.5 / b, 1 - 0.5 / b))
-        jack = np.where(np.isfinite(jack), jack, np.nan)
-        d = np.nanmean(jack, -1, keepdims=True) - jack
-        ss = np.nansum(d * d, -1)
-        a = np.where(ss > 0, np.nansum(d ** 3, -1) / (6 * ss ** 1.5), 0.0)
+        ok = np.isfinite(jack)
+        jack = np.where(ok, jack, 0.0)
+        d = np.where(ok, jack.sum(-1, keepdims=True) / np.maximum(ok.sum(-1, keepdims=True), 1) - jack, 0.0)
+        ss = np.sum(d * d, -1)
+        a = np.where(ss > 0, np.sum(d ** 3, -1) / (6 * ss ** 1.5), 0.0)
     half = np.sqrt(n / (n - 1)) * t_dist.ppf((1 + level) / 2, n - 1) if n > 1 else norm.ppf((1 + level) / 2)
     z = np.array([-half, half])
     zz = z0[..., None] + z
