@@ -123,6 +123,19 @@ def test_relative_accuracy_coverage_binary(np_rng):
         assert cover >= 0.93, (n, p_dense, pb, pc, cover)
 
 
+def test_point_interval_coverage_by_simulation(np_rng):
+    """A point's interval (MOVER over its tasks) of the mean accuracy difference over two binary
+    tasks of 50 samples, one with a one-way loss of 2 expected answers: coverage >= 0.93."""
+    regimes = ((0.0, 0.04), (0.02, 0.02))  # (gained, lost) probabilities per task
+    tabs = [np_rng.multinomial(50, [pb, pc, 1 - pb - pc], size=4000) for pb, pc in regimes]
+    ends = [tango(t[:, 0], t[:, 1], 50) for t in tabs]
+    points = np.stack([(t[:, 0] - t[:, 1]) / 50 for t in tabs], -1)
+    _, lo, hi = mover(points, np.stack([e[0] for e in ends], -1), np.stack([e[1] for e in ends], -1))
+    truth = np.mean([pb - pc for pb, pc in regimes])
+    assert np.mean((lo <= truth + 1e-12) & (truth - 1e-12 <= hi)) >= 0.93
+    assert mover([0.5], [0.4], [0.7]) == pytest.approx((0.5, 0.4, 0.7))
+
+
 def test_ratio_bca_coverage_by_simulation(np_rng):
     """The perplexity ratio exp(mean(nll_dense - nll)) and a ratio of mean fractional scores,
     BCa with the small-sample expansion on weight draws as the cells' (500 here): coverage >= 0.93

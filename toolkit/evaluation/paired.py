@@ -91,14 +91,15 @@ def tango(gained, lost, n, level: float = 1 - ALPHA, cc: float = CC) -> tuple[np
     return np.minimum(ends[0], point), np.maximum(ends[1], point)
 
 
-def mover(points, los, his) -> tuple[float, float, float]:
-    """(mean, lo, hi) of the mean of independent estimates ``points`` [k] with intervals
-    ``los``/``his`` [k] (MOVER: the mean's distance to each end is the root sum of squares of the
-    estimates' distances to theirs, each divided by k)."""
+def mover(points, los, his) -> tuple:
+    """(mean, lo, hi) of the mean of independent estimates ``points`` [..., k] with intervals
+    ``los``/``his`` [..., k] (MOVER: the mean's distance to each end is the root sum of squares of
+    the estimates' distances to theirs, each divided by k). Floats for one mean, else [...]."""
     p, lo, hi = (np.asarray(v, float) for v in (points, los, his))
-    k = p.size
-    m = float(p.mean())
-    return m, m - float(np.sqrt(np.sum((p - lo) ** 2))) / k, m + float(np.sqrt(np.sum((hi - p) ** 2))) / k
+    k = p.shape[-1]
+    m = p.mean(-1)
+    out = (m, m - np.sqrt(np.sum((p - lo) ** 2, -1)) / k, m + np.sqrt(np.sum((hi - p) ** 2, -1)) / k)
+    return tuple(float(v) for v in out) if m.ndim == 0 else out
 
 
 def mdd_binary(n: int, floor_discordance: float, alpha: float = ALPHA, power: float = POWER) -> float:
