@@ -31,7 +31,7 @@ dense:fp32 on the same samples (null for the floor itself and where the cell has
 (binary answer tasks: exact McNemar power with the floor's own discordance flipping answers both
 ways, paired.mdd_binary, in accuracy; else (z_0.975 + z_0.8) sd / sqrt(n), sd the spread of the
 floor's paired differences from dense in the primary value: score, for text the mean nll in nats
-per token, about the relative perplexity change).
+per token, about the relative perplexity change; null where that spread is 0).
 
 BCa bootstrap (Efron 1987): ``DRAWS`` resamples of the cell's n samples, each applied to the
 method's and dense's rows of the same samples (paired) and shared by every method of the cell;
@@ -209,8 +209,8 @@ def floor_mdd(task: str, binary: bool, floor: dict | None, d: dict) -> float | N
     n = d["score"].size
     if binary and task != "text":
         return mdd_binary(n, float(np.mean(floor["score"] != d["score"])))
-    diff = _primary(task, floor) - _primary(task, d)
-    return float(mdd_normal(diff.std(ddof=1) if n > 1 else 0.0, n))
+    sd = (_primary(task, floor) - _primary(task, d)).std(ddof=1) if n > 1 else 0.0
+    return float(mdd_normal(sd, n)) if sd > 0 else None  # the floor moves nothing: no noise scale
 
 
 def _record(label: str, key: dict, st: dict, tests: dict) -> dict:
