@@ -11,9 +11,13 @@ dense's values beside them, and the headline ``accuracy_rel_dense`` with its ``m
                                      cwe at 8K, so one lucky sample reads as 0.75 or 1.5)
     text, text_stdlib                metric "ppl": dense perplexity / the method's (1 = no loss)
 
-Every accuracy and relative-accuracy cell carries its paired bootstrap 95% interval
-(``<stat>_lo``/``_hi``, evaluation/intervals.py), and ``answer_ll_delta`` the teacher-forced
-log-likelihood of the right answer relative to dense's (a low-noise companion of the score).
+Every cell carries the statistics of evaluation/intervals.py: 95% intervals of accuracy,
+accuracy_diff, accuracy_rel_dense, ppl_ratio, top-1, KL and ``answer_ll_delta`` (the teacher-forced
+log-likelihood of the right answer relative to dense's: a low-noise companion of the score), the
+exact paired test against dense (``p_dense``) and against the rounding floor dense:fp32
+(``p_floor``, ``distinguishable``), and the minimum detectable difference ``mdd``. With a ``split``
+column (seen / held-out task families) a cell is (length, task, split) and a point (method, length,
+split).
 
 Curves: per (method, config, length) one configuration: the headline averaged over tasks with its
 interval, achieved prefill and decode sparsity, top-1 agreement and KL, joined to its own speed
@@ -31,7 +35,8 @@ from pathlib import Path
 import polars as pl
 
 from sparsecal.capture.prompts.tasks import TEXT_TASKS
-from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, cells
+from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, POINT_STATS, cell_keys, cells, with_split
+from sparsecal.evaluation.paired import mover
 from sparsecal.formats.errors import UserError
 
 KEYS = ["method", "config", "length"]
@@ -50,45 +55,57 @@ def _answer_ll(df: pl.DataFrame) -> pl.DataFrame:
 
 
 def summarize(rows: list[dict], ci: tuple | None = None) -> pl.DataFrame:
-    """Per (method, config, label, length, task) means of the row metrics, with dense's beside
-    and the paired bootstrap intervals (``ci``: intervals.cells(rows), computed when not given)."""
-    df = _with_split(_answer_ll(pl.DataFrame(rows, infer_schema_length=None)))
-    agg = df.group_by(KEYS + ["label", "task"]).agg(
+    """Per (method, config, label, length, task[, split]) means of the row metrics, with dense's
+    beside, and the statistics of intervals.cells (``ci``: cells(rows), computed when not given):
+    every interval, accuracy_diff, ppl_ratio, the exact tests, ``distinguishable`` and ``mdd``."""
+    df = with_split(_answer_ll(pl.DataFrame(rows, infer_schema_length=None)))
+    cell = cell_keys(df.columns)
+    agg = df.group_by(KEYS + ["label"] + cell[2:] + ["task"]).agg(
         pl.len().alias("samples"), pl.col("score").mean().alias("accuracy"),
         pl.col("correct").cast(pl.Float64).mean().alias("correct"), pl.col("kl").mean(),
         pl.col("top1").mean(), pl.col("nll").mean().exp().alias("ppl"),
         pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("answer_ll_delta").mean(),
-        pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first(),
-        pl.col("split").first())
+        pl.col("prefill_s").mean(), pl.col("decode_s").mean(), pl.col("held_out_task").first())
     dense = agg.filter(pl.col("label") == "dense").select(
-        "length", "task", pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
-    out = agg.join(dense, on=["length", "task"], how="left").join(
-        (ci or cells(rows))[0], on=["label", "length", "task"], how="left")
+        *cell, pl.col("accuracy").alias("accuracy_dense"), pl.col("ppl").alias("ppl_dense"))
+    out = agg.join(dense, on=cell, how="left", nulls_equal=True).join(
+        (ci or cells(rows))[0], on=["label"] + cell, how="left", nulls_equal=True)  # split may be null
     text = pl.col("task").is_in(TEXT_TASKS)
     rel = (pl.when(text).then(pl.col("ppl_dense") / pl.col("ppl"))
            .when(pl.col("accuracy_dense") >= MIN_DENSE_SCORE).then(pl.col("accuracy") / pl.col("accuracy_dense"))
            .otherwise(None))
     return out.with_columns(rel.alias("accuracy_rel_dense"),
                             pl.when(text).then(pl.lit("ppl")).otherwise(pl.lit("accuracy")).alias("metric")
-                            ).sort(["length", "task", "method", "config"])
+                            ).sort(["length", "task"] + cell[2:] + ["method", "config"])
+
+
+def _point_keys(frame: pl.DataFrame) -> list[str]:
+    return ["split"] if "split" in frame.columns else []
 
 
 def points(summary: pl.DataFrame, ci: tuple) -> pl.DataFrame:
-    """Per (method, config, label, length): accuracy_rel_dense averaged over the tasks where it is
-    defined, with its paired bootstrap interval (null where no task defines it), the tasks
-    averaged, prefill and decode sparsity, top-1 and KL averaged over every task."""
-    acc = summary.group_by(KEYS + ["label"]).agg(
-        pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(), pl.col("top1").mean(), pl.col("kl").mean(),
+    """Per (method, config, label, length[, split]): prefill and decode sparsity averaged over
+    tasks, the tasks where accuracy_rel_dense is defined, and from intervals.cells each of
+    accuracy_rel_dense, ppl_ratio, answer_ll_delta, top1 and kl averaged over the tasks that define
+    it with its MOVER interval, ``distinguishable`` (any task distinguishable from dense:fp32) and
+    ``distinguishable_tasks``."""
+    split = _point_keys(summary)
+    acc = summary.group_by(KEYS + ["label"] + split).agg(
+        pl.col("sparsity").mean(), pl.col("decode_sparsity").mean(),
         pl.col("task").filter(pl.col("accuracy_rel_dense").is_not_null()).sort().str.join(",").alias("tasks"))
-    rel = ci[1].drop("tasks")
-    return acc.join(rel, on=["label", "length"], how="left").sort(KEYS)
+    return acc.join(ci[1].drop("tasks"), on=["label", "length"] + split, how="left", nulls_equal=True).sort(KEYS + split)
+
+
+POINT_COLUMNS = [c for s in POINT_STATS for c in (s, f"{s}_lo", f"{s}_hi")]
 
 
 def result_rows(summary: pl.DataFrame, ci: tuple) -> list[dict]:
     """The dashboard's Accuracy-speedup rows (toolkit/formats/results.py): one per (method,
-    config, length), the relative accuracy averaged over tasks with its 95% interval."""
-    cols = KEYS + ["label", "accuracy_rel_dense", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "sparsity",
-                   "decode_sparsity", "top1", "kl", "tasks"]
+    config, length[, split]), the relative accuracy averaged over tasks with its 95% interval
+    (the headline the page plots), and beside it the continuous metrics with their intervals."""
+    split = _point_keys(summary)
+    cols = KEYS + split + ["label"] + POINT_COLUMNS + ["sparsity", "decode_sparsity", "distinguishable",
+                                                       "distinguishable_tasks", "tasks"]
     return points(summary, ci).select(cols).rename({"tasks": "task"}).to_dicts()
 
 
@@ -209,26 +226,25 @@ def check_bench(bench: pl.DataFrame, points_: pl.DataFrame) -> None:
 
 
 def noise_floor(summary: pl.DataFrame) -> list[dict]:
-    """Per noise-floor method (evaluation/methods.py FLOORS) and length, over every task: top-1,
-    KL and relative accuracy against dense with intervals (top-1 and KL: the mean of the tasks'
-    values and of their interval ends, a conservative interval of the mean)."""
+    """Per noise-floor method (evaluation/methods.py FLOORS) and length[, split], over every task:
+    samples, the answers it flips against dense (``gained``/``lost``, summed over answer tasks),
+    and top-1, KL, ppl_ratio, answer_ll_delta and accuracy_rel_dense against dense, each the mean
+    over the tasks defining it with the MOVER interval of the tasks' intervals."""
     from sparsecal.evaluation.methods import FLOORS
 
     f = summary.filter(pl.col("label").is_in(list(FLOORS)))
-    if not f.height:
-        return []
-    cols = [c for s in ("top1", "kl", "accuracy_rel_dense") for c in (s, f"{s}_lo", f"{s}_hi")]
-    out = f.group_by(["label", "length"]).agg(pl.col("samples").sum(), *[pl.col(c).mean() for c in cols])
-    return out.sort(["label", "length"]).to_dicts()
-
-
-def _with_split(df: pl.DataFrame) -> pl.DataFrame:
-    """Rows written before the ``split`` column existed: it follows from ``held_out_task``."""
-    if "split" in df.columns:
-        return df
-    held = pl.col("held_out_task")
-    return df.with_columns(pl.when(held.is_null()).then(None).when(held).then(pl.lit("held-out"))
-                           .otherwise(pl.lit("seen")).cast(pl.Utf8).alias("split"))
+    out = []
+    for (label, length, *rest), g in f.group_by(["label", "length"] + _point_keys(f), maintain_order=True):
+        rec = {"label": label, "length": length, **({"split": rest[0]} if rest else {}),
+               "samples": int(g["samples"].sum())}
+        ans = g.filter(~pl.col("task").is_in(TEXT_TASKS))
+        rec["gained"], rec["lost"] = int(ans["gained"].fill_null(0).sum()), int(ans["lost"].fill_null(0).sum())
+        for s in ("top1", "kl", "ppl_ratio", "answer_ll_delta", "accuracy_rel_dense"):
+            h = g.filter(pl.col(s).is_not_null() & pl.col(f"{s}_lo").is_not_null() & pl.col(f"{s}_hi").is_not_null())
+            v, lo, hi = mover(h[s], h[f"{s}_lo"], h[f"{s}_hi"]) if h.height else (None, None, None)
+            rec.update({s: v, f"{s}_lo": lo, f"{s}_hi": hi})
+        out.append(rec)
+    return sorted(out, key=lambda r: (r["label"], r["length"], r.get("split") or ""))
 
 
 def split_rows(summary: pl.DataFrame) -> list[dict]:
