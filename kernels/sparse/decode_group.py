@@ -393,3 +393,23 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
                                   h // hkv, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
     return out, skipped, v_skipped
+
+
+def decode_tile_maxima(q, k, scale: float, block_n: int, lengths=None, block_table=None) -> torch.Tensor:
+    """Each head's decode-row tile maxima [B, H, Kb] f32 in natural units (the tmax pre-pass; tiles
+    past a row's length hold no value): operating points of a benchmark without an L x D copy of K."""
+    hkv, bound, kb, page = _check_layout(q, k, k, block_n, lengths, block_table)
+    b, h, _, d = q.shape
+    n_split = group_splits(b * hkv, kb, q.device)
+    tps = triton.cdiv(kb, n_split)
+    prec, upcast = dot_flags(q.dtype)
+    tmax = torch.full((b, h, kb), float("-inf"), dtype=torch.float32, device=q.device)
+    lens = lengths.to(device=q.device, dtype=torch.int32) if lengths is not None else q
+    bt = block_table.to(device=q.device, dtype=torch.int32) if block_table is not None else q
+    q2 = q[:, :, 0]
+    _group_tmax_kernel[(triton.cdiv(kb, tps), b * hkv)](
+        q2, k, bt, lens, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        bt.stride(0) if block_table is not None else 0, bound, kb, tps, h, h // hkv, scale * LOG2E, 0.0,
+        HEAD_DIM=d, BN=block_n, BLOCK_N=next_pow2(block_n), GP=next_pow2(h // hkv), PAGE=max(page, 1),
+        PAGED=block_table is not None, RAGGED=lengths is not None, SOFTCAP=False, PREC=prec, UPCAST=upcast)
+    return tmax / LOG2E
