@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from test_sparsify import _noop_export, tiny_model  # noqa: F401  (the fixture)
 
 import sparsecal
 from sparsecal.formats.errors import UserError
-
-from test_sparsify import _noop_export, tiny_model  # noqa: F401  (the fixture)
 
 
 def test_group_decision_in_a_model(tiny_model, tmp_path, seed):  # noqa: F811

@@ -170,7 +170,7 @@ def _group_tmax_kernel(Q, K, BT, LENS, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, s_bt,
                        RAGGED: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (S, B * Hkv): TMAX [B, H, Kb] f32 each head's tile max (log2 units, capped) of the
     row's tiles (tiles past a row's length are not written)."""
-    split, bk, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
+    split, _, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
     length = _row(LENS, b, length, RAGGED)
     offs_n = tl.arange(0, BLOCK_N)
     j0 = split * tiles_per_split
@@ -354,9 +354,9 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     cap_on, cap = softcap_args(softcap)
     lens = lengths.to(device=dev, dtype=torch.int32) if lengths is not None else q
     bt = block_table.to(device=dev, dtype=torch.int32) if block_table is not None else q
-    common = dict(HEAD_DIM=d, BN=block_n, BLOCK_N=next_pow2(block_n), GP=next_pow2(h // hkv), PAGE=max(page, 1),
-                  PAGED=block_table is not None, RAGGED=lengths is not None, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast,
-                  num_warps=warps, num_stages=stages)
+    common = {"HEAD_DIM": d, "BN": block_n, "BLOCK_N": next_pow2(block_n), "GP": next_pow2(h // hkv),
+              "PAGE": max(page, 1), "PAGED": block_table is not None, "RAGGED": lengths is not None, "SOFTCAP": cap_on,
+              "PREC": prec, "UPCAST": upcast, "num_warps": warps, "num_stages": stages}
     q2 = q[:, :, 0]
     strides = (q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2))
     tmax = skip = q
@@ -367,7 +367,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
             h // hkv, scale * LOG2E, cap, **common)
     if decide == MASK:
         skip = _mask_for(tmax, lengths, bound, block_m, block_n,
-                         dict(log_lambda=log_lambda, order=order, topk=topk))
+                         {"log_lambda": log_lambda, "order": order, "topk": topk})
     thr = thresholds.to(device=dev, dtype=f32).contiguous() if decide == BSFA else q
     out = torch.empty_like(q)
     direct = n_split == 1

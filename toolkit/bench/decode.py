@@ -124,7 +124,7 @@ def operating_points(q, k, v, scale: float, decision: str, old: bool = False) ->
         ll = bisect(lambda x: counted(*group_decode_triton(q, k, v, scale, BM, BN, log_lambda=x, decision=decision)[1:],
                                       length)[0], -40.0, 0.0, s)
         tmax = decode_tile_maxima(q, k, scale, BN)
-        p = bisect(lambda x: counted(*group_decode_triton(q, k, v, scale, BM, BN, thresholds=bsfa_at(tmax, length, x),
+        p = bisect(lambda x, tmax=tmax: counted(*group_decode_triton(q, k, v, scale, BM, BN, thresholds=bsfa_at(tmax, length, x),
                                                           decision=decision)[1:], length)[0], 0.0, 1.0, s)
         pts[("blasst", s)] = {"log_lambda": ll}
         pts[("bsfa", s)] = {"thresholds": bsfa_at(tmax, length, p)}
@@ -150,7 +150,7 @@ def sdpa_variants(q, k, v) -> dict:
             try:
                 fn()
                 out[f"sdpa_{name}_{mode}"] = fn
-            except Exception as e:  # a backend that does not run on this shape is left out, said once
+            except Exception as e:  # noqa: BLE001  (a backend that does not run on this shape is left out, said once)
                 log(f"  sdpa_{name}_{mode} unavailable: {type(e).__name__}: {str(e)[:120]}")
     return out
 
@@ -187,7 +187,7 @@ def graph_ms(fn) -> float | str:
         with torch.cuda.graph(graph):
             fn()
         return float(triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median"))
-    except Exception as e:  # a variant with a host sync (torch-made masks) cannot be captured
+    except Exception as e:  # noqa: BLE001  (a variant with a host sync, torch-made masks, cannot be captured)
         return f"not captured: {type(e).__name__}: {str(e)[:160]}"
 
 
@@ -339,7 +339,7 @@ def check_paged(device) -> list:
 
 def _check_row(kernel: str, kw: dict, decision: str, got, want, counts_equal: bool, dtype) -> dict:
     err = float((got.double() - want.double()).abs().max())
-    return {"kernel": kernel, "method": sorted(kw)[0], "decision": decision, "dtype": str(dtype), "max_abs_err": err,
+    return {"kernel": kernel, "method": min(kw), "decision": decision, "dtype": str(dtype), "max_abs_err": err,
             "counts_equal": bool(counts_equal), "ok": bool(counts_equal and err < TOL[dtype])}
 
 
@@ -383,7 +383,7 @@ def main(argv=None) -> None:
                 try:
                     result["shapes"].append(decode_shape(d, g, batch, n, rounds, quick, device))
                     log(summary(result["shapes"][-1]))
-                except Exception as e:  # a shape that fails is recorded and the run goes on
+                except Exception as e:  # noqa: BLE001  (a shape that fails is recorded and the run goes on)
                     result["shapes"].append({"d": d, "group": g, "length": n, "error": f"{type(e).__name__}: {e}"[:500]})
                     log(f"  FAILED {result['shapes'][-1]['error']}")
                 save()
