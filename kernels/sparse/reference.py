@@ -48,6 +48,7 @@ class SkipCounts:
     skipped: torch.Tensor   # [H] int64 candidate tiles skipped
     candidates: int         # candidate tiles per head (sum of A_i)
     reachable: int          # reachable tiles per head (sparsity = skipped / reachable)
+    v_skipped: torch.Tensor | None = None  # decode: [Hkv] int64 tiles every head of the group skips
 
 
 def check_method(thresholds, log_lambda, window, topk=None, sink: bool = False) -> None:
@@ -136,16 +137,39 @@ def sparse_attention(q, k, v, scale: float, block_m: int, block_n: int, *, thres
     return out.to(q.dtype).unsqueeze(0), SkipCounts(skipped, n_cand, n_reach)
 
 
+DECISIONS = ("head", "group")  # decode: one skip decision per query head, or one per KV group
+
+
+def check_decision(decision: str) -> None:
+    if decision not in DECISIONS:
+        raise ValueError(f"Unknown decode decision '{decision}'. Available: {', '.join(DECISIONS)}.")
+
+
+def group_skip(skip: torch.Tensor, group: int) -> torch.Tensor:
+    """The group decision: a tile is skipped by every head of a KV group only when every head's
+    own rule skips it (so the group keeps what any head keeps: the V load is paid then anyway).
+    skip [..., H, Kb] bool (heads of a group adjacent) -> the same shape."""
+    *lead, h, kb = skip.shape
+    g = skip.reshape(*lead, h // group, group, kb).all(dim=-2, keepdim=True)
+    return g.expand(*lead, h // group, group, kb).reshape(skip.shape)
+
+
 def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                   log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                  softcap: float = 0.0, topk: int | None = None, sink: bool = False):
+                  softcap: float = 0.0, topk: int | None = None, sink: bool = False,
+                  decision: str = "head"):
     """One decode step: q [B, H, 1, D] against k/v [B, Hkv, L, D] (the row sits at position L - 1).
 
     Exactly one of thresholds [H, Pt] (BSFA), log_lambda (BLASST), window (``sink``: block 0 kept
-    too) or topk (keep the topk candidates with the largest tile max per head, ties kept:
-    topk_skip_mask); softcap as in sparse_attention. Returns (out [B, H, 1, D] in q.dtype, SkipCounts summed over the batch).
+    too) or topk (keep the topk
+    candidates with the largest tile max per head, ties kept: topk_skip_mask); softcap as in
+    sparse_attention. ``decision``: "head" (each query head its own rule) or "group" (``group_skip``:
+    a tile is skipped by the whole KV group when every head's rule skips it, else kept by all).
+    Returns (out [B, H, 1, D] in q.dtype, SkipCounts summed over the batch; its v_skipped [Hkv]
+    counts the tiles every head of a group skips, the V tiles a kernel need not load).
     """
     check_method(thresholds, log_lambda, window, topk, sink)
+    check_decision(decision)
     softcap = check_softcap(softcap)
     b, h, one, d = q.shape
     if one != 1:
@@ -154,6 +178,7 @@ def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, threshol
     group, bn, r = h // hkv, block_n, k.shape[2] - 1
     nr, a = r // bn + 1, num_candidates(r, 1, bn)
     outs, skipped = [], torch.zeros(h, dtype=torch.int64, device=q.device)
+    v_skipped = torch.zeros(hkv, dtype=torch.int64, device=q.device)
     for s_i in range(b):
         kp, vp = pad_blocks(k[s_i].float(), bn), pad_blocks(v[s_i].float(), bn)
         qi = q[s_i].float().reshape(hkv, group, d) * scale
@@ -164,8 +189,51 @@ def sparse_decode(q, k, v, scale: float, block_m: int, block_n: int, *, threshol
             skip = topk_skip_mask(tmax[:, 0], a, int(topk))
         else:
             skip = _skip_mask(tmax, r // block_m, a, thresholds, log_lambda, order, window, sink)
+        if decision == "group":
+            skip = group_skip(skip, group)
         s.view(h, 1, nr, bn).masked_fill_(skip[:, None, :, None], NEG_INF)
         p = torch.softmax(s, dim=-1)
         outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))
         skipped += skip.sum(dim=-1)
-    return torch.stack(outs).to(q.dtype), SkipCounts(skipped, a * b, nr * b)
+        v_skipped += skip.view(hkv, group, nr).all(dim=1).sum(dim=-1)
+    return torch.stack(outs).to(q.dtype), SkipCounts(skipped, a * b, nr * b, v_skipped)
+
+
+def paged_to_rows(k_pages: torch.Tensor, block_table: torch.Tensor, lengths) -> list[torch.Tensor]:
+    """The cache of each batch row, contiguous: k_pages [P, Hkv, page_size, D] (a page pool),
+    block_table [B, max_pages] int (row b's i-th page), lengths [B] -> [Hkv, L_b, D] per row."""
+    ps = k_pages.shape[2]
+    rows = []
+    for b, length in enumerate(int(x) for x in lengths):
+        pages = block_table[b, : cdiv(length, ps)].long().to(k_pages.device)
+        rows.append(k_pages[pages].transpose(0, 1).reshape(k_pages.shape[1], -1, k_pages.shape[3])[:, :length])
+    return rows
+
+
+def sparse_decode_ragged(q, k, v, lengths, scale: float, block_m: int, block_n: int, *,
+                         block_table=None, **kw):
+    """A decode step over a batch of different cache lengths, row by row through ``sparse_decode``:
+    the semantics of the ragged and paged kernels (each row exactly as a batch of one of its length).
+
+    q [B, H, 1, D]; lengths [B] (>= 1); k/v either contiguous [B, Hkv, Lmax, D] (row b's cache is
+    its first L_b keys) or, with ``block_table`` [B, max_pages], page pools [P, Hkv, page_size, D]
+    (paged_to_rows). kw: the method arguments of sparse_decode (thresholds, log_lambda, window,
+    topk, order, softcap, decision). Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64,
+    v_skipped [B, Hkv] int64, reachable [B] int64)."""
+    lens = [int(x) for x in lengths]
+    if block_table is not None:
+        ks, vs = paged_to_rows(k, block_table, lens), paged_to_rows(v, block_table, lens)
+    else:
+        ks, vs = [k[i, :, :n] for i, n in enumerate(lens)], [v[i, :, :n] for i, n in enumerate(lens)]
+    outs, skipped, v_skipped, reach = [], [], [], []
+    for i, n in enumerate(lens):
+        if n < 1:
+            raise ValueError(f"every decode row needs at least one cached key, row {i} has {n}")
+        o, c = sparse_decode(q[i:i + 1], ks[i][None], vs[i][None], scale, block_m, block_n, **kw)
+        outs.append(o)
+        skipped.append(c.skipped)
+        v_skipped.append(c.v_skipped)
+        reach.append(c.reachable)
+    dev = q.device
+    return (torch.cat(outs), torch.stack(skipped), torch.stack(v_skipped),
+            torch.tensor(reach, dtype=torch.int64, device=dev))

@@ -85,6 +85,7 @@ class _State:
     specs: dict = field(default_factory=dict)      # layer -> formats.layers.LayerSpec of the model
     said_fallback: bool = False                    # the head-dim fall-back to the reference was reported
     decode: str = "sparse"                         # decode steps: sparse | dense | topk | thresholds (DECODES)
+    decision: str = "head"                         # decode skip decision: head | group (reference.group_skip)
     precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
     topk: int | None = None                        # BSFA decode=topk: key blocks kept per decode row
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
@@ -290,7 +291,8 @@ def _check_layers(state: _State, config) -> None:
 
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
              model_id: str | None = None, blocks: int | None = None, backend: str = "auto",
-             decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False):
+             decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False,
+             decode_decision: str = "head"):
     """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
 
     BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
@@ -306,10 +308,13 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     then runs that SDPA on every prefill layer, so compare methods with a ``dense`` of the same
     ``dispatch``); False runs every exported layer sparse at every length. ``extrapolate``: BLASST past
     its law's longest validated length applies a/L (True) or runs what ``dense`` runs (False, the
-    default); ``model.sparsecal_law`` flags each forward (integrations/sparsify_laws.py)."""
+    default); ``model.sparsecal_law`` flags each forward (integrations/sparsify_laws.py). ``decode_decision``: "head" (each query head skips by its own
+    rule) or "group" (a KV group skips a tile only when all its heads would; the group decode kernel,
+    kernels/sparse/decode_group.py)."""
     geo = _geometry(model.config)
     state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
                        dispatch, extrapolate)
+    state.decision = _decision(decode_decision)
     if model_id is None:
         check_identity(state.export_model, model.config, export_dir)
     state.previous = model.config._attn_implementation
@@ -368,7 +373,8 @@ def densify(model):
 
 def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
              blocks: int | None = None, model_id: str | None = None, backend: str = "auto",
-             decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False):
+             decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False,
+             decode_decision: str = "head"):
     """Register the sparse attention functions with transformers' AttentionInterface.
 
     With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
@@ -386,8 +392,17 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
               "extrapolate": extrapolate}
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
+    state.decision = _decision(decode_decision)
     _REGISTERED[METHODS[method]] = state
     return state
+
+
+def _decision(decision: str) -> str:
+    from sparsecal.kernels.sparse.reference import DECISIONS
+
+    if decision not in DECISIONS:
+        raise UserError(f"unknown decode decision '{decision}'; use one of {', '.join(DECISIONS)}.")
+    return decision
 
 
 def _module_state(module) -> _State:
@@ -603,7 +618,14 @@ def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: d
         _, skipped = sparse_prefill(query, key, value, scale, state.block_m, state.block_n,
                                     order=state.order, out=out.transpose(1, 2), expected_sparsity=expected, **kw)
         return out, skipped.sum(dim=0), candidate_tiles(nq, state.block_m, state.block_n)[1] * b
-    o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
+    if state.decision == "group":
+        from sparsecal.kernels.sparse.decode_group import group_decode_triton
+
+        o, skipped, _ = group_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order,
+                                            decision="group", **kw)
+    else:
+        o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order,
+                                          **kw)
     return o.transpose(1, 2), skipped.sum(dim=0), ((key.shape[2] - 1) // state.block_n + 1) * b
 
 
@@ -621,7 +643,8 @@ def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw
             outs.append(o)
             skipped = skipped + c.skipped
         return torch.cat(outs).transpose(1, 2).contiguous(), skipped, c.reachable * query.shape[0]
-    out, c = sparse_decode(query, key, value, scale, state.block_m, state.block_n, order=state.order, **kw)
+    out, c = sparse_decode(query, key, value, scale, state.block_m, state.block_n, order=state.order,
+                           decision=state.decision, **kw)
     return out.transpose(1, 2).contiguous(), c.skipped, c.reachable
 
 

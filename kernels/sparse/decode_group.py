@@ -1,0 +1,415 @@
+"""Group decode in Triton: one program loads each K/V tile once for all G query heads of its KV
+group and computes scores, decision and attention in one pass (FSA's loop order: the G query rows
+are the M dimension of the tl.dot, padded to 16), split along the keys, then a merge.
+
+Semantics are ``reference.sparse_decode`` (contiguous cache, one length) and
+``reference.sparse_decode_ragged`` (per-row lengths [B], contiguous or paged): candidates of row b
+are the key blocks j < (L_b - 1) // BN, the last reachable block is always computed, and
+
+    decision="head"   each query head skips a tile by its own rule (as ``decode.py``);
+    decision="group"  the KV group skips a tile only when every head's rule skips it, else every head
+                      keeps it (``reference.group_skip``): the V load is paid when any head keeps a
+                      tile, so the group rule loads as many V tiles and computes more exactly.
+
+Passes
+    tmax    (BLASST forward, top-k, the other scan orders) ``_group_tmax_kernel`` reads K once and
+            stores each head's tile max TMAX [B, H, Kb]; BLASST forward then decides in the attend
+            pass from the running max over TMAX (the max over the earlier splits' tiles first), the
+            others from a torch mask ``decode.decode_skip_mask`` makes of TMAX. These decisions are
+            known before a tile's K load, so a tile every head skips loads neither K nor V there.
+    attend  ``_group_attend_kernel`` (grid S x B*Hkv): per tile K load, scores [GP, BLOCK_N],
+            decision (BSFA against thresholds[h, min((L_b - 1) // BM, Pt - 1)], window by index, or
+            the pre-pass's), then V of the tile when some head keeps it. The V load of tile j - 1 is
+            issued with the K load of tile j (a one-tile lag: the decision that masks a V load never
+            waits on a K load issued the same step), and the online-softmax step of tile j - 1 runs
+            after both loads. Counts per head (candidates skipped) and per group (tiles every head
+            skips: V tiles not loaded), per split.
+    merge   ``_group_merge_kernel`` (grid B*H) combines the splits and sums the counts; with one
+            split the attend pass writes the output and the counts itself (one launch in all).
+
+Dense (``dense=True``) is the attend pass with no decision: K + V read once, no score round trip
+(``decode.py`` writes and reads f32 scores, 8 * G bytes per key per group on top of 4 * D).
+
+Serving layout (``block_table``): the cache is a page pool k/v [P, Hkv, page_size, D] and row b's
+i-th page is block_table[b, i] (FlashInfer's / vLLM's paged KV layout, HND within a page); page_size
+a multiple of BN, so a tile never straddles two pages. ``lengths`` [B] int (each >= 1) gives each
+row's cache length; without it every row has L (contiguous: k.shape[2]).
+
+Shape legend
+    B batch   H query heads   Hkv KV heads   G = H / Hkv (GP = G padded to a power of two >= 16)
+    D head dim   L cached tokens (row r = L_b - 1)   Kb key blocks of the longest row   S splits
+    Pt threshold positions   P pages in the pool   max_pages pages per row
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, next_pow2, soft_cap, softcap_args
+from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask
+from sparsecal.kernels.sparse.reference import check_decision, check_method
+
+GROUP_LAUNCH = (4, 3)   # (num_warps, num_stages) of the attend and tmax passes on a CUDA GPU
+PROGRAMS_PER_SM = 4     # split-K target: about this many attend programs per SM
+MIN_TILES = 4           # ... each with at least this many key tiles
+DENSE, MASK, BSFA, BLASST, WINDOW = 0, 1, 2, 3, 4   # DECIDE codes (as decode.py's decide kernel)
+
+
+@triton.jit
+def _spread(flag, like):
+    """A scalar flag as a bool tensor shaped like ``like`` (the CPU interpreter cannot AND a tensor
+    with a scalar bool)."""
+    return (like.to(tl.int32) * 0 + flag.to(tl.int32)) != 0
+
+
+@triton.jit
+def _row(LENS, b, length, RAGGED: tl.constexpr):
+    """Row b's cache length (LENS [B] i32 when RAGGED, else the scalar length)."""
+    if RAGGED:
+        length = tl.load(LENS + b)
+    return length
+
+
+@triton.jit
+def _tile_base(X, BT, b, hk, j, sx_b, sx_h, sx_n, s_bt, BN: tl.constexpr, PAGE: tl.constexpr,
+               PAGED: tl.constexpr):
+    """Pointer to key 0 of tile j of (row b, KV head hk): X [B, Hkv, L, D] (strides sx_b, sx_h,
+    sx_n) or, PAGED, a pool [P, Hkv, PAGE, D] (sx_b the page stride) through BT [B, max_pages]."""
+    key0 = j * BN
+    if PAGED:
+        page = tl.load(BT + b * s_bt + key0 // PAGE).to(tl.int64)
+        return X + page * sx_b + hk * sx_h + (key0 % PAGE) * sx_n
+    else:
+        return X + b * sx_b + hk * sx_h + key0.to(tl.int64) * sx_n
+
+
+@triton.jit
+def _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM: tl.constexpr, GP: tl.constexpr):
+    """(split, bk, b, hk, g_ok [GP], bh [GP] = b * H + query head, offs_d, q [GP, D] (zero rows past G))."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    hkv = num_heads // group
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b = (bk // hkv).to(tl.int64)
+    hk = (bk % hkv).to(tl.int64)
+    g_ok = offs_g < group
+    heads = hk * group + offs_g
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    return split, bk, b, hk, g_ok, b * num_heads + heads, offs_d, q
+
+
+@triton.jit
+def _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap, kload, BN: tl.constexpr,
+            SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile's scaled scores s [GP, BLOCK_N] (log2 units, capped when SOFTCAP, -inf past the
+    tile or the row) and its key mask [BLOCK_N]; ``kload`` [BLOCK_N] False skips those keys' loads
+    (scores -inf)."""
+    kmask = (offs_n < BN) & (keys < length)
+    kload = kmask & kload
+    kt = tl.load(k_base + offs_n[None, :] * sk_n + offs_d[:, None], mask=kload[None, :], other=0.0)
+    s = dot(q, kt, None, PREC, UPCAST) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
+    return tl.where(kload[None, :], s, float("-inf")), kmask
+
+
+@triton.jit
+def _keep(tm, pre_keep, j, n_cand, thr, ll2, window, run, g_ok, DECIDE: tl.constexpr, GROUP: tl.constexpr):
+    """The tile's decision: (keep [GP] per head, gkeep (some head keeps it), run [GP]). tm [GP] tile
+    maxima (log2 units); pre_keep [GP] the torch mask's keep (DECIDE 1); run the BLASST running max
+    before this tile (DECIDE 3, returned updated). The last reachable tile (j >= n_cand) is kept."""
+    if DECIDE == 0:
+        keep = g_ok
+    elif DECIDE == 1:
+        keep = g_ok & pre_keep
+    elif DECIDE == 2:
+        keep = g_ok & (tm >= thr)
+    elif DECIDE == 3:
+        run = tl.maximum(run, tm)
+        keep = g_ok & (tl.where(tm >= run, 0.0, tm - run) >= ll2)
+    else:
+        keep = g_ok & (tl.zeros(g_ok.shape, tl.int32) + j >= n_cand - window)
+    keep = keep | (g_ok & (tl.zeros(g_ok.shape, tl.int32) + j >= n_cand))
+    gkeep = tl.max(keep.to(tl.int32), 0) > 0
+    if GROUP:
+        keep = g_ok & _spread(gkeep, g_ok)
+    return keep, gkeep, run
+
+
+@triton.jit
+def _pre_decision(TMAX, SKIP, bh, j, n_kb, g_ok, DECIDE: tl.constexpr):
+    """(tm [GP], pre_keep [GP]) read before tile j's K load: TMAX [B, H, Kb] for BLASST forward,
+    SKIP [B, H, Kb] i8 (1 = skip) for the torch mask."""
+    tm = tl.zeros(bh.shape, tl.float32)
+    pre_keep = g_ok
+    if DECIDE == 3:
+        tm = tl.load(TMAX + bh * n_kb + j, mask=g_ok, other=float("-inf"))
+    if DECIDE == 1:
+        pre_keep = tl.load(SKIP + bh * n_kb + j, mask=g_ok, other=1) == 0
+    return tm, pre_keep
+
+
+@triton.jit
+def _prefix_max(TMAX, bh, g_ok, j0, n_kb, CHUNK: tl.constexpr):
+    """BLASST forward: each head's running max over tiles 0 .. j0 - 1 (TMAX [B, H, Kb] log2 units)."""
+    offs_c = tl.arange(0, CHUNK)
+    run = tl.full(bh.shape, float("-inf"), tl.float32)
+    for c in range(0, j0, CHUNK):
+        t = tl.load(TMAX + bh[:, None] * n_kb + c + offs_c[None, :],
+                    mask=g_ok[:, None] & ((c + offs_c) < j0)[None, :], other=float("-inf"))
+        run = tl.maximum(run, tl.max(t, 1))
+    return run
+
+
+@triton.jit
+def _group_tmax_kernel(Q, K, BT, LENS, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, s_bt, length, n_kb, tiles_per_split,
+                       num_heads, group, qk_scale, softcap, HEAD_DIM: tl.constexpr, BN: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+                       RAGGED: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv): TMAX [B, H, Kb] f32 each head's tile max (log2 units, capped) of the
+    row's tiles (tiles past a row's length are not written)."""
+    split, _, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
+    length = _row(LENS, b, length, RAGGED)
+    offs_n = tl.arange(0, BLOCK_N)
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(length, BN))
+    for j in range(j0, j1):
+        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
+        s, _ = _scores(q, k_base, sk_n, offs_d, offs_n, j * BN + offs_n, length, qk_scale, softcap,
+                       offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
+        tl.store(TMAX + bh * n_kb + j, tl.max(s, 1), mask=g_ok)
+
+
+@triton.jit
+def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VCNT, O,
+                         sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_bt, so_b, so_h, length, n_kb,
+                         tiles_per_split, n_split, num_heads, group, qk_scale, softcap, block_m, n_thr, ll2, window,
+                         HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
+                         PAGE: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, DECIDE: tl.constexpr,
+                         GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv): one split of one KV group (module docstring). DECIDE 0 dense, 1 torch mask
+    SKIP [B, H, Kb] i8, 2 BSFA (THR [H, n_thr] natural units), 3 BLASST forward (TMAX [B, H, Kb],
+    ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
+    and counts CNT [B, H, S], VCNT [B, Hkv, S] i32; DIRECT (S = 1): O [B, H, 1, D] and the counts
+    (CNT [B, H], VCNT [B, Hkv] i64) written here."""
+    split, bk, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
+    length = _row(LENS, b, length, RAGGED)
+    offs_n = tl.arange(0, BLOCK_N)
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(length, BN))
+    n_cand = (length - 1) // BN
+    thr = tl.zeros([GP], tl.float32)
+    if DECIDE == 2:
+        pos = tl.minimum((length - 1) // block_m, n_thr - 1)
+        thr = tl.load(THR + (bh % num_heads) * n_thr + pos, mask=g_ok, other=0.0) * 1.4426950408889634
+    run = tl.full([GP], float("-inf"), tl.float32)
+    if DECIDE == 3:
+        run = _prefix_max(TMAX, bh, g_ok, j0, n_kb, 64)
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    n_skip = tl.zeros([GP], tl.int32)
+    v_skip = tl.zeros([], tl.int32)
+    s_prev = tl.full([GP, BLOCK_N], float("-inf"), tl.float32)    # tile j - 1's kept scores
+    v_prev = _tile_base(V, BT, b, hk, j0 * 0, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
+    vm_prev = offs_n < 0                                             # tile j - 1's V rows to load
+    for j in range(j0, j1):
+        v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
+        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
+        keys = j * BN + offs_n
+        if PRE:  # decided from the pre-pass before the K load: a tile no head keeps loads no K
+            tm, pre_keep = _pre_decision(TMAX, SKIP, bh, j, n_kb, g_ok, DECIDE)
+            keep, gkeep, run = _keep(tm, pre_keep, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
+            s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
+                               _spread(gkeep, offs_n), BN, SOFTCAP, PREC, UPCAST)
+        else:
+            s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
+                               offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
+            keep, gkeep, run = _keep(tl.max(s, 1), g_ok, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
+        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)   # tile j - 1
+        n_skip += (g_ok & ~keep).to(tl.int32)
+        v_skip += (~gkeep).to(tl.int32)
+        s_prev = tl.where(keep[:, None], s, float("-inf"))
+        v_prev = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
+        vm_prev = kmask & _spread(gkeep, offs_n)
+    v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
+    acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)
+    if DIRECT:
+        out = acc / l_i[:, None]
+        heads = bh % num_heads
+        tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :], out.to(O.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(CNT + bh, n_skip.to(tl.int64), mask=g_ok)
+        tl.store(VCNT + bk, v_skip.to(tl.int64))
+    else:
+        part = bh * n_split + split
+        tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(M + part, m_i, mask=g_ok)
+        tl.store(LS + part, l_i, mask=g_ok)
+        tl.store(CNT + part, n_skip, mask=g_ok)
+        tl.store(VCNT + bk.to(tl.int64) * n_split + split, v_skip)
+
+
+@triton.jit
+def _group_merge_kernel(ACC, M, LS, CNT, VCNT, O, SK, VSK, so_b, so_h, num_heads, group, n_split,
+                        HEAD_DIM: tl.constexpr, SP: tl.constexpr):
+    """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s; SK [B, H] and (the
+    group's first head) VSK [B, Hkv] i64 the counts summed over the splits."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < n_split
+    m = tl.load(M + bh * n_split + offs_s, mask=s_ok, other=float("-inf"))
+    ls = tl.load(LS + bh * n_split + offs_s, mask=s_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_all))
+    acc = tl.load(ACC + (bh * n_split + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(ls * w, 0)
+    b = bh // num_heads
+    h = bh % num_heads
+    tl.store(O + b * so_b + h * so_h + offs_d, out.to(O.dtype.element_ty))
+    tl.store(SK + bh, tl.sum(tl.load(CNT + bh * n_split + offs_s, mask=s_ok, other=0), 0).to(tl.int64))
+    if h % group == 0:
+        bk = b * (num_heads // group) + h // group
+        vc = tl.sum(tl.load(VCNT + bk * n_split + offs_s, mask=s_ok, other=0), 0)
+        tl.store(VSK + bk, vc.to(tl.int64))
+
+
+def group_splits(batch_kv: int, n_kb: int, device) -> int:
+    """Splits along the keys: about PROGRAMS_PER_SM attend programs per SM, each with at least
+    MIN_TILES tiles (8 SMs stand in for the CPU interpreter)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, batch_kv), triton.cdiv(n_kb, MIN_TILES)))
+
+
+def _check_layout(q, k, v, block_n: int, lengths, block_table) -> tuple:
+    """(Hkv, L bound, Kb of the longest row, page size or 0) after the layout checks."""
+    b, h, one, d = q.shape
+    if one != 1 or k.dim() != 4 or k.shape != v.shape or h % k.shape[1] or k.shape[3] != d or k.stride(-1) != 1 \
+            or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"decode takes q [B,H,1,D] and k, v [B,Hkv,L,D] or page pools [P,Hkv,page,D] "
+                         f"(contiguous head dim), got {tuple(q.shape)}, {tuple(k.shape)}")
+    if block_table is None:
+        if k.shape[0] != b:
+            raise ValueError(f"k/v hold {k.shape[0]} rows, q {b}")
+        bound, page = k.shape[2], 0
+    else:
+        page = k.shape[2]
+        if block_table.dim() != 2 or block_table.shape[0] != b or page % block_n:
+            raise ValueError(f"block_table must be [B={b}, max_pages] and the page size ({page}) a multiple of "
+                             f"BN ({block_n})")
+        bound = block_table.shape[1] * page
+    if lengths is not None and (lengths.dim() != 1 or lengths.shape[0] != b):
+        raise ValueError(f"lengths must be [B={b}], got {tuple(lengths.shape)}")
+    if lengths is None and block_table is not None:
+        raise ValueError("a paged cache needs the row lengths")
+    return k.shape[1], bound, triton.cdiv(bound, block_n), page
+
+
+def _mask_for(tmax, lengths, bound: int, block_m: int, block_n: int, kw: dict) -> torch.Tensor:
+    """The torch-made skip mask [B, H, Kb] i8 (top-k, BLASST reverse / sink_local) from the pre-pass's
+    tile maxima: decode_skip_mask per row length (one length: at once)."""
+    if lengths is None:
+        return decode_skip_mask(tmax, bound, block_m, block_n, **kw).to(torch.int8)
+    mask = torch.zeros(tmax.shape, dtype=torch.int8, device=tmax.device)
+    for i, n in enumerate(lengths.tolist()):
+        kb = triton.cdiv(n, block_n)
+        mask[i:i + 1, :, :kb] = decode_skip_mask(tmax[i:i + 1, :, :kb], n, block_m, block_n, **kw).to(torch.int8)
+    return mask
+
+
+def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                        log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                        topk: int | None = None, dense: bool = False, decision: str = "head", lengths=None,
+                        block_table=None, splits: int | None = None, launch: tuple | None = None,
+                        softcap: float = 0.0):
+    """One decode step with the group kernel; the Triton twin of ``reference.sparse_decode`` (one
+    length) and ``reference.sparse_decode_ragged`` (``lengths`` and / or ``block_table``).
+
+    q [B, H, 1, D]; k/v [B, Hkv, L, D] (fp16/bf16/fp32) or page pools [P, Hkv, page_size, D] with
+    block_table [B, max_pages] int32 and lengths [B] int32 on q's device. Exactly one of
+    thresholds [H, Pt], log_lambda, window, topk, or dense=True; ``decision`` "head" | "group".
+    Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles each head skipped,
+    v_skipped [B, Hkv] int64 tiles every head of the group skipped: V tiles not loaded).
+    """
+    from sparsecal.kernels.sparse.prefill import method_code
+
+    if topk is not None:
+        check_method(thresholds, log_lambda, window, topk)
+        if dense:
+            raise ValueError("method 'dense' takes no topk")
+    check_decision(decision)
+    method = 4 if topk is not None else method_code(thresholds, log_lambda, window, dense)
+    decide = {0: DENSE, 1: BSFA, 3: WINDOW, 4: MASK}.get(method, BLASST if order == "forward" else MASK)
+    hkv, bound, kb, page = _check_layout(q, k, v, block_n, lengths, block_table)
+    b, h, _, d = q.shape
+    dev, f32 = q.device, torch.float32
+    n_split = splits or group_splits(b * hkv, kb, dev)
+    tps = triton.cdiv(kb, n_split)
+    n_split = triton.cdiv(kb, tps)
+    warps, stages = launch or GROUP_LAUNCH
+    prec, upcast = dot_flags(q.dtype)
+    cap_on, cap = softcap_args(softcap)
+    lens = lengths.to(device=dev, dtype=torch.int32) if lengths is not None else q
+    bt = block_table.to(device=dev, dtype=torch.int32) if block_table is not None else q
+    common = {"HEAD_DIM": d, "BN": block_n, "BLOCK_N": next_pow2(block_n), "GP": next_pow2(h // hkv),
+              "PAGE": max(page, 1), "PAGED": block_table is not None, "RAGGED": lengths is not None, "SOFTCAP": cap_on,
+              "PREC": prec, "UPCAST": upcast, "num_warps": warps, "num_stages": stages}
+    q2 = q[:, :, 0]
+    strides = (q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2))
+    tmax = skip = q
+    if decide in (MASK, BLASST):
+        tmax = torch.empty((b, h, kb), dtype=f32, device=dev)
+        LAST_COMPILED["group_tmax"] = _group_tmax_kernel[(n_split, b * hkv)](
+            q2, k, bt, lens, tmax, *strides, bt.stride(0) if block_table is not None else 0, bound, kb, tps, h,
+            h // hkv, scale * LOG2E, cap, **common)
+    if decide == MASK:
+        skip = _mask_for(tmax, lengths, bound, block_m, block_n,
+                         {"log_lambda": log_lambda, "order": order, "topk": topk})
+    thr = thresholds.to(device=dev, dtype=f32).contiguous() if decide == BSFA else q
+    out = torch.empty_like(q)
+    direct = n_split == 1
+    if direct:
+        part = (q, q, q)
+        cnt = torch.empty((b, h), dtype=torch.int64, device=dev)
+        vcnt = torch.empty((b, hkv), dtype=torch.int64, device=dev)
+    else:
+        part = (torch.empty((b, h, n_split, d), dtype=f32, device=dev),
+                torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev))
+        cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
+        vcnt = torch.empty((b, hkv, n_split), dtype=torch.int32, device=dev)
+    LAST_COMPILED["group_attend"] = _group_attend_kernel[(n_split, b * hkv)](
+        q2, k, v, bt, lens, thr, tmax, skip, *part, cnt, vcnt, out, *strides, v.stride(0), v.stride(1), v.stride(2),
+        bt.stride(0) if block_table is not None else 0, out.stride(0), out.stride(1), bound, kb, tps, n_split, h,
+        h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
+        0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0),
+        DECIDE=decide, GROUP=decision == "group", PRE=decide in (MASK, BLASST), DIRECT=direct, **common)
+    if direct:
+        return out, cnt, vcnt
+    skipped = torch.empty((b, h), dtype=torch.int64, device=dev)
+    v_skipped = torch.empty((b, hkv), dtype=torch.int64, device=dev)
+    _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
+                                  h // hkv, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
+    return out, skipped, v_skipped
+
+
+def decode_tile_maxima(q, k, scale: float, block_n: int, lengths=None, block_table=None) -> torch.Tensor:
+    """Each head's decode-row tile maxima [B, H, Kb] f32 in natural units (the tmax pre-pass; tiles
+    past a row's length hold no value): operating points of a benchmark without an L x D copy of K."""
+    hkv, bound, kb, page = _check_layout(q, k, k, block_n, lengths, block_table)
+    b, h, _, d = q.shape
+    n_split = group_splits(b * hkv, kb, q.device)
+    tps = triton.cdiv(kb, n_split)
+    prec, upcast = dot_flags(q.dtype)
+    tmax = torch.full((b, h, kb), float("-inf"), dtype=torch.float32, device=q.device)
+    lens = lengths.to(device=q.device, dtype=torch.int32) if lengths is not None else q
+    bt = block_table.to(device=q.device, dtype=torch.int32) if block_table is not None else q
+    q2 = q[:, :, 0]
+    _group_tmax_kernel[(triton.cdiv(kb, tps), b * hkv)](
+        q2, k, bt, lens, tmax, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        bt.stride(0) if block_table is not None else 0, bound, kb, tps, h, h // hkv, scale * LOG2E, 0.0,
+        HEAD_DIM=d, BN=block_n, BLOCK_N=next_pow2(block_n), GP=next_pow2(h // hkv), PAGE=max(page, 1),
+        PAGED=block_table is not None, RAGGED=lengths is not None, SOFTCAP=False, PREC=prec, UPCAST=upcast)
+    return tmax / LOG2E
