@@ -65,8 +65,8 @@ def vfa_args(state, mode: str, length: int, blasst_args) -> dict:
         return {"dense": True}
     if state.method == "dense":  # vfa
         return {"vfa": True, "log_lambda": None}
-    ll = blasst_args()["log_lambda"]
-    return {"vfa": True, "log_lambda": None if ll == -math.inf else ll}
+    ll = blasst_args().get("log_lambda")  # {"dense": True} where BLASST's law runs dense: no skipping
+    return {"vfa": True, "log_lambda": None if ll is None or ll == -math.inf else ll}
 
 
 def run_vfa(state, mode: str, query, key, value, scale: float, kw: dict, stats: dict, layer: int):
