@@ -170,15 +170,15 @@ def _group_tmax_kernel(Q, K, BT, LENS, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, s_bt,
                        RAGGED: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (S, B * Hkv): TMAX [B, H, Kb] f32 each head's tile max (log2 units, capped) of the
     row's tiles (tiles past a row's length are not written)."""
-    split, _, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
+    split, _pid, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
     length = _row(LENS, b, length, RAGGED)
     offs_n = tl.arange(0, BLOCK_N)
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(length, BN))
     for j in range(j0, j1):
         k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
-        s, _ = _scores(q, k_base, sk_n, offs_d, offs_n, j * BN + offs_n, length, qk_scale, softcap,
-                       offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
+        s, _ok = _scores(q, k_base, sk_n, offs_d, offs_n, j * BN + offs_n, length, qk_scale, softcap,
+                         offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
         tl.store(TMAX + bh * n_kb + j, tl.max(s, 1), mask=g_ok)
 
 
