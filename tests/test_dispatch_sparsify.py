@@ -37,8 +37,9 @@ def test_dense_dispatched_layer_is_sdpa_and_counts_nothing(tiny_model, tmp_path,
     cand = 4 * int(block_counts_torch(333, 128, 64)[0].sum())
     logits, st = _run(model, 333, seed)  # bucket 256: layer 0 sparse, layer 1 dense
     assert st["skipped"][0].sum() == cand and st["skipped"][1].sum() == 0 and st["reachable"][1].sum() == 0
-    # the same as an export that leaves layer 1 alone (its exact dense attention), bit for bit
-    sparsecal.sparsify(model, dispatch_export(tmp_path / "ref", sparse_layers=(0,), dispatch=False), method="bsfa", k=1)
+    # the same as an export that leaves layer 1 alone under the same record (a layer left dense runs
+    # what dense runs: the record's SDPA backend), bit for bit
+    sparsecal.sparsify(model, dispatch_export(tmp_path / "ref", sparse_layers=(0,)), method="bsfa", k=1)
     assert torch.equal(_run(model, 333, seed)[0], logits)
     sparsecal.sparsify(model, exp, method="bsfa", k=1)
     logits, st = _run(model, 200, seed)  # below the shortest calibrated length: every layer dense

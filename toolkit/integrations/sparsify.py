@@ -425,9 +425,9 @@ def _module_state(module) -> _State:
 def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """AttentionInterface function. query [B, H, Nq, D], key/value [B, Hkv, Nk, D] -> ([B, Nq, H, D], None).
 
-    Layers the export leaves alone, sliding or chunked layers whose window binds at this length,
-    and prefills the dispatch plan runs dense, run their exact dense attention (kernels/layer_dense.py)
-    and count nothing."""
+    Layers the export leaves alone run what ``dense`` runs (dense_first) and count nothing; sliding
+    or chunked layers whose window binds at this length, and prefills the dispatch plan runs dense,
+    run their exact dense attention (kernels/layer_dense.py) and count nothing."""
     from sparsecal.integrations.sparsify_laws import note_law
 
     state = _module_state(module)
@@ -448,10 +448,12 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     note_law(state, mode, nk)  # state.law = model.sparsecal_law: interpolated | extrapolated | below | None
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
-    first, kw = dispatched_dense(state, layer, mode, nk), None
+    first, kw, counted = dispatched_dense(state, layer, mode, nk), None, True
     if first is None and _runs_sparse(state, layer, spec, window, nk):
         kw = {"dense": True} if _window_covers(state, mode, nk) else call_args(state, layer, mode, nk, query.device)
         first = dense_first(state, mode, nk) if kw.get("dense") else None  # skips nothing: dense's own path
+    elif first is None and _runs_sparse(state, layer, spec, window, nk, every_layer=True):
+        kw, first, counted = {"dense": True}, dense_first(state, mode, nk), False  # left dense: dense's path
     if kw is None or first is not None:
         return _exact_dense(state, query, key, value, scale, first, spec, window, kwargs), None
     if kwargs.get("softcap"):
@@ -468,8 +470,9 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
                                           expected_sparsity(state, layer, mode, nk))
     else:
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
-    stats["skipped"][layer] = skipped
-    stats["reachable"][layer] = reach
+    if counted:  # a layer the export leaves dense counts nothing
+        stats["skipped"][layer] = skipped
+        stats["reachable"][layer] = reach
     return (out.to(dtype) if state.precision == "fp32" else out), None
 
 
@@ -500,9 +503,10 @@ def dense_first(state: _State, mode: str, length: int) -> str | None:
     return state.dense_backends["backends"][0 if j is None else j]
 
 
-def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: int) -> bool:
-    """A layer runs sparse when the export covers it and its window or chunk does not bind."""
-    if state.layers is not None and layer not in state.layers:
+def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: int, every_layer: bool = False) -> bool:
+    """A layer runs sparse when the export covers it (``every_layer``: whether or not it does) and
+    its window or chunk does not bind."""
+    if state.layers is not None and layer not in state.layers and not every_layer:
         return False
     if window and window <= length:  # a decode step's sliding cache holds at most the window
         return False
