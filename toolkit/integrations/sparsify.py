@@ -39,7 +39,6 @@ default) under a record runs every prefill layer that way. Decode steps are not 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,14 @@ from pathlib import Path
 import torch
 
 from sparsecal.formats.errors import UserError
+from sparsecal.integrations.sparsify_dense import (  # noqa: F401 - dispatched_dense, _sdpa_first: public to tests
+    _dense_backends,
+    _dispatch_plan,
+    _exact_dense,
+    _sdpa_first,
+    dense_first,
+    dispatched_dense,
+)
 
 METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window",
            "dense": "sparsecal_dense", **{m: f"sparsecal_{m}" for m in ("window_sink", "blasst_sl", "vfa", "vsa")}}
@@ -171,59 +178,6 @@ def load_state(export_dir, method: str = "bsfa", k: int | None = None, target: f
     if dispatch:
         state.dense_backends = _dense_backends(export_dir, expect or {}, method)
     return state
-
-
-def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
-    """Under an export's dispatch record: per length bucket the one SDPA backend that every method's
-    dense prefill tries first (the reference ``dense`` included), the most frequent fastest dense
-    backend over the record's operating points (ties: formats.dispatch.SDPA_BACKENDS order), so a
-    dense layer is the same computation whichever method or point runs it. None: no record."""
-    from collections import Counter
-
-    from sparsecal.formats.dispatch import SDPA_BACKENDS
-    from sparsecal.formats.exports import BLASST_JSON, load_blasst
-
-    folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
-    if not (folder / BLASST_JSON).is_file():
-        return None
-    try:
-        rec = load_blasst(folder, expect).get("dispatch")
-    except UserError:
-        if method == "blasst":
-            raise
-        return None  # bsfa: _dispatch_plan has said so; dense, window: no record they could read
-    if not rec:
-        return None
-    picks = []
-    for j in range(len(rec["lengths"])):
-        votes = Counter(c["dense_backend"][j] for c in rec["configs"])
-        picks.append(min(votes, key=lambda b: (-votes[b], SDPA_BACKENDS.index(b))))
-    return {"lengths": list(rec["lengths"]), "backends": picks}
-
-
-def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
-    """The dispatch plan of one operating point from blasst.json's ``dispatch`` record (BLASST
-    ``value`` None: the file's target), or None: no record, or none for this point (every exported
-    layer sparse)."""
-    from sparsecal.formats.dispatch import find_config
-    from sparsecal.formats.exports import BLASST_JSON, load_blasst
-
-    folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
-    if not (folder / BLASST_JSON).is_file():
-        return None
-    try:
-        doc = load_blasst(folder, expect)
-    except UserError as e:
-        if method != "bsfa":
-            raise
-        raise UserError(f"{e} (BSFA reads {BLASST_JSON} only for its dispatch record: sparsify(..., dispatch=False) "
-                        "runs BSFA without it)") from None
-    rec = doc.get("dispatch")
-    entry = find_config(rec, method, doc["target_sparsity"] if value is None else value)
-    if entry is None:
-        return None
-    return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"],
-            "sparsity": entry["sparsity"]}
 
 
 def _decode_thresholds(export_dir, k: int, expect: dict) -> torch.Tensor:
@@ -476,33 +430,6 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     return (out.to(dtype) if state.precision == "fp32" else out), None
 
 
-def _exact_dense(state: _State, query, key, value, scale: float, first: str | None, spec, window, kwargs):
-    """The layer's exact dense attention (kernels/layer_dense.py: SDPA, ``first`` the backend tried
-    first), in float32 for ``precision="fp32"``; counts nothing. query [B, H, Nq, D] -> [B, Nq, H, D]."""
-    from sparsecal.kernels.layer_dense import layer_attention
-
-    dtype = query.dtype
-    if state.precision == "fp32":
-        query, key, value = query.float(), key.float(), value.float()
-    with _sdpa_first(first) if first else contextlib.nullcontext():
-        out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
-                              softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
-    return out.to(dtype).transpose(1, 2).contiguous()
-
-
-def dense_first(state: _State, mode: str, length: int) -> str | None:
-    """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
-    window that covers every candidate), it runs what ``dense`` runs: under a dispatch record the
-    bucket's SDPA backend (this is returned; below the shortest length, the shortest's), else the
-    kernels with skipping off (None). Decode is never dispatched."""
-    if state.dense_backends is None or mode != "prefill":
-        return None
-    from sparsecal.formats.dispatch import bucket
-
-    j = bucket(state.dense_backends["lengths"], length)
-    return state.dense_backends["backends"][0 if j is None else j]
-
-
 def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: int, every_layer: bool = False) -> bool:
     """A layer runs sparse when the export covers it (``every_layer``: whether or not it does) and
     its window or chunk does not bind."""
@@ -520,58 +447,6 @@ def _window_covers(state: _State, mode: str, length: int) -> bool:
         return False
     last_block_start = (length - 1) // state.block_m * state.block_m  # its candidates are the most
     return last_block_start // state.block_n <= state.window + state.sink  # the sink keeps one more
-
-
-def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str | None:
-    """The SDPA backend to try first when the dispatch plan runs this prefill dense (the bucket's
-    fastest; below the shortest calibrated length, the shortest's), None when it runs sparse or
-    there is no plan (decode is never dispatched)."""
-    if state.plan is None or mode != "prefill":
-        return None
-    from sparsecal.formats.dispatch import bucket
-
-    j = bucket(state.plan["lengths"], length)
-    if j is not None and state.plan["sparse"][layer][j]:
-        return None
-    return dense_first(state, mode, length) or state.plan["backends"][0 if j is None else j]
-
-
-class _SdpaFirst:
-    """SDPA's backend priority with one backend first (the rest in their current order, so MATH
-    still runs whatever the others cannot), restored on exit. Only the order changes, not which
-    backends are enabled; sdpa_kernel(set_priority=True) does the same at ~3x the host cost per
-    call, and is the fall-back where torch lacks the priority accessors."""
-
-    __slots__ = ("ctx", "prev", "want")
-
-    def __init__(self, backend: str):
-        from torch.nn.attention import SDPBackend
-
-        self.want, self.prev, self.ctx = getattr(SDPBackend, backend), None, None
-
-    def __enter__(self):
-        get = getattr(torch._C, "_get_sdp_priority_order", None)
-        if get is None or not hasattr(torch._C, "_set_sdp_priority_order"):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            from sparsecal.formats.dispatch import SDPA_BACKENDS
-
-            rest = [getattr(SDPBackend, b) for b in SDPA_BACKENDS if getattr(SDPBackend, b) != self.want]
-            self.ctx = sdpa_kernel([self.want, *rest], set_priority=True)
-            return self.ctx.__enter__()
-        self.prev = get()
-        torch._C._set_sdp_priority_order([int(self.want)] + [b for b in self.prev if b != int(self.want)])
-        return self
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
-        torch._C._set_sdp_priority_order(self.prev)
-        return False
-
-
-def _sdpa_first(backend: str) -> _SdpaFirst:
-    return _SdpaFirst(backend)
 
 
 def _use_triton(state: _State, query, mode: str) -> bool:
