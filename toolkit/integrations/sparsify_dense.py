@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from sparsecal.formats.errors import UserError
-
-if TYPE_CHECKING:
-    from sparsecal.integrations.sparsify import _State
 
 
 def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
@@ -70,7 +66,7 @@ def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
             "sparsity": entry["sparsity"]}
 
 
-def _exact_dense(state: _State, query, key, value, scale: float, first: str | None, spec, window, kwargs):
+def _exact_dense(state, query, key, value, scale: float, first: str | None, spec, window, kwargs):
     """The layer's exact dense attention (kernels/layer_dense.py: SDPA, ``first`` the backend tried
     first), in float32 for ``precision="fp32"``; counts nothing. query [B, H, Nq, D] -> [B, Nq, H, D]."""
     from sparsecal.kernels.layer_dense import layer_attention
@@ -84,7 +80,7 @@ def _exact_dense(state: _State, query, key, value, scale: float, first: str | No
     return out.to(dtype).transpose(1, 2).contiguous()
 
 
-def dense_first(state: _State, mode: str, length: int) -> str | None:
+def dense_first(state, mode: str, length: int) -> str | None:
     """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
     window that covers every candidate), it runs what ``dense`` runs: under a dispatch record the
     bucket's SDPA backend (this is returned; below the shortest length, the shortest's), else the
@@ -97,7 +93,7 @@ def dense_first(state: _State, mode: str, length: int) -> str | None:
     return state.dense_backends["backends"][0 if j is None else j]
 
 
-def dispatched_dense(state: _State, layer: int, mode: str, length: int) -> str | None:
+def dispatched_dense(state, layer: int, mode: str, length: int) -> str | None:
     """The SDPA backend to try first when the dispatch plan runs this prefill dense (the bucket's
     fastest; below the shortest calibrated length, the shortest's), None when it runs sparse or
     there is no plan (decode is never dispatched)."""
