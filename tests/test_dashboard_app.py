@@ -191,11 +191,11 @@ def test_curves_empty_state_names_the_commands(fixture_app):
 
 
 def test_curves_out_of_the_box_from_the_committed_evaluation(monkeypatch):
-    """No --results: the evaluation committed under data/eval/ (SmolLM2 on an H100) is plotted."""
+    """No --results: the evaluations committed under data/eval/ (SmolLM2 on H100s) are plotted."""
     from sparsecal.dashboard.data import shipped_result_dirs
 
     shipped = shipped_result_dirs()
-    assert [d.name for d in shipped] == ["smollm2-1k-8k-h100"]
+    assert [d.name for d in shipped] == ["smollm2-1k-8k-h100", "smollm2-1k-8k-h100-issue27"]
     at = _page(_app(monkeypatch, FIXTURE, results=None), "curves")
     _ok(at, 1)
     table = at.dataframe[0].value
