@@ -127,7 +127,7 @@ def verified(tmp_path_factory):
     exported and verified at a target it reaches and one where lambda >= 1: a real model's tiles."""
     run = tmp_path_factory.mktemp("verify") / "run"
     _ok(cli("capture", "--task", "text", "--lengths", "1024", "--samples", "1", "--out", run, "--engine", "modelopt",
-            "--orders", "forward", "--decode-rows", "16", "--raw", "--k", "4"))
+            "--orders", "forward", "--decode-rows", "4", "--raw", "--k", "4"))
     _ok(cli("fit", run, "--engine", "modelopt", "--targets", "0.2,0.3", "--holdout", "0"))
     _ok(cli("export", run, "--out", run / "export", "--format", "modelopt", "--target", "0.3",
             "--min-layer-sparsity", "0"))
