@@ -167,3 +167,14 @@ def test_capture_joint_statistic_matches_bruteforce(seed):
     torch.testing.assert_close(t.joint_err.double(), want, atol=2e-5, rtol=0)
     assert (t.joint_err >= t.qinit_err - 1e-6).all() and (want < 0).any() and (want > 0).any()
     assert joint_reduce(t, cfg)["joint_count"].sum(dim=-1).tolist() == [n] * 4
+
+
+def test_joint_statistic_per_layer_summary():
+    """bench/vfa.py's per-layer summary of joint_err (frozen max - true max): shares below -1 / -5
+    and above +5 nats, median, 1st percentile and max over every value given for the layer."""
+    from sparsecal.bench.vfa import layer_rows
+
+    errs = {3: [torch.tensor([0.0, -2.0, 6.0]), torch.tensor([-6.0, 0.0])]}
+    (r,) = layer_rows(errs)
+    assert r["layer"] == 3 and r["rows"] == 5 and r["max"] == 6.0 and r["median"] == 0.0
+    assert (r["below_1"], r["below_5"], r["above_5"]) == (0.4, 0.2, 0.2) and -6.0 < r["p01"] < -5.8  # -6 + 0.04 * 4
