@@ -1,7 +1,8 @@
 """Accuracy-speedup: accuracy relative to dense against speedup over dense, per method and length,
 from the evaluation and benchmark result files of RUN/results/ and `--results DIR` (format in
 toolkit/formats/results.py). Until such files exist the page says which commands make them.
-Controls: methods and lengths shown, and, where `sparsecal eval --time` timed the points themselves,
+Controls: the result directory and the split (seen / held-out task families) where there are
+several, methods and lengths shown, and, where `sparsecal eval --time` timed the points themselves,
 whether the x axis is each point's own TTFT or TPOT speedup."""
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def _load(dirs) -> tuple[pl.DataFrame, list[str]]:
     return results.curves(frames), problems
 
 
+def _one_evaluation(pts: pl.DataFrame) -> pl.DataFrame:
+    """The points of one result directory and one split (seen / held-out task families), chosen
+    where there are several: points of two evaluations or splits are never drawn as one."""
+    origins = sorted(o for o in set(pts["origin"]) if o is not None)
+    if len(origins) > 1:
+        origin = ui.choose("Evaluation (result directory)", origins, key="cu_origin", default=origins[-1])
+        pts = pts.filter(pl.col("origin") == origin)
+    splits = sorted((s for s in set(pts["split"]) if s is not None), reverse=True)  # seen first
+    if splits:
+        split = ui.choose("Task families", splits, key="cu_split", help="seen: captured by the calibration; "
+                          "held-out: never captured")
+        pts = pts.filter(pl.col("split") == split)
+    return pts
+
+
 def render() -> None:
     root = ui.header("Accuracy-speedup", "What the thresholds cost in accuracy and gain in speed, from "
                      "evaluation and benchmark result files.")
@@ -39,6 +55,7 @@ def render() -> None:
                 + ", ".join(f"`{d}`" for d in dirs) + " (add directories with `sparsecal dashboard RUN --results DIR`).",
                 icon=":material/hourglass_empty:")
         return
+    pts = _one_evaluation(pts)
     c1, c2 = st.columns(2)
     methods = ui.choose_many("Methods", sorted(set(pts["method"])), key="cu_methods", where=c1)
     lengths = ui.choose_many("Lengths", sorted(set(pts["length"])), key="cu_lengths", where=c2, fmt=ui.fmt_len)

@@ -263,3 +263,18 @@ def test_accuracy_speedup_error_bars_from_the_interval(tmp_path):
     pts = results.curves([results.read_result_file(p) for p in results.result_files([tmp_path])])
     trace = next(t for t in charts_run.accuracy_speedup(pts).data if t.name == "bsfa @ 512")
     assert trace.error_y.array == pytest.approx((0.05,)) and trace.error_y.arrayminus == pytest.approx((0.1,))
+
+
+def test_two_evaluations_and_two_splits_are_never_one_point(tmp_path):
+    """The same (method, config, length) from two result directories, or from the seen and the
+    held-out task families of one, stays apart: a chart point is one directory's rows of one split."""
+    for name, acc in (("old", 0.5), ("new", 0.9)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"kind": "sparsecal-eval", "rows": [
+            {"method": "bsfa", "config": "k=2", "length": 512, "accuracy_rel_dense": acc, "speedup": 1.2,
+             **({"split": "seen"} if name == "new" else {})},
+            *([{"method": "bsfa", "config": "k=2", "length": 512, "accuracy_rel_dense": 0.7, "speedup": 1.2,
+                "split": "held-out"}] if name == "new" else [])]}))
+    pts = results.curves([results.read_result_file(p) for p in results.result_files([tmp_path / "old", tmp_path / "new"])])
+    got = {(r["origin"], r["split"]): r["accuracy_rel_dense"] for r in pts.to_dicts()}
+    assert got == {("old", None): 0.5, ("new", "seen"): 0.9, ("new", "held-out"): 0.7}

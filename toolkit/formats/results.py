@@ -29,9 +29,14 @@ Row columns (the ones marked * are required, plus at least one of the two measur
     task                 str    evaluation task (optional; accuracies are averaged over tasks)
     metric               str    what accuracy measures, e.g. "accuracy", "top1", "kl" (optional)
 
+    split                str    "seen" | "held-out": task families the calibration captured or not
+                                (optional; `sparsecal eval` writes it where it knows the split)
+
 Evaluation files usually carry accuracy_rel_dense and benchmark files speedup; ``curves`` averages
-each measure over the rows sharing (method, config, length) across all files, so an eval row and
-a bench row of the same point meet. A point appears on the chart when it has both measures.
+each measure over the rows sharing (method, config, length, split) within one directory (the
+point's ``origin``), so an eval row and a bench row of the same point in one directory meet, and
+two evaluations in different directories are never averaged together. A point appears on the
+chart when it has both measures.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import polars as pl
 from sparsecal.formats.errors import UserError
 
 KEYS = ("method", "config", "length")
+POINT = KEYS + ("origin", "split")  # a chart point: one directory's rows of one split
 MEASURES = ("accuracy_rel_dense", "speedup")
 OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "speedup_ttft",
             "speedup_tpot")
@@ -83,25 +89,29 @@ def read_result_file(path: Path) -> pl.DataFrame:
         raise UserError(f"{path} lacks columns {', '.join(lacking) or ' or '.join(MEASURES)}; see the "
                         "Accuracy-speedup format in toolkit/formats/results.py.")
     keep = [c for c in KEYS + MEASURES + OPTIONAL if c in df.columns]
-    return df.select(keep).with_columns(pl.col("method").cast(pl.Utf8), pl.col("config").cast(pl.Utf8),
-                                        pl.col("length").cast(pl.Int64), pl.lit(path.name).alias("source"))
+    split = pl.col("split").cast(pl.Utf8) if "split" in df.columns else pl.lit(None, pl.Utf8)
+    return df.select(keep + (["split"] if "split" in df.columns else [])).with_columns(
+        pl.col("method").cast(pl.Utf8), pl.col("config").cast(pl.Utf8), pl.col("length").cast(pl.Int64),
+        pl.lit(path.name).alias("source"), pl.lit(path.parent.name).alias("origin"), split.alias("split"))
 
 
 def curves(frames: list[pl.DataFrame]) -> pl.DataFrame:
-    """Points of the accuracy-speedup chart: per (method, config, length) the mean of each measure
-    over all rows and files. Columns: KEYS, accuracy_rel_dense, speedup, OPTIONAL (null when no
-    file has it), sources (files that contributed, comma-separated). Empty frames give no rows.
+    """Points of the accuracy-speedup chart: per (method, config, length, origin, split) the mean of
+    each measure over the rows of that directory and split. Columns: POINT, accuracy_rel_dense,
+    speedup, OPTIONAL (null when no file has it), sources (files that contributed, comma-separated). Empty frames give no rows.
     An evaluation writes one row per point (its interval belongs to that row); when several files
     give one point an interval, the mean of their ends is shown."""
-    cols = {"method": pl.Utf8, "config": pl.Utf8, "length": pl.Int64}
+    cols = {"method": pl.Utf8, "config": pl.Utf8, "length": pl.Int64, "origin": pl.Utf8, "split": pl.Utf8}
     num = {c: pl.Float64 for c in MEASURES + OPTIONAL}
     frames = [f.with_columns([pl.col(c).cast(pl.Float64) for c in MEASURES + OPTIONAL if c in f.columns])
               for f in frames if f.height]
     if not frames:
         return pl.DataFrame(schema={**cols, **num, "sources": pl.Utf8})
+    frames = [f.with_columns([pl.lit(None, pl.Utf8).alias(c) for c in ("origin", "split") if c not in f.columns])
+              for f in frames]
     full = pl.concat([f.with_columns([pl.lit(None, pl.Float64).alias(c) for c in num if c not in f.columns])
                       .select(list(cols) + list(num) + ["source"]) for f in frames], how="vertical_relaxed")
-    agg = full.group_by(list(KEYS)).agg(
+    agg = full.group_by(list(POINT)).agg(
         *[pl.col(c).mean() for c in num],
         pl.col("source").unique().sort().str.join(", ").alias("sources"))
-    return agg.sort(list(KEYS))
+    return agg.sort(list(POINT), nulls_last=True)
