@@ -12,7 +12,6 @@ only if every skip-nothing call takes dense's own kernel call, which ``test_skip
 _dense_calls`` pins on the CPU (BLASST used to run its own kernel with ln lambda = -inf).
 """
 import math
-
 from dataclasses import replace
 
 import pytest

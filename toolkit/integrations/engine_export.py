@@ -104,8 +104,8 @@ def _header(tiles, ctx: dict, note: str) -> list[str]:
               f"target sparsity {ctx['target']:g}; lambda = threshold_scale_factor / kv_len."),
              (f"Calibrated on {tiles.block_m} x {tiles.block_n} tiles = {tiles.engine}: {tiles.kernel}; log base "
               f"{tiles.log_base}; scores: {tiles.score_scale}."), note, ctx.get("lengths_note", ""),
-             "Model, tiles, the exp law, ignored layers, served lengths and the simulated sparsity: engine.json and "
-             "report.txt here."]
+             ("Model, tiles, the exp law, ignored layers, served lengths and the simulated sparsity: engine.json and "
+              "report.txt here.")]
     return [x for x in lines if x]
 
 
@@ -315,8 +315,8 @@ def traffic_lines(tr: dict | None) -> list[str]:
     if not tr:
         return []
     w = ", ".join(f"{n}: {v:.3g}" for n, v in tr["weights"].items())
-    lines = [f"Traffic ({tr['source']}; weight per calibrated length {w}): held-out sparsity over the layers that "
-             "skip, the factor fitted on these weights against the unweighted one:"]
+    lines = [(f"Traffic ({tr['source']}; weight per calibrated length {w}): held-out sparsity over the layers "
+              "that skip, the factor fitted on these weights against the unweighted one:")]
     for g in tr["groups"]:
         for m, p in g["phases"].items():
             per = ", ".join(f"{r['length']} {r['achieved']:.3f} ({r['unweighted_achieved']:.3f})"
