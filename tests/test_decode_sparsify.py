@@ -1,10 +1,9 @@
 """sparsify(..., decode_decision="group"): decode steps run the group decision (a KV group skips a
 tile only when every head would) through the group kernel and the reference alike."""
-import json
 
 import pytest
 import torch
-from test_sparsify import _noop_export, tiny_model  # noqa: F401  (the fixture)
+from test_sparsify import _decode_lambda_one_export, _noop_export, tiny_model  # noqa: F401  (the fixture)
 
 import sparsecal
 from sparsecal.formats.errors import UserError
@@ -15,10 +14,7 @@ def test_group_decision_in_a_model(tiny_model, tmp_path, seed):  # noqa: F811
     and counts, every head of a KV group (2 query heads each) counts the same skipped tiles, and
     no more than with the per-head decision."""
     _, model = tiny_model
-    exp = _noop_export(tmp_path / "e")
-    doc = json.loads((exp / "blasst.json").read_text())
-    doc["threshold_scale_factor"]["decode"] = 451.0  # lambda = 1 at the decode step (451 keys)
-    (exp / "blasst.json").write_text(json.dumps(doc))
+    exp = _decode_lambda_one_export(tmp_path / "e")
     ids = torch.randint(0, 300, (1, 450), generator=torch.Generator().manual_seed(seed))
     got = {}
     for backend, decision in (("reference", "group"), ("triton", "group"), ("reference", "head")):

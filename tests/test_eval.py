@@ -275,16 +275,6 @@ def test_eval_bad_input_one_line(tmp_path):
     assert not out.exists()
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a 2-core machine shared with other jobs, torch's second thread
-    mostly waits for a core, and a decode step (hundreds of small ops) takes 8x longer."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.model
 def test_eval_real_model_end_to_end(tmp_path, one_thread):
     """SmolLM2 at 512 tokens, dense and BLASST; resume computes nothing; bench join; refusals."""

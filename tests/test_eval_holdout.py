@@ -134,15 +134,6 @@ def test_split_follows_the_calibration_else_the_holdout_list():
     assert got == {"vt": HELD_OUT, "cwe": SEEN, "text": None}
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: a decode step is hundreds of small ops, slower with two on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_eval_labels_held_out_and_seen_rows_and_reports_both(calibrated, tmp_path, one_thread):
     """Calibrated on text; evaluated on text and, held out, text_stdlib: every row, the manifest's
     prompts, the summary and results.json carry the split; the summary prints both; a held-out

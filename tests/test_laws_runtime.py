@@ -129,15 +129,6 @@ def test_rows_summary_lines_and_option_check():
         check_extrapolate(True, "dense,bsfa:4")
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread (a 2-core machine shared with other jobs: see test_eval.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_eval_extrapolate_end_to_end(tmp_path, seed, one_thread):
     """`sparsecal eval --extrapolate` at 96 tokens on a law validated on 32-64 tokens: the rows say
     extrapolated (that it then skips is test_past_the_law_...'s); the manifest records the option;

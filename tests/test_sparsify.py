@@ -34,6 +34,16 @@ def _noop_export(out, layers=2, heads=4):
     return out
 
 
+def _decode_lambda_one_export(out):
+    """_noop_export with BLASST's decode factor at 451: lambda = 1 at the decode step after a
+    450-token prompt (451 keys)."""
+    exp = _noop_export(out)
+    doc = json.loads((exp / "blasst.json").read_text())
+    doc["threshold_scale_factor"]["decode"] = 451.0
+    (exp / "blasst.json").write_text(json.dumps(doc))
+    return exp
+
+
 def write_bsfa_from_fit(run, exp):
     """Export only the BSFA part of a run whose BLASST fit was refused (the thresholds are the
     aggregation of the run's per-sample thresholds, as `sparsecal fit` computes them)."""
@@ -102,10 +112,7 @@ def test_blasst_decode_skips_below_the_running_max(tiny_model, tmp_path, seed):
     """With lambda = 1 in decode (factor = length), every candidate tile whose scores all sit below
     the running max is skipped: a single decode row has such tiles even in a random model."""
     _, model = tiny_model
-    exp = _noop_export(tmp_path / "e")
-    doc = json.loads((exp / "blasst.json").read_text())
-    doc["threshold_scale_factor"]["decode"] = 451.0  # lambda = 1 at the decode step (451 keys)
-    (exp / "blasst.json").write_text(json.dumps(doc))
+    exp = _decode_lambda_one_export(tmp_path / "e")
     ids = torch.randint(0, 300, (1, 450), generator=torch.Generator().manual_seed(seed))
     sparsecal.sparsify(model, exp, method="blasst")
     with torch.no_grad():

@@ -289,10 +289,9 @@ def _decode_attend_kernel(S, V, TMAX, THR, SKIP, SKIPV, ACC, M, LS, CNT, sv_b, s
 
 
 @triton.jit
-def _decode_merge_kernel(ACC, M, LS, O, so_b, so_h, num_heads, n_split,
-                         HEAD_DIM: tl.constexpr, SP: tl.constexpr):
-    """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s."""
-    bh = tl.program_id(0).to(tl.int64)
+def _merge_splits(ACC, M, LS, O, bh, so_b, so_h, num_heads, n_split, HEAD_DIM: tl.constexpr, SP: tl.constexpr):
+    """O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s for row ``bh`` = b * H + h of the
+    split-K partials; returns (b, h, offs_s, s_ok) for the callers' counters."""
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < n_split
@@ -305,6 +304,14 @@ def _decode_merge_kernel(ACC, M, LS, O, so_b, so_h, num_heads, n_split,
     b = bh // num_heads
     h = bh % num_heads
     tl.store(O + b * so_b + h * so_h + offs_d, out.to(O.dtype.element_ty))
+    return b, h, offs_s, s_ok
+
+
+@triton.jit
+def _decode_merge_kernel(ACC, M, LS, O, so_b, so_h, num_heads, n_split,
+                         HEAD_DIM: tl.constexpr, SP: tl.constexpr):
+    """Grid (B * H): the splits of one row merged (_merge_splits)."""
+    _merge_splits(ACC, M, LS, O, tl.program_id(0).to(tl.int64), so_b, so_h, num_heads, n_split, HEAD_DIM, SP)
 
 
 def num_splits(batch_kv: int, n_kb: int, device) -> int:

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, next_pow2, soft_cap, softcap_args
-from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask
+from sparsecal.kernels.sparse.decode import _decode_step, _merge_splits, decode_skip_mask
 from sparsecal.kernels.sparse.reference import check_decision, check_method
 
 GROUP_LAUNCH = (4, 3)   # (num_warps, num_stages) of the attend and tmax passes on a CUDA GPU
@@ -258,18 +258,7 @@ def _group_merge_kernel(ACC, M, LS, CNT, VCNT, O, SK, VSK, so_b, so_h, num_heads
     """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s; SK [B, H] and (the
     group's first head) VSK [B, Hkv] i64 the counts summed over the splits."""
     bh = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, SP)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < n_split
-    m = tl.load(M + bh * n_split + offs_s, mask=s_ok, other=float("-inf"))
-    ls = tl.load(LS + bh * n_split + offs_s, mask=s_ok, other=0.0)
-    m_all = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_all))
-    acc = tl.load(ACC + (bh * n_split + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(ls * w, 0)
-    b = bh // num_heads
-    h = bh % num_heads
-    tl.store(O + b * so_b + h * so_h + offs_d, out.to(O.dtype.element_ty))
+    b, h, offs_s, s_ok = _merge_splits(ACC, M, LS, O, bh, so_b, so_h, num_heads, n_split, HEAD_DIM, SP)
     tl.store(SK + bh, tl.sum(tl.load(CNT + bh * n_split + offs_s, mask=s_ok, other=0), 0).to(tl.int64))
     if h % group == 0:
         bk = b * (num_heads // group) + h // group
