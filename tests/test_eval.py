@@ -184,14 +184,14 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
 
 
 def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: F811
-    """run_sample on a tiny random Llama with the real tokenizer's vocabulary: thresholds that skip
+    """run_batch (one prompt) on a tiny random Llama with the real tokenizer's vocabulary: thresholds that skip
     nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile,
     window:0:dense only in prefill. Dense is the project's kernel path with skipping off (it counts
     reachable tiles); the fp32 check equals it on a float32 model."""
     from transformers import AutoModelForCausalLM
 
     from sparsecal.capture.prompts import build_sample
-    from sparsecal.evaluation.command import run_sample
+    from sparsecal.evaluation.command import run_batch
 
     make_checkpoint(tmp_path / "m", seed, heads=2, kv_heads=1, head_dim=64, layers=2, vocab_size=len(tok))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa").eval()
@@ -199,7 +199,7 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
     prompt = build_sample(tok, "niah_single", 333, seed)
     methods = with_dense(parse_methods("bsfa:2,window:0,0:dense"))
     manifest = {"model": {"id": "tiny"}, "prompts": [{"id": "x", "held_out_task": True}]}
-    rows = list(run_sample(model, tok, prompt, methods, methods, exp, manifest, set()))
+    rows = [r for group in run_batch(model, tok, [prompt], methods, [methods], exp, manifest, set()) for r in group]
     dense, fp32, noop, window, prefill_only = rows
     assert [r["label"] for r in rows] == ["dense", "dense:fp32", "bsfa:2", "window:0", "window:0:dense"]
     assert dense["kl"] == 0.0 and dense["top1"] == 1.0 and dense["sparsity"] == 0.0
@@ -218,6 +218,55 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
     for r in rows:
         assert r["answer"] == prompt.answer[0] and r["seconds"] >= r["prefill_s"] > 0
         assert 0.0 <= r["score"] <= 1.0 and r["correct"] == (r["score"] == 1.0)
+
+
+def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):  # noqa: F811
+    """run_batch of two prompts of one length gives each prompt the row it gets alone: the same
+    generation, answer likelihood and fidelity, and its own counted tiles. BLASST's decode skips a
+    data-dependent share (q and k projections scaled up so scores spread), so the two prompts'
+    decode counts differ and a batch-pooled count would be caught."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsecal.capture.prompts import build_sample
+    from sparsecal.evaluation.command import batches, run_batch
+    from sparsecal.formats.exports import write_blasst
+    from sparsecal.integrations.exports import write_bsfa
+
+    make_checkpoint(tmp_path / "m", seed, heads=2, kv_heads=1, head_dim=64, layers=2, vocab_size=len(tok))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    exp = tmp_path / "e"
+    exp.mkdir()
+    write_bsfa(exp, torch.zeros((1, 2, 2, 4)), [1], 128, 64, "mean", {"model": "tiny"})
+    write_blasst(exp, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 30.0, "decode": 30.0},
+                       "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 2,
+                       "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
+    prompts = [build_sample(tok, "niah_single", 260, seed + i) for i in range(2)]
+    methods = with_dense(parse_methods("blasst:0.5"))
+    manifest = {"model": {"id": "tiny"}, "prompts": []}
+
+    def rows(group):
+        return [r for g in run_batch(model, tok, group, methods, [methods] * len(group), exp, manifest, set()) for r in g]
+
+    batched = rows(prompts)
+    alone = {(r["sample_id"], r["label"]): r for p in prompts for r in rows([p])}
+    assert len(batched) == len(alone) == 2 * len(methods)
+    for r in batched:
+        a = alone[(r["sample_id"], r["label"])]
+        assert (r["batch"], a["batch"]) == (2, 1)
+        for k in ("generated", "new_tokens", "prefill_skipped", "prefill_reachable", "decode_skipped",
+                  "decode_reachable"):
+            assert r[k] == a[k], (r["label"], k)
+        for k in ("kl", "top1", "nll", "answer_logprob"):
+            assert r[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (r["label"], k)
+    blasst = [r["decode_skipped"] for r in batched if r["label"] == "blasst:0.5"]
+    assert blasst[0] != blasst[1] and min(blasst) > 0
+    short = build_sample(tok, "niah_single", 200, seed)
+    grouped = batches([(prompts[0], 1), (short, 2), (prompts[1], 3)], 8)
+    assert [[x for _, x in g] for g in grouped] == [[1, 3], [2]]
 
 
 # ----------------------------------------------------------------------------- real model, CLI

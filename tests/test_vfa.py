@@ -178,3 +178,42 @@ def test_joint_statistic_per_layer_summary():
     (r,) = layer_rows(errs)
     assert r["layer"] == 3 and r["rows"] == 5 and r["max"] == 6.0 and r["median"] == 0.0
     assert (r["below_1"], r["below_5"], r["above_5"]) == (0.4, 0.2, 0.2) and -6.0 < r["p01"] < -5.8  # -6 + 0.04 * 4
+
+
+def test_sparsify_vsa_batch_is_each_sequence_alone(tiny_model, tmp_path, seed):  # noqa: F811
+    """A batch of two sequences (folded into the heads by run_vfa) gives each sequence the logits
+    and the per-row counts it gets alone, prefill and a decode step, and the batch's [L, H]
+    counts are their sums. The decode row skips data-dependently (q and k projections scaled up
+    so scores spread), so the two sequences' counts differ."""
+    from sparsecal.formats.exports import write_blasst
+
+    _, model = tiny_model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    ids = torch.randint(0, 300, (2, 334), generator=torch.Generator().manual_seed(seed))
+    exp = _noop_export(tmp_path / "e")
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    write_blasst(exp, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 100.0, "decode": 100.0},
+                       "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": layers,
+                       "num_heads": heads, "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
+
+    def run(rows):
+        """Prefill of 333 tokens, then one decode step: (logits of both, the step's row counts, frozen)."""
+        pre = model(ids[rows, :333], use_cache=True)
+        step = model(ids[rows, 333:], past_key_values=pre.past_key_values, use_cache=True)
+        st = model.sparsecal_stats
+        return pre.logits, step.logits, st["row_skipped"].clone(), st["skipped"].clone(), st["vfa_frozen"].clone()
+
+    with torch.no_grad():
+        sparsecal.sparsify(model, exp, method="vsa", target=0.5, backend="reference")
+        alone = [run(slice(i, i + 1)) for i in range(2)]
+        both = run(slice(0, 2))
+    for i in range(2):
+        torch.testing.assert_close(both[0][i:i + 1], alone[i][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(both[1][i:i + 1], alone[i][1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(both[2][:, i], alone[i][2][:, 0])
+    assert torch.equal(both[3], alone[0][3] + alone[1][3])
+    assert torch.equal(both[4], alone[0][4] + alone[1][4])
+    assert not torch.equal(alone[0][3], alone[1][3]) and both[3].sum() > 0

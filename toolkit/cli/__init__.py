@@ -326,6 +326,7 @@ def eval_(
     decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round (median per step)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Timing phase: also CUDA-graph replays of the prefill (CUDA only)."),
     time_lengths: Optional[str] = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
+    batch: int = typer.Option(1, min=1, help="Prompts of one length evaluated together as one batch (rows stay per prompt and independent; a GPU's host-bound decode steps are shared): 8-16 on a GPU."),
 ):
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
     agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
@@ -344,7 +345,7 @@ def eval_(
                       timing=TimingOptions(rounds=rounds, reps=reps, warmup=warmup, decode_steps=decode_steps,
                                            graph=graph),
                       time_lengths=_int_list(time_lengths, "time-lengths") if time_lengths else None,
-                      extrapolate=extrapolate)
+                      extrapolate=extrapolate, batch=batch)
     check_options(req)  # every option, --bench files included, before ranks start or the model is read
     _launch_ranks(ctx, gpus, device or "cpu", device_map, max_memory)
     eval_command(req)

@@ -65,6 +65,7 @@ class EvalRequest:
     time_only: bool = False         # the timing phase alone, on the rows EVAL holds
     timing: object = None           # timing.TimingOptions (None: its defaults)
     time_lengths: list | None = None  # the timing phase at these lengths only (others' records kept)
+    batch: int = 1                  # prompts of one length run together (rows independent; not recorded)
 
 
 DEFAULTS = {"model": "smollm2", "tasks": ["niah_single", "niah_multikey", "vt", "cwe", "text"],
@@ -361,12 +362,13 @@ def _run(job: EvalJob, ranks) -> None:
 
     with gpu_lock(device, exclusive=False, say=console.print):  # the timing phase waits for every holder
         model = load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
-        rows = _rows(model, tok, store, plan, mine)
+        rows = _rows(model, tok, store, plan, mine, req.batch)
         if ranks.several:
-            for row in rows:
-                store.add_row(row)
-                console.print(f"{ranks.tag}{row['sample_id']} {row['label']}: score {row['score']:.2f}, "
-                              f"top-1 {row['top1']:.3f}, KL {row['kl']:.2e}", soft_wrap=True)
+            for group in rows:
+                store.add_rows(group)
+                for row in group:
+                    console.print(f"{ranks.tag}{row['sample_id']} {row['label']}: score {row['score']:.2f}, "
+                                  f"top-1 {row['top1']:.3f}, KL {row['kl']:.2e}", soft_wrap=True)
         else:
             _with_bars(store, plan, rows)
     peaks = ranks.gather(distributed.peak_memory(model, device))  # every rank is done
@@ -374,13 +376,14 @@ def _run(job: EvalJob, ranks) -> None:
         console.print(distributed.memory_line(peaks), soft_wrap=True)
 
 
-def _rows(model, tok, store, plan: Plan, todo):
-    """Every row of ``todo``'s prompts, each yielded when finished."""
+def _rows(model, tok, store, plan: Plan, todo, batch: int = 1):
+    """Every row of ``todo``'s prompts, a method's rows of one batch of prompts at a time."""
     from sparsecal.evaluation.model import eos_ids
 
     stop = eos_ids(model, tok)
-    for prompt, pending in todo:
-        yield from run_sample(model, tok, prompt, plan.methods, pending, plan.export.path, store.manifest, stop)
+    for group in batches(todo, batch):
+        yield from run_batch(model, tok, [p for p, _ in group], plan.methods, [m for _, m in group],
+                             plan.export.path, store.manifest, stop)
 
 
 def _with_bars(store, plan: Plan, rows) -> None:
@@ -391,9 +394,9 @@ def _with_bars(store, plan: Plan, rows) -> None:
         jobs = {m.label: bar.add_task(m.label, total=total, acc="") for m in plan.methods}
         for label, job in jobs.items():
             bar.update(job, completed=sum(r["label"] == label for r in store.rows), acc=_so_far(store, label))
-        for row in rows:
-            store.add_row(row)
-            bar.update(jobs[row["label"]], advance=1, acc=_so_far(store, row["label"]))
+        for group in rows:
+            store.add_rows(group)
+            bar.update(jobs[group[0]["label"]], advance=len(group), acc=_so_far(store, group[0]["label"]))
 
 
 def _sid(p) -> str:
@@ -476,34 +479,52 @@ def _prompt_ids(plan: Plan, store):
     return ids
 
 
-def run_sample(model, tok, prompt, methods, pending, export_dir, manifest: dict, eos: set):
-    """Rows of one prompt for the ``pending`` methods: dense first (the reference), then each
-    method on the same prompt. Yields each row as soon as it is finished."""
+def run_batch(model, tok, prompts, methods, pending, export_dir, manifest: dict, eos: set):
+    """Rows of B prompts of one length for their ``pending`` methods (pending[i]: prompt i's),
+    run as one batch: dense first (the reference), then each method pending for any of them on
+    the same prompts: prefill, answer likelihood and generation of the whole batch, fidelity per
+    prompt. Yields one method's rows (a list) at a time."""
     import torch
 
     from sparsecal.capture.prompts.scoring import answer_budget, answer_ids
     from sparsecal.evaluation.metrics import Reference, fidelity
-    from sparsecal.evaluation.model import answer_logprob, generate, prefill, use_method
+    from sparsecal.evaluation.model import answer_logprob_batch, generate_batch, prefill_batch, use_method
     from sparsecal.integrations.sparsify import densify
 
-    ids = torch.tensor(prompt.input_ids)
-    budget, answer = answer_budget(tok, prompt), answer_ids(tok, prompt)
-    model_id, held = manifest["model"]["id"], _held_out(manifest, prompt)
+    budgets = [answer_budget(tok, p) for p in prompts]
+    answers = [answer_ids(tok, p) for p in prompts]
+    model_id, held = manifest["model"]["id"], [_held_out(manifest, p) for p in prompts]
+    extrapolate = (manifest.get("request") or {}).get("extrapolate", False)
     head = model.get_output_embeddings()
-    ref = None
+    refs = None
     for method in methods:  # dense first (with_dense put it there): the reference of the others
-        if ref is not None and method not in pending:
+        wanted = [i for i, todo in enumerate(pending) if method in todo]
+        if refs is not None and not wanted:
             continue
-        use_method(model, method, export_dir, model_id, (manifest.get("request") or {}).get("extrapolate", False))
-        pre = prefill(model, prompt.input_ids)
-        ref = Reference(head, pre.hidden) if ref is None else ref
-        if method in pending:
-            forced = answer_logprob(model, pre, answer)
-            gen = generate(model, pre, budget, eos)
-            fid = fidelity(head, ref, pre.hidden, ids.to(pre.hidden.device))
-            yield dict(_row(prompt, method, tok, pre, gen, fid, held), answer_logprob=forced, answer_tokens=len(answer))
+        use_method(model, method, export_dir, model_id, extrapolate)
+        pre = prefill_batch(model, [p.input_ids for p in prompts])
+        refs = refs or [Reference(head, pre.hidden[i]) for i in range(len(prompts))]
+        if wanted:
+            forced = answer_logprob_batch(model, pre, answers)
+            gens = generate_batch(model, pre, budgets, eos)
+            rows = []
+            for i in wanted:
+                ids = torch.tensor(prompts[i].input_ids, device=pre.hidden.device)
+                fid = fidelity(head, refs[i], pre.hidden[i], ids)
+                rows.append(dict(_row(prompts[i], method, tok, pre.row(i), gens[i], fid, held[i]),
+                                 answer_logprob=forced[i], answer_tokens=len(answers[i]), batch=len(prompts)))
+            yield rows
         del pre
     densify(model)  # the model's own attention again
+
+
+def batches(todo: list, size: int) -> list:
+    """``todo``'s (prompt, pending methods) items in batches of at most ``size`` prompts of one
+    token length, in the order the lengths first appear."""
+    groups: dict[int, list] = {}
+    for item in todo:
+        groups.setdefault(len(item[0].input_ids), []).append(item)
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 def _held_out(manifest: dict, prompt):

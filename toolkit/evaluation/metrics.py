@@ -66,16 +66,18 @@ def fidelity(head, ref, h: torch.Tensor, input_ids: torch.Tensor, chunk: int = C
     if ref.hidden.shape != h.shape or input_ids.shape[0] != n:
         raise ValueError(f"shapes differ: ref {tuple(ref.hidden.shape)}, method {tuple(h.shape)}, "
                          f"ids {tuple(input_ids.shape)}")
-    kl = agree = nll = 0.0
+    zero = torch.zeros((), dtype=torch.float64, device=h.device)
+    kl, agree, nll = zero, zero, zero  # summed on the device: one synchronisation per prompt
     targets = input_ids.to(h.device)
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         lp_ref = ref.logprobs(start)
         lp = lp_ref if h is ref.hidden else torch.log_softmax(head(h[start:stop]).float(), dim=-1)
-        kl += float((lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp_min(0).sum())
-        agree += float((lp_ref.argmax(-1) == lp.argmax(-1)).sum())
+        kl = kl + (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp_min(0).sum().double()
+        agree = agree + (lp_ref.argmax(-1) == lp.argmax(-1)).sum()
         nxt = targets[start + 1:stop + 1]  # the token each position predicts (none after the last)
-        nll -= float(lp[:nxt.shape[0]].gather(-1, nxt[:, None]).sum())
+        nll = nll - lp[:nxt.shape[0]].gather(-1, nxt[:, None]).sum().double()
+    kl, agree, nll = torch.stack([kl, agree.double(), nll]).tolist()
     return Fidelity(kl=kl / n, top1=agree / n, nll=nll / max(n - 1, 1))
 
 

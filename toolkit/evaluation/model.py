@@ -1,10 +1,13 @@
 """The model side of an evaluation: switch the attention method, prefill a prompt, decode greedily.
 
-Shapes: N prompt tokens, d hidden size, L layers, H query heads. ``prefill`` runs the decoder
-body (``model.base_model``) once over the prompt with a KV cache and keeps the final hidden
-states [N, d] (after the last norm), from which the metrics draw next-token distributions in
-chunks (metrics.py) and ``generate`` the first new token; decode then continues from the
-cache one token at a time. Under a sparse method every forward leaves the skipped and reachable
+Shapes: B prompts of N tokens each, d hidden size, L layers, H query heads. ``prefill_batch``
+runs the decoder body (``model.base_model``) once over B prompts of one length (no padding: the
+rows never mix) with a KV cache and keeps the final hidden states [B, N, d] (after the last norm),
+from which the metrics draw next-token distributions in chunks (metrics.py) and
+``generate_batch`` the first new tokens; decode then continues from the cache one token a step
+for the whole batch. ``prefill`` / ``generate`` / ``answer_logprob`` are the same functions on a
+batch of one prompt. Skipped and reachable tiles are counted per batch row
+(``model.sparsecal_stats["row_skipped"]``), so a batched row counts what its prompt skipped. Under a sparse method every forward leaves the skipped and reachable
 tiles of that forward in ``model.sparsecal_stats`` ([L, H] each); prefill keeps its own counts
 and decode sums them over its steps. ``law`` is where the forward's length sits against the BLASST
 law's validated lengths (integrations/sparsify_laws.py: below | interpolated | extrapolated; decode:
@@ -28,6 +31,23 @@ class Prefill:
     skipped: int = 0                # candidate tiles skipped, summed over layers and heads
     reachable: int = 0              # reachable tiles, summed likewise (0 for dense)
     law: str | None = None          # the BLASST law's regime at this length (sparsify_laws)
+
+
+@dataclass
+class Batch:
+    """B prompts of one length prefilled together (rows independent: no padding, no mixing)."""
+
+    hidden: torch.Tensor            # [B, N, d] final hidden states of each prompt
+    cache: object                   # the KV cache after the prompts (batch B)
+    seconds: float                  # the whole batch's forward
+    skipped: list                   # [B] candidate tiles skipped per prompt, summed over layers and heads
+    reachable: list                 # [B] reachable tiles per prompt (0 for dense)
+    law: str | None = None
+
+    def row(self, i: int) -> Prefill:
+        """Prompt i's view (its seconds: the batch's share, seconds / B)."""
+        return Prefill(self.hidden[i], None, self.seconds / len(self.skipped), self.skipped[i],
+                       self.reachable[i], self.law)
 
 
 @dataclass
@@ -58,6 +78,16 @@ def _counts(model) -> tuple[int, int]:
     return int(stats["skipped"].sum()), int(stats["reachable"].sum())
 
 
+def _row_counts(model, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(skipped [B], reachable [B]) int64 tiles of the last forward per batch row, on the device
+    (no synchronisation); zeros when the model runs dense."""
+    stats = getattr(model, "sparsecal_stats", None)
+    if stats is None or not hasattr(model, "_sparsecal_state") or "row_skipped" not in stats:
+        zero = torch.zeros(batch, dtype=torch.int64, device=device)
+        return zero, zero
+    return stats["row_skipped"].sum(dim=(0, 2)), stats["row_reachable"].sum(dim=(0, 2))
+
+
 def _law(model) -> str | None:
     """The law regime of the last forward (``model.sparsecal_law``), None when it has none."""
     law = getattr(model, "sparsecal_law", None)
@@ -70,59 +100,110 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: list[int]) -> Prefill:
-    """One forward of the decoder body over the prompt; hidden states [N, d] and the cache."""
+def prefill_batch(model, prompts: list[list[int]]) -> Batch:
+    """One forward of the decoder body over B prompts of one length: hidden states [B, N, d], the
+    cache and each prompt's counted tiles."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("a batch holds prompts of one length (no padding)")
     device = model.device
-    ids = torch.tensor([input_ids], device=device)
+    ids = torch.tensor(prompts, device=device)
     _sync(device)
     t0 = time.perf_counter()
     out = model.base_model(input_ids=ids, use_cache=True)
+    skipped, reachable = _row_counts(model, len(prompts), device)
+    law = _law(model)
     _sync(device)
     seconds = time.perf_counter() - t0
-    skipped, reachable = _counts(model)
-    return Prefill(out.last_hidden_state[0], out.past_key_values, seconds, skipped, reachable, _law(model))
+    return Batch(out.last_hidden_state, out.past_key_values, seconds, skipped.tolist(), reachable.tolist(), law)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: list[int]) -> Prefill:
+    """One forward of the decoder body over the prompt; hidden states [N, d] and the cache
+    (``prefill_batch`` of one prompt)."""
+    batch = prefill_batch(model, [input_ids])
+    return Prefill(batch.hidden[0], batch.cache, batch.seconds, batch.skipped[0], batch.reachable[0], batch.law)
+
+
+def _as_batch(pre: Prefill) -> Batch:
+    return Batch(pre.hidden[None], pre.cache, pre.seconds, [pre.skipped], [pre.reachable], pre.law)
+
+
+@torch.no_grad()
+def generate_batch(model, pre: Batch, budgets: list[int], eos_ids: set) -> list[Generation]:
+    """Greedy decoding of each prompt of the batch from its cache: row i at most ``budgets[i]`` new
+    tokens, stopping at EOS. The batch steps until every row has stopped; a stopped row's later
+    steps are neither kept nor counted. Each Generation's seconds: the batch's decode / B."""
+    from sparsecal.integrations.sparsify_laws import worst_regime
+
+    device, b = model.device, len(budgets)
+    head = model.get_output_embeddings()
+    nxt = head(pre.hidden[:, -1]).argmax(-1)                          # [B]
+    tokens = [[t] for t in nxt.tolist()]
+    active = [budgets[i] > 1 and tokens[i][0] not in eos_ids for i in range(b)]
+    skipped = torch.zeros(b, dtype=torch.int64, device=device)
+    reachable = torch.zeros_like(skipped)
+    laws: list[list] = [[] for _ in range(b)]
+    cache = pre.cache
+    _sync(device)
+    t0 = time.perf_counter()
+    while any(active):
+        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        keep = torch.tensor(active, device=device)
+        s, r = _row_counts(model, b, device)
+        skipped, reachable = skipped + s * keep, reachable + r * keep
+        law = _law(model)
+        nxt = out.logits[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if active[i]:
+                laws[i].append(law)
+                tokens[i].append(t)
+                active[i] = len(tokens[i]) < budgets[i] and t not in eos_ids
+    sk, re = skipped.tolist(), reachable.tolist()
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / b
+    return [Generation(tokens[i], seconds, sk[i], re[i], worst_regime(laws[i])) for i in range(b)]
 
 
 @torch.no_grad()
 def generate(model, pre: Prefill, max_new_tokens: int, eos_ids: set) -> Generation:
-    """Greedy decoding from the prompt's cache: at most ``max_new_tokens``, stopping at EOS."""
-    from sparsecal.integrations.sparsify_laws import worst_regime
+    """Greedy decoding from the prompt's cache: at most ``max_new_tokens``, stopping at EOS
+    (``generate_batch`` of one prompt)."""
+    return generate_batch(model, _as_batch(pre), [max_new_tokens], eos_ids)[0]
 
-    device = model.device
+
+@torch.no_grad()
+def answer_logprob_batch(model, pre: Batch, answers: list[list[int]]) -> list[float]:
+    """Teacher-forced log-likelihood of each row's answer after its prompt: the sum over the
+    answer's tokens of ln p(token | prompt, the answer's earlier tokens). The first token's
+    distribution is the prefill's last position; each further one comes from a decode step (the
+    method's decode path) on a copy of the prompts' cache, so ``generate_batch`` still starts from
+    the prompts alone. Rows with shorter answers repeat their last token in the batch's later
+    steps, which are not counted."""
+    import copy
+
     head = model.get_output_embeddings()
-    nxt = int(head(pre.hidden[-1:]).argmax(-1))
-    tokens, cache, skipped, reachable, laws = [nxt], pre.cache, 0, 0, []
-    _sync(device)
-    t0 = time.perf_counter()
-    while len(tokens) < max_new_tokens and nxt not in eos_ids:
-        out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache, use_cache=True)
+    device, b = model.device, len(answers)
+    rows = torch.arange(b, device=device)
+    first = torch.tensor([a[0] for a in answers], device=device)
+    total = torch.log_softmax(head(pre.hidden[:, -1]).float(), dim=-1)[rows, first].double()
+    cache = copy.deepcopy(pre.cache)
+    for step in range(max(len(a) for a in answers) - 1):
+        prev = torch.tensor([a[min(step, len(a) - 1)] for a in answers], device=device)
+        nxt = torch.tensor([a[step + 1] if step + 1 < len(a) else 0 for a in answers], device=device)
+        counted = torch.tensor([step + 1 < len(a) for a in answers], device=device)
+        out = model(input_ids=prev[:, None], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        s, r = _counts(model)
-        skipped, reachable = skipped + s, reachable + r
-        laws.append(_law(model))
-        nxt = int(out.logits[0, -1].argmax(-1))
-        tokens.append(nxt)
-    _sync(device)
-    return Generation(tokens, time.perf_counter() - t0, skipped, reachable, worst_regime(laws))
+        lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)[rows, nxt]
+        total = total + torch.where(counted, lp, torch.zeros_like(lp)).double()
+    return total.tolist()
 
 
 @torch.no_grad()
 def answer_logprob(model, pre: Prefill, answer_ids: list[int]) -> float:
-    """Teacher-forced log-likelihood of ``answer_ids`` after the prompt: the sum over the answer's
-    tokens of ln p(token | prompt, the answer's earlier tokens). The first token's distribution is
-    the prefill's last position; each further one comes from a decode step (the method's decode
-    path) on a copy of the prompt's cache, so ``generate`` still starts from the prompt alone."""
-    import copy
-
-    head = model.get_output_embeddings()
-    device = model.device
-    total = float(torch.log_softmax(head(pre.hidden[-1:]).float(), dim=-1)[0, answer_ids[0]])
-    cache = copy.deepcopy(pre.cache)
-    for prev, nxt in zip(answer_ids[:-1], answer_ids[1:]):
-        out = model(input_ids=torch.tensor([[prev]], device=device), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        total += float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[nxt])
-    return total
+    """The teacher-forced log-likelihood of ``answer_ids`` after one prompt (``answer_logprob_batch``)."""
+    return answer_logprob_batch(model, _as_batch(pre), [answer_ids])[0]
 
 
 def eos_ids(model, tokenizer) -> set:

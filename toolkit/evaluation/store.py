@@ -166,15 +166,19 @@ class EvalStore:
         return {sid: missing for sid, missing in out.items() if missing}
 
     def add_row(self, row: dict) -> None:
-        """Record one finished (sample, method) row and rewrite the row table (or this rank's own
-        file) atomically."""
+        """Record one finished (sample, method) row (``add_rows``)."""
+        self.add_rows([row])
+
+    def add_rows(self, rows: list[dict]) -> None:
+        """Record finished (sample, method) rows and rewrite the row table (or this rank's own
+        file) atomically, once for all of them."""
         import polars as pl
 
-        self.rows.append(row)
+        self.rows.extend(rows)
         if self.part is None:
             write_parquet(self.root / ROWS, pl.DataFrame(self.rows, infer_schema_length=None))
         else:
-            self.mine.append(row)
+            self.mine.extend(rows)
             write_parquet(self.part, pl.DataFrame(self.mine, infer_schema_length=None))
 
 

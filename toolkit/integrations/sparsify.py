@@ -11,7 +11,9 @@ CUDA device and the plain-torch reference (kernels/sparse/reference.py) elsewher
 auto | triton | reference; triton on a CPU needs TRITON_INTERPRET=1). After each forward,
 ``model.sparsecal_stats`` holds per layer and head the candidate tiles skipped and the reachable
 tiles of that forward, on the device the attention ran on:
-``{"skipped": [L, H] int64, "reachable": [L, H] int64}``, and ``model.sparsecal_law`` the forward's
+``{"skipped": [L, H] int64, "reachable": [L, H] int64}`` (and the same per batch row,
+``"row_skipped"`` / ``"row_reachable"`` [L, B, H], so a batch of prompts is counted prompt by
+prompt), and ``model.sparsecal_law`` the forward's
 ``{"mode", "length", "law"}`` (BLASST: below | interpolated | extrapolated; sparsify_laws.py).
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
@@ -110,12 +112,16 @@ class _State:
             self._on_device[key] = thr.to(device=device, dtype=torch.float32)
         return self._on_device[key]
 
-    def stats_on(self, device, layers: int, heads: int) -> dict:
-        """The stats tensors, (re)allocated on ``device``; the dict object stays the same."""
-        sk = self.stats.get("skipped")
-        if sk is None or sk.device != torch.device(device) or sk.shape != (layers, heads):
+    def stats_on(self, device, layers: int, heads: int, batch: int = 1) -> dict:
+        """The stats tensors, (re)allocated on ``device`` for ``batch`` rows; the dict object stays
+        the same."""
+        sk, rows = self.stats.get("skipped"), self.stats.get("row_skipped")
+        if (sk is None or sk.device != torch.device(device) or sk.shape != (layers, heads)
+                or rows is None or rows.shape != (layers, batch, heads)):
             zeros = torch.zeros(layers, heads, dtype=torch.int64, device=device)
-            self.stats.update(skipped=zeros, reachable=zeros.clone())
+            row_zeros = torch.zeros(layers, batch, heads, dtype=torch.int64, device=device)
+            self.stats.update(skipped=zeros, reachable=zeros.clone(), row_skipped=row_zeros,
+                              row_reachable=row_zeros.clone())
         return self.stats
 
 
@@ -395,7 +401,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     if attention_mask is not None and not _is_causal_only(attention_mask, nq, nk):
         raise RuntimeError("sparse attention takes unpadded sequences (no padding mask)")
     geo = _geometry(module.config)
-    stats = state.stats_on(query.device, geo["num_layers"], h)
+    stats = state.stats_on(query.device, geo["num_layers"], h, query.shape[0])
     if layer == 0:  # a new forward starts: the counts describe the last forward only
         for counts in stats.values():
             counts.zero_()
@@ -424,9 +430,11 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
                                           expected_sparsity(state, layer, mode, nk))
     else:
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
-    if counted:  # a layer the export leaves dense counts nothing
-        stats["skipped"][layer] = skipped
-        stats["reachable"][layer] = reach
+    if counted:  # a layer the export leaves dense counts nothing; skipped [B, H], reach per row
+        stats["row_skipped"][layer] = skipped
+        stats["row_reachable"][layer] = reach
+        stats["skipped"][layer] = skipped.sum(dim=0)
+        stats["reachable"][layer] = reach * query.shape[0]
     return (out.to(dtype) if state.precision == "fp32" else out), None
 
 
@@ -485,7 +493,8 @@ def expected_sparsity(state: _State, layer: int, mode: str, length: int) -> floa
 
 def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict,
                 expected: float | None = None):
-    """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [H], reachable per head);
+    """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [B, H], reachable tiles per row
+    and head);
     ``expected``: the prefill's calibrated sparsity (the kernel pick's hint)."""
     from sparsecal.kernels.sparse.decode import sparse_decode_triton
     from sparsecal.kernels.sparse.prefill import candidate_tiles
@@ -496,7 +505,7 @@ def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: d
         out = torch.empty((b, nq, h, d), dtype=query.dtype, device=query.device)
         _, skipped = sparse_prefill(query, key, value, scale, state.block_m, state.block_n,
                                     order=state.order, out=out.transpose(1, 2), expected_sparsity=expected, **kw)
-        return out, skipped.sum(dim=0), candidate_tiles(nq, state.block_m, state.block_n)[1] * b
+        return out, skipped, candidate_tiles(nq, state.block_m, state.block_n)[1]
     if state.decision == "group":
         from sparsecal.kernels.sparse.decode_group import group_decode_triton
 
@@ -505,26 +514,27 @@ def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: d
     else:
         o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order,
                                           **kw)
-    return o.transpose(1, 2), skipped.sum(dim=0), ((key.shape[2] - 1) // state.block_n + 1) * b
+    return o.transpose(1, 2), skipped, (key.shape[2] - 1) // state.block_n + 1
 
 
 def _run_reference(state: _State, mode: str, query, key, value, scale: float, kw: dict):
-    """Plain-torch reference per sequence: (out [B, Nq, H, D], skipped [H], reachable per head)."""
+    """Plain-torch reference per sequence: (out [B, Nq, H, D], skipped [B, H], reachable tiles per
+    row and head)."""
     from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
 
     if kw.pop("dense", False):
         kw["log_lambda"] = -math.inf  # the reference's dense: nothing is below -inf
-    if mode == "prefill":
-        outs, skipped = [], 0
-        for i in range(query.shape[0]):
+    outs, skipped = [], []
+    for i in range(query.shape[0]):
+        if mode == "prefill":
             o, c = sparse_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale, state.block_m,
                                     state.block_n, order=state.order, **kw)
-            outs.append(o)
-            skipped = skipped + c.skipped
-        return torch.cat(outs).transpose(1, 2).contiguous(), skipped, c.reachable * query.shape[0]
-    out, c = sparse_decode(query, key, value, scale, state.block_m, state.block_n, order=state.order,
-                           decision=state.decision, **kw)
-    return out.transpose(1, 2).contiguous(), c.skipped, c.reachable
+        else:
+            o, c = sparse_decode(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale, state.block_m,
+                                 state.block_n, order=state.order, decision=state.decision, **kw)
+        outs.append(o)
+        skipped.append(c.skipped)
+    return torch.cat(outs).transpose(1, 2).contiguous(), torch.stack(skipped), c.reachable
 
 
 def call_args(state: _State, layer: int, mode: str, length: int, device) -> dict:

@@ -70,32 +70,26 @@ def vfa_args(state, mode: str, length: int, blasst_args) -> dict:
 
 
 def run_vfa(state, mode: str, query, key, value, scale: float, kw: dict, stats: dict, layer: int):
-    """The VFA reference per sequence: (out [B, Nq, H, D], skipped [H], reachable tiles per head);
-    writes the layer's VFA counts into ``stats`` (VFA_STATS, [L, H])."""
+    """The VFA reference per sequence: (out [B, Nq, H, D], skipped [B, H], reachable tiles per row
+    and head); writes the layer's VFA counts, summed over the batch, into ``stats`` (VFA_STATS, [L, H])."""
     from sparsecal.kernels.sparse.vfa import vfa_attention, vfa_decode
 
     if query.is_cuda and not state.said_fallback:
         print("note: vfa / vsa run the plain-torch reference (no Triton VFA kernel yet).", file=sys.stderr)
         state.said_fallback = True
     args = {"log_lambda": kw.get("log_lambda"), "softcap": kw.get("softcap") or 0.0}
-    if mode == "prefill":
-        outs, parts = [], []
-        for i in range(query.shape[0]):
-            o, c = vfa_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale, state.block_m,
-                                 state.block_n, **args)
-            outs.append(o)
-            parts.append(c)
-        out, reach = torch.cat(outs), parts[0].reachable * query.shape[0]
-    else:
-        out, c = vfa_decode(query, key, value, scale, state.block_m, state.block_n, **args)
-        parts, reach = [c], c.reachable
-    heads = query.shape[1]
+    run = vfa_attention if mode == "prefill" else vfa_decode
+    b, h = query.shape[:2]
+    # The batch folded into the heads ([1, B*H, ...]): every (sequence, head) is independent and
+    # query head b*H + h maps to KV head b*Hkv + h // G, its own sequence's; so one call does the
+    # whole batch and its per-head counts [B*H] are the per-sequence counts [B, H].
+    fold = lambda x: x.reshape(1, b * x.shape[1], *x.shape[2:])
+    out, c = run(fold(query), fold(key), fold(value), scale, state.block_m, state.block_n, **args)
     for name, key_name in VFA_STATS.items():
         t = stats.get(key_name)
         if t is None or t.shape != stats["skipped"].shape or t.device != stats["skipped"].device:
             dtype = torch.float32 if name == "excess" else torch.int64
             stats[key_name] = t = torch.zeros_like(stats["skipped"], dtype=dtype)
-        vals = [getattr(p, name) for p in parts]
-        t[layer] = torch.stack(vals).amax(dim=0) if name == "excess" else sum(vals)
-    skipped = sum(p.skipped for p in parts) if parts else torch.zeros(heads, dtype=torch.int64)
-    return out.transpose(1, 2).contiguous(), skipped, reach
+        val = getattr(c, name).view(b, h)
+        t[layer] = val.amax(dim=0) if name == "excess" else val.sum(dim=0)
+    return out.view(b, h, *out.shape[2:]).transpose(1, 2).contiguous(), c.skipped.view(b, h), c.reachable
