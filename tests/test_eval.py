@@ -72,7 +72,7 @@ def _wrong(s) -> list[str]:
     return [" " + s.answer[0].split()[0] + "x", " the end"]
 
 
-def test_task_prompts_exact_length_answer_inside_and_scored(tok):  # noqa: F811
+def test_task_prompts_exact_length_answer_inside_and_scored(tok):
     samples = build_task_prompts(tok, TASKS, [512, 700], 1, 4242)
     for s in samples:
         assert len(s.input_ids) == s.length
@@ -183,7 +183,7 @@ def test_relative_accuracy_needs_a_task_dense_can_do():
     assert cur["accuracy_rel_dense"] == pytest.approx(0.75) and cur["tasks"] == "niah_single"
 
 
-def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: F811
+def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):
     """run_batch (one prompt) on a tiny random Llama with the real tokenizer's vocabulary: thresholds that skip
     nothing reproduce dense (KL 0, agreement 1, sparsity 0); window:0 skips every candidate tile,
     window:0:dense only in prefill. Dense is the project's kernel path with skipping off (it counts
@@ -220,7 +220,7 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):  # noqa: 
         assert 0.0 <= r["score"] <= 1.0 and r["correct"] == (r["score"] == 1.0)
 
 
-def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):  # noqa: F811
+def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):
     """run_batch of two prompts of one length gives each prompt the row it gets alone: the same
     generation, answer likelihood and fidelity, and its own counted tiles. BLASST's decode skips a
     data-dependent share (q and k projections scaled up so scores spread), so the two prompts'
