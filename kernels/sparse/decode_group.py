@@ -313,16 +313,20 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
                         log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                         topk: int | None = None, dense: bool = False, decision: str = "head", lengths=None,
                         block_table=None, splits: int | None = None, launch: tuple | None = None,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, dense_launch=None):
     """One decode step with the group kernel; the Triton twin of ``reference.sparse_decode`` (one
     length) and ``reference.sparse_decode_ragged`` (``lengths`` and / or ``block_table``).
 
     q [B, H, 1, D]; k/v [B, Hkv, L, D] (fp16/bf16/fp32) or page pools [P, Hkv, page_size, D] with
     block_table [B, max_pages] int32 and lengths [B] int32 on q's device. Exactly one of
     thresholds [H, Pt], log_lambda, window, topk, or dense=True; ``decision`` "head" | "group".
+    ``launch`` (num_warps, num_stages) of the decision passes; ``dense=True`` runs
+    decode_group_dense with ``dense_launch`` (a DenseLaunch; None: its table's entry for the shape;
+    "attend": the attend pass with skipping off, the path before the table).
     Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles each head skipped,
     v_skipped [B, Hkv] int64 tiles every head of the group skipped: V tiles not loaded).
     """
+    from sparsecal.kernels.sparse.decode_group_dense import dense_group_decode
     from sparsecal.kernels.sparse.prefill import method_code
 
     if topk is not None:
@@ -333,6 +337,9 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     method = 4 if topk is not None else method_code(thresholds, log_lambda, window, dense)
     decide = {0: DENSE, 1: BSFA, 3: WINDOW, 4: MASK}.get(method, BLASST if order == "forward" else MASK)
     hkv, bound, kb, page = _check_layout(q, k, v, block_n, lengths, block_table)
+    if decide == DENSE and dense_launch != "attend":
+        return dense_group_decode(q, k, v, scale, lengths=lengths, block_table=block_table, bound=bound, page=page,
+                                  splits=splits, cfg=dense_launch, softcap=softcap)
     b, h, _, d = q.shape
     dev, f32 = q.device, torch.float32
     n_split = splits or group_splits(b * hkv, kb, dev)
