@@ -12,6 +12,10 @@ Launch options (``DenseLaunch``)
     block_n  loop tile (power of two, 16..256)          warps, stages  num_warps, num_stages
     pps      split-K target: about pps programs per SM   (splits = cdiv(pps * SMs, B * Hkv), each
              split at least MIN_TILES tiles)
+    waves    (> 0, replaces pps) splits = the most that fit ``waves`` full waves: floor(waves * SMs *
+             occupancy / (B * Hkv)), occupancy (programs an SM holds) from the compiled kernel's
+             registers and shared memory, known after the configuration's first launch (that launch
+             uses pps): a wave-quantization tail of at most one program per slot
     dot      True: q.K and p.V on tensor cores (G rows padded to 16); False: CUDA-core products
              (broadcast-multiply-sum, G padded to a power of two >= 1: no padding at G = 1)
     evict    K/V loads with eviction_policy="evict_first" (streamed once: keep L2 for others)
@@ -50,11 +54,13 @@ class DenseLaunch:
     dot: bool = True
     evict: bool = False
     fuse: bool = False
+    waves: int = 0
 
     def name(self) -> str:
-        """A short label: n64w4s3p4 plus -nodot / -evict / -fuse."""
+        """A short label: n64w4s3p4 (or W2 for waves=2) plus -nodot / -evict / -fuse."""
         flags = ("" if self.dot else "-nodot") + ("-evict" if self.evict else "") + ("-fuse" if self.fuse else "")
-        return f"n{self.block_n}w{self.warps}s{self.stages}p{self.pps}{flags}"
+        split = f"W{self.waves}" if self.waves else f"p{self.pps}"
+        return f"n{self.block_n}w{self.warps}s{self.stages}{split}{flags}"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -229,11 +235,32 @@ def _counters(n: int, device) -> torch.Tensor:
     return buf
 
 
-def dense_splits(batch_kv: int, n_tiles: int, pps: int, device) -> int:
-    """Splits along the keys: about pps programs per SM, each at least MIN_TILES loop tiles (8 SMs
+_OCCUPANCY: dict = {}   # (device, DenseLaunch, D, GP, dtype) -> programs one SM holds (from the compiled kernel)
+
+
+def occupancy(compiled, warps: int, device) -> int:
+    """Programs of a compiled kernel one SM holds: min over its shared memory, registers and warps
+    (device properties where torch has them, else an H100's 228 KiB / 64K registers)."""
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+    n_regs = int(getattr(compiled, "n_regs", 0) or 0)
+    by_smem = smem // (shared + 1024) if shared else 32
+    by_regs = regs // (n_regs * 32 * warps) if n_regs else 32
+    return max(1, min(by_smem, by_regs, 64 // warps, 32))
+
+
+def dense_splits(batch_kv: int, n_tiles: int, cfg: DenseLaunch, device, occ: int | None = None) -> int:
+    """Splits along the keys: ``cfg.waves`` full waves when the occupancy ``occ`` is known, else
+    about cfg.pps programs per SM; each split at least MIN_TILES loop tiles (8 SMs, occupancy 1,
     stand in for the CPU interpreter)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(pps * sms, batch_kv), triton.cdiv(n_tiles, MIN_TILES)))
+    if cfg.waves and (occ or device.type != "cuda"):
+        want = max(1, cfg.waves * sms * (occ or 1) // batch_kv)
+    else:
+        want = triton.cdiv(cfg.pps * sms, batch_kv)
+    return max(1, min(want, triton.cdiv(n_tiles, MIN_TILES)))
 
 
 def loop_tile(cfg: DenseLaunch, page: int) -> int:
@@ -261,7 +288,9 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
     bn = loop_tile(cfg, page)
     dev, f32 = q.device, torch.float32
     n_tiles = triton.cdiv(bound, bn)
-    n_split = splits or dense_splits(b * hkv, n_tiles, cfg.pps, dev)
+    gp = next_pow2(group, 16 if cfg.dot else 1)
+    occ_key = (str(dev), cfg, d, gp, q.dtype)
+    n_split = splits or dense_splits(b * hkv, n_tiles, cfg, dev, _OCCUPANCY.get(occ_key))
     tps = triton.cdiv(n_tiles, n_split)
     n_split = triton.cdiv(n_tiles, tps)
     direct, fuse = n_split == 1, cfg.fuse and n_split > 1
@@ -281,14 +310,17 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
                                      torch.empty((b, h, n_split), dtype=f32, device=dev))
     ctr = _counters(b * hkv, dev) if fuse else q
     q2 = q[:, :, 0]
-    LAST_COMPILED["group_dense"] = _group_dense_kernel[(n_split, b * hkv)](
+    compiled = _group_dense_kernel[(n_split, b * hkv)](
         q2, k, v, bt, lens, *part, cnt, vcnt, ctr, out, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), bt.stride(0) if block_table is not None else 0,
         out.stride(0), out.stride(1), bound, tps, n_split, h, group, scale * LOG2E, cap,
-        HEAD_DIM=d, BLOCK_N=bn, GP=next_pow2(group, 16 if cfg.dot else 1), PAGE=max(page, 1),
+        HEAD_DIM=d, BLOCK_N=bn, GP=gp, PAGE=max(page, 1),
         PAGED=block_table is not None, RAGGED=lengths is not None, USE_DOT=cfg.dot, EVICT=cfg.evict,
         DIRECT=direct, FUSE=fuse, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=cfg.warps,
         num_stages=cfg.stages)
+    LAST_COMPILED["group_dense"] = compiled
+    if cfg.waves and dev.type == "cuda" and occ_key not in _OCCUPANCY:
+        _OCCUPANCY[occ_key] = occupancy(compiled, cfg.warps, dev)
     if direct or fuse:
         return out, cnt, vcnt
     skipped = torch.empty((b, h), dtype=torch.int64, device=dev)

@@ -21,6 +21,7 @@ against the group kernel of kernels/sparse/decode_group.py and the best SDPA.
     python -m sparsecal.bench.decode [--dims 128,64] [--groups 1,4,8] [--lengths 16384,32768,65536]
         [--batch 16] [--rounds 3] [--out data/bench/decode-h100.json]
     TRITON_INTERPRET=1 python -m sparsecal.bench.decode --quick   # CPU, tiny shapes (a test runs it)
+    python -m sparsecal.bench.decode --sweep [...]   # launch sweep of the group kernel (bench/decode_sweep.py)
 """
 from __future__ import annotations
 
@@ -351,6 +352,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate launch of the group kernel per shape "
+                    "(bench/decode_sweep.py) and write the winning table")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     quick = args.quick
@@ -359,6 +362,13 @@ def main(argv=None) -> None:
     if not quick and not torch.cuda.is_available():
         raise UserError("the decode benchmark needs a CUDA GPU; --quick (with TRITON_INTERPRET=1) runs tiny shapes on the CPU.")
     device = "cpu" if quick else "cuda"
+    if args.sweep:
+        from sparsecal.bench.decode_sweep import run
+
+        out = args.out or Path("data/bench/decode-sweep-cpu-quick.json" if quick else "data/bench/decode-sweep-h100.json")
+        run(args, device, quick, out)
+        log(f"wrote {out}")
+        return
     if quick:
         dims, groups, lengths, batch, rounds = [64], [4], [200], 1, 1
     else:
