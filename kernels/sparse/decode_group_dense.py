@@ -39,9 +39,44 @@ import triton
 import triton.language as tl
 
 from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, next_pow2, soft_cap, softcap_args
-from sparsecal.kernels.sparse.decode_group import _group_merge_kernel, _row, _tile_base
+from sparsecal.kernels.sparse.decode import _merge_splits
 
 MIN_TILES = 4   # each split at least this many loop tiles
+
+
+@triton.jit
+def _row(LENS, b, length, RAGGED: tl.constexpr):
+    """Row b's cache length (LENS [B] i32 when RAGGED, else the scalar length)."""
+    if RAGGED:
+        length = tl.load(LENS + b)
+    return length
+
+
+@triton.jit
+def _tile_base(X, BT, b, hk, j, sx_b, sx_h, sx_n, s_bt, BN: tl.constexpr, PAGE: tl.constexpr,
+               PAGED: tl.constexpr):
+    """Pointer to key 0 of tile j of (row b, KV head hk): X [B, Hkv, L, D] (strides sx_b, sx_h,
+    sx_n) or, PAGED, a pool [P, Hkv, PAGE, D] (sx_b the page stride) through BT [B, max_pages]."""
+    key0 = j * BN
+    if PAGED:
+        page = tl.load(BT + b * s_bt + key0 // PAGE).to(tl.int64)
+        return X + page * sx_b + hk * sx_h + (key0 % PAGE) * sx_n
+    else:
+        return X + b * sx_b + hk * sx_h + key0.to(tl.int64) * sx_n
+
+
+@triton.jit
+def _group_merge_kernel(ACC, M, LS, CNT, VCNT, O, SK, VSK, so_b, so_h, num_heads, group, n_split,
+                        HEAD_DIM: tl.constexpr, SP: tl.constexpr):
+    """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s; SK [B, H] and (the
+    group's first head) VSK [B, Hkv] i64 the counts summed over the splits."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h, offs_s, s_ok = _merge_splits(ACC, M, LS, O, bh, so_b, so_h, num_heads, n_split, HEAD_DIM, SP)
+    tl.store(SK + bh, tl.sum(tl.load(CNT + bh * n_split + offs_s, mask=s_ok, other=0), 0).to(tl.int64))
+    if h % group == 0:
+        bk = b * (num_heads // group) + h // group
+        vc = tl.sum(tl.load(VCNT + bk * n_split + offs_s, mask=s_ok, other=0), 0)
+        tl.store(VSK + bk, vc.to(tl.int64))
 
 
 @dataclass(frozen=True)
@@ -136,7 +171,7 @@ def _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_sp
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
     m = tl.full(bh.shape, float("-inf"), tl.float32)
     ls = tl.zeros(bh.shape, tl.float32)
-    for s in range(0, n_split):
+    for s in range(n_split):
         part = bh * n_split + s
         m_s = tl.load(M + part, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
         l_s = tl.load(LS + part, mask=g_ok, other=0.0, cache_modifier=".cg")

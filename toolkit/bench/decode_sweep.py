@@ -30,6 +30,7 @@ import time
 import torch
 import triton
 
+from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsfa_at, counted, decode_qkv, sdpa_variants
 from sparsecal.bench.harness import log
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -77,8 +78,6 @@ def check_dense_configs(device, configs: dict, quick: bool) -> list:
     """Every dense configuration on ragged batches (contiguous and paged, page 64, lengths 1,
     awkward, a page multiple, longer), G 1 / 4 / 8, D 64 / 128, splits 1 / 3 / its own, against
     the reference."""
-    from sparsecal.bench.decode import decode_qkv
-
     lens = [1, 77, 128, 333]
     shapes = [(4, 4, 64)] if quick else [(8, 8, 64), (8, 2, 128), (8, 1, 64)]
     rows = []
@@ -137,8 +136,6 @@ def _time_round_robin(fns: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
 
 def _bsfa_point(q, k, v, scale: float, target: float) -> torch.Tensor:
     """BSFA thresholds [H, 1] whose group-decision counted sparsity is nearest ``target``."""
-    from sparsecal.bench.decode import BM, BN, bisect, bsfa_at, counted
-
     length = k.shape[2]
     tmax = decode_tile_maxima(q, k, scale, BN)
     p = bisect(lambda x: counted(*group_decode_triton(q, k, v, scale, BM, BN, thresholds=bsfa_at(tmax, length, x),
@@ -148,8 +145,6 @@ def _bsfa_point(q, k, v, scale: float, target: float) -> torch.Tensor:
 
 def shape_candidates(q, k, v, quick: bool) -> dict:
     """name -> (fn, info) of one shape: SDPA backends, dense candidates, sparse candidates."""
-    from sparsecal.bench.decode import BM, BN, SPARSITIES, sdpa_variants
-
     scale = q.shape[-1] ** -0.5
     b, h, _, d = q.shape
     hkv = k.shape[1]
@@ -174,8 +169,6 @@ def shape_candidates(q, k, v, quick: bool) -> dict:
 def _check(name: str, fn, info: dict, q, k, v, sdpa_out, refs: dict, counts0: dict) -> dict:
     """A candidate's row-0 error against the reference, (dense) every row against the best SDPA,
     (sparse) counts and V-skip share against the first launch of its sparsity."""
-    from sparsecal.bench.decode import BM, BN, counted
-
     try:
         got, sk, vsk = fn()
     except Exception as e:  # noqa: BLE001
@@ -202,8 +195,6 @@ def _check(name: str, fn, info: dict, q, k, v, sdpa_out, refs: dict, counts0: di
 
 def sweep_shape(d: int, group: int, batch: int, length: int, rounds: int, quick: bool, device) -> dict:
     """Every candidate of one shape: checked, timed (graph replays, round-robin), winners."""
-    from sparsecal.bench.decode import HEADS, decode_qkv
-
     q, k, v = decode_qkv(batch, length, d, group, seed=length + 7 * group + d, dtype=torch.bfloat16, device=device,
                          heads=HEADS if not quick else 4)
     cands = shape_candidates(q, k, v, quick)
