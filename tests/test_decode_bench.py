@@ -22,3 +22,20 @@ def test_quick_run(tmp_path):
         if name not in ("old_dense", "group_dense"):
             assert 0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 and r["err_row0"] < 3e-2, name  # bf16 inputs
             assert r["ideal"] == 1.0 / (1.0 - r["v_skip"] / 2.0)
+
+
+@INTERPRETER_WARNINGS
+def test_quick_sweep(tmp_path):
+    """--sweep --quick: every dense configuration passes its ragged / paged check, each shape's
+    candidates are checked and timed, and the winners make the table."""
+    out = tmp_path / "sweep.json"
+    bench_decode.main(["--sweep", "--quick", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "decode-sweep" and doc["provenance"]["commit"] is not None
+    assert doc["check"] and all(r["ok"] for r in doc["check"])
+    (shape,) = doc["shapes"]
+    kinds = {r["kind"] for r in shape["rows"]}
+    assert kinds == {"dense", "sparse"} and all(r["ok"] and r["ms"] > 0 for r in shape["rows"])
+    assert any(r["config"] != "attend" and r["config"]["fuse"] for r in shape["rows"] if r["kind"] == "dense")
+    assert {"dense", "s75"} <= set(shape["winners"]) and list(doc["table"]) == ["64,4,16384"]
+    assert all(0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 for r in shape["rows"] if r["kind"] == "sparse")

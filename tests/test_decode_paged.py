@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sparsecal.kernels.sparse.decode_group import group_decode_triton
+from sparsecal.kernels.sparse.decode_group_dense import DenseLaunch
 from sparsecal.kernels.sparse.reference import paged_to_rows, sparse_decode_ragged
 
 from helpers import INTERPRETER_WARNINGS, TOL, cut_point, decode_tiles
@@ -77,8 +78,10 @@ def test_ragged_and_paged_match_reference(case, seed):
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
         assert torch.equal(skipped, sk) and torch.equal(v_skipped, vsk), (kw, decision)
         assert sk[-1].sum() > 0 and sk[0].sum() == 0            # the long row skips, the one-key row cannot
-    dense_paged, *_ = group_decode_triton(q, kp, vp, scale, bm, bn, lengths=lens, block_table=table, dense=True)
-    dense_flat, *_ = group_decode_triton(q, kc, vc, scale, bm, bn, lengths=lens, dense=True)
+    tile = DenseLaunch(block_n=bn)   # one loop tile for both (the dense loop tile otherwise follows the page)
+    dense_paged, *_ = group_decode_triton(q, kp, vp, scale, bm, bn, lengths=lens, block_table=table, dense=True,
+                                          dense_launch=tile)
+    dense_flat, *_ = group_decode_triton(q, kc, vc, scale, bm, bn, lengths=lens, dense=True, dense_launch=tile)
     want, *_ = sparse_decode_ragged(q, kc, vc, lens, scale, bm, bn, log_lambda=-math.inf)
     assert torch.equal(dense_paged, dense_flat)
     torch.testing.assert_close(dense_flat.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])

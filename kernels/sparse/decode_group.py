@@ -47,7 +47,8 @@ import triton
 import triton.language as tl
 
 from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, next_pow2, soft_cap, softcap_args
-from sparsecal.kernels.sparse.decode import _decode_step, _merge_splits, decode_skip_mask
+from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask
+from sparsecal.kernels.sparse.decode_group_dense import _group_merge_kernel, _row, _tile_base, dense_group_decode
 from sparsecal.kernels.sparse.reference import check_decision, check_method
 
 GROUP_LAUNCH = (4, 3)   # (num_warps, num_stages) of the attend and tmax passes on a CUDA GPU
@@ -61,27 +62,6 @@ def _spread(flag, like):
     """A scalar flag as a bool tensor shaped like ``like`` (the CPU interpreter cannot AND a tensor
     with a scalar bool)."""
     return (like.to(tl.int32) * 0 + flag.to(tl.int32)) != 0
-
-
-@triton.jit
-def _row(LENS, b, length, RAGGED: tl.constexpr):
-    """Row b's cache length (LENS [B] i32 when RAGGED, else the scalar length)."""
-    if RAGGED:
-        length = tl.load(LENS + b)
-    return length
-
-
-@triton.jit
-def _tile_base(X, BT, b, hk, j, sx_b, sx_h, sx_n, s_bt, BN: tl.constexpr, PAGE: tl.constexpr,
-               PAGED: tl.constexpr):
-    """Pointer to key 0 of tile j of (row b, KV head hk): X [B, Hkv, L, D] (strides sx_b, sx_h,
-    sx_n) or, PAGED, a pool [P, Hkv, PAGE, D] (sx_b the page stride) through BT [B, max_pages]."""
-    key0 = j * BN
-    if PAGED:
-        page = tl.load(BT + b * s_bt + key0 // PAGE).to(tl.int64)
-        return X + page * sx_b + hk * sx_h + (key0 % PAGE) * sx_n
-    else:
-        return X + b * sx_b + hk * sx_h + key0.to(tl.int64) * sx_n
 
 
 @triton.jit
@@ -252,20 +232,6 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
         tl.store(VCNT + bk.to(tl.int64) * n_split + split, v_skip)
 
 
-@triton.jit
-def _group_merge_kernel(ACC, M, LS, CNT, VCNT, O, SK, VSK, so_b, so_h, num_heads, group, n_split,
-                        HEAD_DIM: tl.constexpr, SP: tl.constexpr):
-    """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s; SK [B, H] and (the
-    group's first head) VSK [B, Hkv] i64 the counts summed over the splits."""
-    bh = tl.program_id(0).to(tl.int64)
-    b, h, offs_s, s_ok = _merge_splits(ACC, M, LS, O, bh, so_b, so_h, num_heads, n_split, HEAD_DIM, SP)
-    tl.store(SK + bh, tl.sum(tl.load(CNT + bh * n_split + offs_s, mask=s_ok, other=0), 0).to(tl.int64))
-    if h % group == 0:
-        bk = b * (num_heads // group) + h // group
-        vc = tl.sum(tl.load(VCNT + bk * n_split + offs_s, mask=s_ok, other=0), 0)
-        tl.store(VSK + bk, vc.to(tl.int64))
-
-
 def group_splits(batch_kv: int, n_kb: int, device) -> int:
     """Splits along the keys: about PROGRAMS_PER_SM attend programs per SM, each with at least
     MIN_TILES tiles (8 SMs stand in for the CPU interpreter)."""
@@ -313,13 +279,16 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
                         log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                         topk: int | None = None, dense: bool = False, decision: str = "head", lengths=None,
                         block_table=None, splits: int | None = None, launch: tuple | None = None,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, dense_launch=None):
     """One decode step with the group kernel; the Triton twin of ``reference.sparse_decode`` (one
     length) and ``reference.sparse_decode_ragged`` (``lengths`` and / or ``block_table``).
 
     q [B, H, 1, D]; k/v [B, Hkv, L, D] (fp16/bf16/fp32) or page pools [P, Hkv, page_size, D] with
     block_table [B, max_pages] int32 and lengths [B] int32 on q's device. Exactly one of
     thresholds [H, Pt], log_lambda, window, topk, or dense=True; ``decision`` "head" | "group".
+    ``launch`` (num_warps, num_stages) of the decision passes; ``dense=True`` runs
+    decode_group_dense with ``dense_launch`` (a DenseLaunch; None: its table's entry for the shape;
+    "attend": the attend pass with skipping off, the path before the table).
     Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles each head skipped,
     v_skipped [B, Hkv] int64 tiles every head of the group skipped: V tiles not loaded).
     """
@@ -333,6 +302,9 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     method = 4 if topk is not None else method_code(thresholds, log_lambda, window, dense)
     decide = {0: DENSE, 1: BSFA, 3: WINDOW, 4: MASK}.get(method, BLASST if order == "forward" else MASK)
     hkv, bound, kb, page = _check_layout(q, k, v, block_n, lengths, block_table)
+    if decide == DENSE and dense_launch != "attend":
+        return dense_group_decode(q, k, v, scale, lengths=lengths, block_table=block_table, bound=bound, page=page,
+                                  splits=splits, cfg=dense_launch, softcap=softcap)
     b, h, _, d = q.shape
     dev, f32 = q.device, torch.float32
     n_split = splits or group_splits(b * hkv, kb, dev)

@@ -1,0 +1,365 @@
+"""Dense group decode in Triton with a per-shape launch configuration (issue 28 part 1): the group
+kernel's ``dense=True`` path (decode_group.py) without the decision machinery, tuned per (D, G,
+length) from a table that a GPU sweep (``python -m sparsecal.bench.decode --sweep``) fills.
+
+One program per (key split, KV group) reads each K/V tile once for all G query heads. The loop over
+the split's full tiles has no masks and its K and V addresses follow the loop index alone, so the
+pipeliner can run both loads ``stages`` tiles ahead; a row's last partial tile is a second, masked
+loop of at most one step. Nothing is decided, so the loop tile BLOCK_N need not be the decision tile
+BN (the counts are all zero by definition); on a paged cache BLOCK_N divides the page.
+
+Launch options (``DenseLaunch``)
+    block_n  loop tile (power of two, 16..256)          warps, stages  num_warps, num_stages
+    pps      split-K target: about pps programs per SM   (splits = cdiv(pps * SMs, B * Hkv), each
+             split at least MIN_TILES tiles)
+    waves    (> 0, replaces pps) splits = the most that fit ``waves`` full waves: floor(waves * SMs *
+             occupancy / (B * Hkv)), occupancy (programs an SM holds) from the compiled kernel's
+             registers and shared memory, known after the configuration's first launch (that launch
+             uses pps): a wave-quantization tail of at most one program per slot
+    dot      True: q.K and p.V on tensor cores (G rows padded to 16); False: CUDA-core products
+             (broadcast-multiply-sum, G padded to a power of two >= 1: no padding at G = 1)
+    evict    K/V loads with eviction_policy="evict_first" (streamed once: keep L2 for others)
+    fuse     the last program of a group to finish (an atomic counter per group) merges the splits:
+             no merge launch (the counter is a cached workspace reset by that program)
+
+``launch_for(d, group, length)`` looks the configuration up in ``DENSE_TABLE`` keyed by (D, G
+bucket, length bucket) (``buckets``), else ``DENSE_DEFAULT``: the configuration the group kernel
+used before the table (64-key tiles, 4 warps, 3 stages, 4 programs per SM, tensor cores).
+
+Shape legend
+    B batch   H query heads   Hkv KV heads   G = H / Hkv   GP = G padded (16 with tensor cores)
+    D head dim   L cached tokens   T loop tiles of the longest row   S splits
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, next_pow2, soft_cap, softcap_args
+from sparsecal.kernels.sparse.decode import _merge_splits
+
+MIN_TILES = 4   # each split at least this many loop tiles
+
+
+@triton.jit
+def _row(LENS, b, length, RAGGED: tl.constexpr):
+    """Row b's cache length (LENS [B] i32 when RAGGED, else the scalar length)."""
+    if RAGGED:
+        length = tl.load(LENS + b)
+    return length
+
+
+@triton.jit
+def _tile_base(X, BT, b, hk, j, sx_b, sx_h, sx_n, s_bt, BN: tl.constexpr, PAGE: tl.constexpr,
+               PAGED: tl.constexpr):
+    """Pointer to key 0 of tile j of (row b, KV head hk): X [B, Hkv, L, D] (strides sx_b, sx_h,
+    sx_n) or, PAGED, a pool [P, Hkv, PAGE, D] (sx_b the page stride) through BT [B, max_pages]."""
+    key0 = j * BN
+    if PAGED:
+        page = tl.load(BT + b * s_bt + key0 // PAGE).to(tl.int64)
+        return X + page * sx_b + hk * sx_h + (key0 % PAGE) * sx_n
+    else:
+        return X + b * sx_b + hk * sx_h + key0.to(tl.int64) * sx_n
+
+
+@triton.jit
+def _group_merge_kernel(ACC, M, LS, CNT, VCNT, O, SK, VSK, so_b, so_h, num_heads, group, n_split,
+                        HEAD_DIM: tl.constexpr, SP: tl.constexpr):
+    """Grid (B * H): O[b, h] = sum_s 2^(M_s - m) ACC_s / sum_s 2^(M_s - m) LS_s; SK [B, H] and (the
+    group's first head) VSK [B, Hkv] i64 the counts summed over the splits."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h, offs_s, s_ok = _merge_splits(ACC, M, LS, O, bh, so_b, so_h, num_heads, n_split, HEAD_DIM, SP)
+    tl.store(SK + bh, tl.sum(tl.load(CNT + bh * n_split + offs_s, mask=s_ok, other=0), 0).to(tl.int64))
+    if h % group == 0:
+        bk = b * (num_heads // group) + h // group
+        vc = tl.sum(tl.load(VCNT + bk * n_split + offs_s, mask=s_ok, other=0), 0)
+        tl.store(VSK + bk, vc.to(tl.int64))
+
+
+@dataclass(frozen=True)
+class DenseLaunch:
+    """One launch configuration of the dense group decode (module docstring)."""
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 3
+    pps: int = 4
+    dot: bool = True
+    evict: bool = False
+    fuse: bool = False
+    waves: int = 0
+
+    def name(self) -> str:
+        """A short label: n64w4s3p4 (or W2 for waves=2) plus -nodot / -evict / -fuse."""
+        flags = ("" if self.dot else "-nodot") + ("-evict" if self.evict else "") + ("-fuse" if self.fuse else "")
+        split = f"W{self.waves}" if self.waves else f"p{self.pps}"
+        return f"n{self.block_n}w{self.warps}s{self.stages}{split}{flags}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+DENSE_DEFAULT = DenseLaunch()
+DENSE_TABLE: dict[tuple[int, int, int], DenseLaunch] = {}   # (D, G bucket, length bucket) -> launch
+
+
+def buckets(d: int, group: int, length: int) -> tuple[int, int, int]:
+    """The table key: (D, G bucket 1 | 4 (2-4) | 8 (5-8) | 16 (more), length bucket 16384 (< 24K)
+    | 32768 (< 48K) | 65536)."""
+    g = 1 if group == 1 else 4 if group <= 4 else 8 if group <= 8 else 16
+    n = 16384 if length < 24576 else 32768 if length < 49152 else 65536
+    return d, g, n
+
+
+def launch_for(d: int, group: int, length: int) -> DenseLaunch:
+    """The table's launch for this shape, else DENSE_DEFAULT."""
+    return DENSE_TABLE.get(buckets(d, group, length), DENSE_DEFAULT)
+
+
+@triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
+    """A K/V tile load: masked (other 0) or not, evict-first or not."""
+    if MASKED:
+        if EVICT:
+            x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        if EVICT:
+            x = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, kmask, qk_scale, softcap,
+                MASKED: tl.constexpr, USE_DOT: tl.constexpr, EVICT: tl.constexpr, SOFTCAP: tl.constexpr,
+                PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile's online-softmax step for the GP rows: acc [GP, D], m_i, l_i [GP] (log2 units);
+    kmask [BLOCK_N] the keys inside the row (MASKED only)."""
+    if USE_DOT:
+        kt = _load(k_base + offs_n[None, :] * sk_n + offs_d[:, None], kmask[None, :], MASKED, EVICT)
+        s = dot(q, kt, None, PREC, UPCAST) * qk_scale
+    else:
+        k = _load(k_base + offs_n[:, None] * sk_n + offs_d[None, :], kmask[:, None], MASKED, EVICT)
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
+    if MASKED:
+        s = tl.where(kmask[None, :], s, float("-inf"))
+    v = _load(v_base + offs_n[:, None] * sv_n + offs_d[None, :], kmask[:, None], MASKED, EVICT)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if USE_DOT:
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], PREC, UPCAST)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_split, HEAD_DIM: tl.constexpr,
+                 GP: tl.constexpr):
+    """The last program of a group: O rows of its heads from the S partials (L1 bypassed: the other
+    programs wrote them)."""
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    m = tl.full(bh.shape, float("-inf"), tl.float32)
+    ls = tl.zeros(bh.shape, tl.float32)
+    for s in range(n_split):
+        part = bh * n_split + s
+        m_s = tl.load(M + part, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(LS + part, mask=g_ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.math.exp2(m - m_ref)
+        w_s = tl.math.exp2(m_s - m_ref)
+        acc = acc * w_old[:, None] + a_s * w_s[:, None]
+        ls = ls * w_old + l_s * w_s
+        m = m_new
+    heads = bh % num_heads
+    tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :], (acc / ls[:, None]).to(O.dtype.element_ty),
+             mask=g_ok[:, None])
+
+
+@triton.jit
+def _group_dense_kernel(Q, K, V, BT, LENS, ACC, M, LS, CNT, VCNT, CTR, O,
+                        sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_bt, so_b, so_h, length,
+                        tiles_per_split, n_split, num_heads, group, qk_scale, softcap,
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, PAGE: tl.constexpr,
+                        PAGED: tl.constexpr, RAGGED: tl.constexpr, USE_DOT: tl.constexpr, EVICT: tl.constexpr,
+                        DIRECT: tl.constexpr, FUSE: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv): one split of one KV group, no decision. DIRECT (S = 1) writes O [B, H, 1,
+    D] and zero counts CNT [B, H], VCNT [B, Hkv] i64; else partials ACC [B, H, S, D], M, LS [B, H,
+    S] f32 and zero counts CNT [B, H, S], VCNT [B, Hkv, S] i32 for the merge kernel, or, FUSE, the
+    partials and the group's last program (CTR [B * Hkv] i32, zero between calls) merges them into O
+    and writes the DIRECT counts."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    hkv = num_heads // group
+    b = (bk // hkv).to(tl.int64)
+    hk = (bk % hkv).to(tl.int64)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < group
+    heads = hk * group + offs_g
+    bh = b * num_heads + heads
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    length = _row(LENS, b, length, RAGGED)
+    j0 = split * tiles_per_split
+    j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(length, BLOCK_N))
+    jf = tl.maximum(tl.minimum(j1, length // BLOCK_N), j0)
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    for j in range(j0, jf):
+        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BLOCK_N, PAGE, PAGED)
+        v_base = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BLOCK_N, PAGE, PAGED)
+        acc, m_i, l_i = _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, offs_n >= 0,
+                                    qk_scale, softcap, False, USE_DOT, EVICT, SOFTCAP, PREC, UPCAST)
+    for j in range(jf, j1):   # the row's last, partial tile (at most one step)
+        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BLOCK_N, PAGE, PAGED)
+        v_base = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BLOCK_N, PAGE, PAGED)
+        acc, m_i, l_i = _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d,
+                                    j * BLOCK_N + offs_n < length, qk_scale, softcap, True, USE_DOT, EVICT,
+                                    SOFTCAP, PREC, UPCAST)
+    if DIRECT:
+        tl.store(O + b * so_b + (bh % num_heads)[:, None] * so_h + offs_d[None, :],
+                 (acc / l_i[:, None]).to(O.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(CNT + bh, tl.zeros([GP], tl.int64), mask=g_ok)
+        tl.store(VCNT + bk, tl.zeros([], tl.int64))
+    else:
+        part = bh * n_split + split
+        tl.store(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(M + part, m_i, mask=g_ok)
+        tl.store(LS + part, l_i, mask=g_ok)
+        if FUSE:
+            tl.debug_barrier()    # every thread's partial stores before the release below
+            done = tl.atomic_add(CTR + bk, 1, sem="acq_rel")
+            if done == n_split - 1:
+                tl.debug_barrier()
+                _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_split, HEAD_DIM, GP)
+                tl.store(CNT + bh, tl.zeros([GP], tl.int64), mask=g_ok)
+                tl.store(VCNT + bk, tl.zeros([], tl.int64))
+                tl.atomic_xchg(CTR + bk, 0)
+        else:
+            tl.store(CNT + part, tl.zeros([GP], tl.int32), mask=g_ok)
+            tl.store(VCNT + bk.to(tl.int64) * n_split + split, tl.zeros([], tl.int32))
+
+
+_COUNTERS: dict = {}   # device -> int32 workspace of the fused merge's group counters (zero between calls)
+
+
+def _counters(n: int, device) -> torch.Tensor:
+    """At least n zeroed group counters on ``device`` (allocated once per device and size: the
+    kernel leaves them zero, so CUDA-graph replays need no memset)."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+_OCCUPANCY: dict = {}   # (device, DenseLaunch, D, GP, dtype) -> programs one SM holds (from the compiled kernel)
+
+
+def occupancy(compiled, warps: int, device) -> int:
+    """Programs of a compiled kernel one SM holds: min over its shared memory, registers and warps
+    (device properties where torch has them, else an H100's 228 KiB / 64K registers)."""
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+    n_regs = int(getattr(compiled, "n_regs", 0) or 0)
+    by_smem = smem // (shared + 1024) if shared else 32
+    by_regs = regs // (n_regs * 32 * warps) if n_regs else 32
+    return max(1, min(by_smem, by_regs, 64 // warps, 32))
+
+
+def dense_splits(batch_kv: int, n_tiles: int, cfg: DenseLaunch, device, occ: int | None = None) -> int:
+    """Splits along the keys: ``cfg.waves`` full waves when the occupancy ``occ`` is known, else
+    about cfg.pps programs per SM; each split at least MIN_TILES loop tiles (8 SMs, occupancy 1,
+    stand in for the CPU interpreter)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    if cfg.waves and (occ or device.type != "cuda"):
+        want = max(1, cfg.waves * sms * (occ or 1) // batch_kv)
+    else:
+        want = triton.cdiv(cfg.pps * sms, batch_kv)
+    return max(1, min(want, triton.cdiv(n_tiles, MIN_TILES)))
+
+
+def loop_tile(cfg: DenseLaunch, page: int) -> int:
+    """The loop tile: cfg.block_n, on a paged cache the largest power of two <= it dividing the page."""
+    bn = cfg.block_n
+    while page and page % bn:
+        bn //= 2
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"dense decode needs a power-of-two loop tile >= 16 dividing the page size ({page}), "
+                         f"got block_n {cfg.block_n}")
+    return bn
+
+
+def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None, bound: int, page: int,
+                       splits: int | None = None, cfg: DenseLaunch | None = None, softcap: float = 0.0):
+    """Dense decode with the group kernel (decode_group.group_decode_triton's ``dense=True``, layout
+    checked there): q [B, H, 1, D]; k/v [B, Hkv, L, D] or page pools [P, Hkv, page, D] with
+    block_table [B, max_pages] and lengths [B]; bound the longest row's cache bound. ``cfg`` the
+    launch (default: ``launch_for`` this shape). Returns (out [B, H, 1, D], zeros [B, H] i64, zeros
+    [B, Hkv] i64)."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    cfg = cfg or launch_for(d, group, bound)
+    bn = loop_tile(cfg, page)
+    dev, f32 = q.device, torch.float32
+    n_tiles = triton.cdiv(bound, bn)
+    gp = next_pow2(group, 16 if cfg.dot else 1)
+    occ_key = (str(dev), cfg, d, gp, q.dtype)
+    n_split = splits or dense_splits(b * hkv, n_tiles, cfg, dev, _OCCUPANCY.get(occ_key))
+    tps = triton.cdiv(n_tiles, n_split)
+    n_split = triton.cdiv(n_tiles, tps)
+    direct, fuse = n_split == 1, cfg.fuse and n_split > 1
+    prec, upcast = dot_flags(q.dtype)
+    cap_on, cap = softcap_args(softcap)
+    lens = lengths.to(device=dev, dtype=torch.int32) if lengths is not None else q
+    bt = block_table.to(device=dev, dtype=torch.int32) if block_table is not None else q
+    out = torch.empty_like(q)
+    if direct or fuse:
+        cnt = torch.empty((b, h), dtype=torch.int64, device=dev)
+        vcnt = torch.empty((b, hkv), dtype=torch.int64, device=dev)
+    else:
+        cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
+        vcnt = torch.empty((b, hkv, n_split), dtype=torch.int32, device=dev)
+    part = (q, q, q) if direct else (torch.empty((b, h, n_split, d), dtype=f32, device=dev),
+                                     torch.empty((b, h, n_split), dtype=f32, device=dev),
+                                     torch.empty((b, h, n_split), dtype=f32, device=dev))
+    ctr = _counters(b * hkv, dev) if fuse else q
+    q2 = q[:, :, 0]
+    compiled = _group_dense_kernel[(n_split, b * hkv)](
+        q2, k, v, bt, lens, *part, cnt, vcnt, ctr, out, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), bt.stride(0) if block_table is not None else 0,
+        out.stride(0), out.stride(1), bound, tps, n_split, h, group, scale * LOG2E, cap,
+        HEAD_DIM=d, BLOCK_N=bn, GP=gp, PAGE=max(page, 1),
+        PAGED=block_table is not None, RAGGED=lengths is not None, USE_DOT=cfg.dot, EVICT=cfg.evict,
+        DIRECT=direct, FUSE=fuse, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=cfg.warps,
+        num_stages=cfg.stages)
+    LAST_COMPILED["group_dense"] = compiled
+    if cfg.waves and dev.type == "cuda" and occ_key not in _OCCUPANCY:
+        _OCCUPANCY[occ_key] = occupancy(compiled, cfg.warps, dev)
+    if direct or fuse:
+        return out, cnt, vcnt
+    skipped = torch.empty((b, h), dtype=torch.int64, device=dev)
+    v_skipped = torch.empty((b, hkv), dtype=torch.int64, device=dev)
+    _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
+                                  group, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
+    return out, skipped, v_skipped

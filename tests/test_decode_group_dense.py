@@ -1,0 +1,98 @@
+"""The dense group decode with per-shape launches (kernels/sparse/decode_group_dense.py) against the
+reference (TRITON_INTERPRET=1): every kind of launch (tensor-core and CUDA-core products, loop tiles
+16..128, evict-first loads, the fused merge, wave-fitted and per-SM splits, 1 / 3 / the launch's own
+splits) on ragged batches (lengths 1, awkward, a page multiple, longer), contiguous and paged,
+GQA 1 / 4 / 8, D 64 / 128; and the table lookup."""
+import math
+
+import pytest
+import torch
+
+from sparsecal.kernels.sparse.decode_group import group_decode_triton
+from sparsecal.kernels.sparse.decode_group_dense import (
+    DENSE_DEFAULT,
+    DENSE_TABLE,
+    DenseLaunch,
+    buckets,
+    launch_for,
+    loop_tile,
+)
+from sparsecal.kernels.sparse.reference import sparse_decode_ragged
+
+from helpers import INTERPRETER_WARNINGS, TOL
+
+pytestmark = INTERPRETER_WARNINGS
+
+LENGTHS = [1, 37, 64, 203]
+CASES = [  # (H, Hkv, D, page, dtype)
+    (2, 2, 64, 32, torch.bfloat16),    # G = 1
+    (4, 1, 128, 64, torch.float16),    # G = 4, D = 128
+    (8, 1, 64, 32, torch.float32),     # G = 8
+]
+LAUNCHES = [DenseLaunch(block_n=32, dot=False, fuse=True, evict=True, waves=2),
+            DenseLaunch(block_n=128, stages=2, fuse=True),
+            DenseLaunch(block_n=16, warps=8, waves=1)]
+
+
+def paged(k, v, lens, page, g):
+    """Page pools [P, Hkv, page, D] holding the rows of k/v [B, Hkv, Lmax, D] in shuffled pages and
+    the block table [B, max_pages] int32 (unused slots -1)."""
+    n_pages = [-(-n // page) for n in lens]
+    pk = torch.zeros(sum(n_pages) + 1, *k.shape[1:2], page, k.shape[3], dtype=k.dtype)
+    pv = torch.zeros_like(pk)
+    table = torch.full((len(lens), max(n_pages)), -1, dtype=torch.int32)
+    order = torch.randperm(pk.shape[0], generator=g).tolist()
+    for i, n in enumerate(n_pages):
+        for j in range(n):
+            p = table[i, j] = order.pop()
+            stop = min((j + 1) * page, lens[i])
+            pk[p, :, : stop - j * page], pv[p, :, : stop - j * page] = k[i, :, j * page: stop], v[i, :, j * page: stop]
+    return pk, pv, table
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"G{c[0] // c[1]}-D{c[2]}-{str(c[4])[6:]}")
+def test_dense_launches_match_reference(case, rng):
+    """Every launch, contiguous ragged and paged, several split counts: the reference's outputs,
+    zero counts of the right shapes."""
+    h, hkv, d, page, dtype = case
+    b, lmax = len(LENGTHS), max(LENGTHS)
+    q = torch.randn(b, h, 1, d, generator=rng).to(dtype)
+    k, v = (torch.randn(b, hkv, lmax, d, generator=rng).to(dtype) for _ in range(2))
+    k[:, :, 0] += 4.0 * q[:, ::h // hkv, 0]                      # a sink key per row
+    lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    pk, pv, table = paged(k, v, LENGTHS, page, rng)
+    want, *_ = sparse_decode_ragged(q, k, v, lens, d ** -0.5, 32, 16, log_lambda=-math.inf)
+    for cfg in LAUNCHES:
+        for splits, (kk, vv, bt) in ((None, (k, v, None)), (3, (pk, pv, table)), (1, (k, v, None))):
+            got, sk, vsk = group_decode_triton(q, kk, vv, d ** -0.5, 32, 16, dense=True, lengths=lens, block_table=bt,
+                                               splits=splits, dense_launch=cfg)
+            torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+            assert sk.shape == (b, h) and vsk.shape == (b, hkv) and not sk.any() and not vsk.any()
+
+
+def test_fused_merge_leaves_counters_zero(rng):
+    """Two fused calls in a row on one contiguous row (one length): equal outputs (the group counters
+    were reset by the merging program), equal to the attend pass's dense output."""
+    q = torch.randn(1, 4, 1, 64, generator=rng)
+    k, v = torch.randn(1, 2, 150, 64, generator=rng), torch.randn(1, 2, 150, 64, generator=rng)
+    cfg = DenseLaunch(block_n=16, fuse=True)
+    first, *_ = group_decode_triton(q, k, v, 0.125, 32, 16, dense=True, splits=4, dense_launch=cfg)
+    second, *_ = group_decode_triton(q, k, v, 0.125, 32, 16, dense=True, splits=4, dense_launch=cfg)
+    old, *_ = group_decode_triton(q, k, v, 0.125, 32, 16, dense=True, splits=4, dense_launch="attend")
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, old, atol=2e-5, rtol=1e-5)
+
+
+def test_table_lookup_and_loop_tile():
+    """Buckets of G and length, the table's entry or the default, the page-fitted loop tile."""
+    assert buckets(64, 1, 16384) == (64, 1, 16384) and buckets(128, 3, 30000) == (128, 4, 32768)
+    assert buckets(64, 7, 100000) == (64, 8, 65536) and buckets(64, 16, 4096) == (64, 16, 16384)
+    assert launch_for(64, 8, 65536) is DENSE_TABLE.get((64, 8, 65536), DENSE_DEFAULT)
+    DENSE_TABLE[(32, 4, 16384)] = cfg = DenseLaunch(block_n=32)
+    try:
+        assert launch_for(32, 2, 20000) is cfg and launch_for(32, 2, 30000) is DENSE_DEFAULT
+    finally:
+        del DENSE_TABLE[(32, 4, 16384)]
+    assert loop_tile(DenseLaunch(block_n=128), 32) == 32 and loop_tile(DenseLaunch(block_n=64), 0) == 64
+    with pytest.raises(ValueError, match="loop tile"):
+        loop_tile(DenseLaunch(block_n=64), 24)
