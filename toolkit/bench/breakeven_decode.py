@@ -121,7 +121,7 @@ def measure_decode_length(n: int, geo: dict, methods, decisions, sparsities, rou
         ms["graph"] = {key: t for key, t in got.items() if isinstance(t, float)}
     rows = []
     for timing, t in ms.items():
-        dense = {b: x for (kind, b), x in t.items() if kind == "dense"}
+        dense = {key[1]: x for key, x in t.items() if key[0] == "dense"}
         log(f"decode N={n} B={batch} {timing}: dense " + ", ".join(f"{b} {x:.4f} ms" for b, x in dense.items()))
         if not dense:
             continue
