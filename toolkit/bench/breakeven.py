@@ -123,7 +123,6 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int, timings=
     import torch
 
     from sparsecal.bench.decode import graph_ms
-
     from sparsecal.bench.harness import PREFILL_SDPA, bench_ms, log, sdpa_fns
     from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
     from sparsecal.kernels.sparse.prefill import candidate_tiles
@@ -190,6 +189,8 @@ def measure(args, geo: dict, lengths, decode_lengths) -> list[dict]:
             measured += measure_decode_length(n, geo, args.methods, args.decode_decisions, args.decode_sparsities,
                                               args.rounds, 1 if args.quick else args.decode_batch, args.timings,
                                               args.quick)
+            if not args.quick:
+                torch.cuda.empty_cache()
     return measured
 
 

@@ -21,6 +21,7 @@ Shape legend: B batch rows, H query heads, Hkv KV heads, L cached tokens, D head
 from __future__ import annotations
 
 import statistics
+import warnings
 
 import torch
 
@@ -74,13 +75,20 @@ def sdpa_calls(q, k, v, scale: float, backends) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = q.shape[1] != k.shape[1]
-    out = {}
-    for name in backends:
-        def fn(be=getattr(SDPBackend, name)):
+
+    def call(be):
+        def fn():
             with sdpa_kernel(be):
                 return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return fn
+
+    out = {}
+    for name in backends:
+        fn = call(getattr(SDPBackend, name))
         try:
-            fn()
+            with warnings.catch_warnings():  # torch says why each backend it skips cannot run: said below once
+                warnings.simplefilter("ignore", UserWarning)
+                fn()
             out[name] = fn
         except Exception as e:  # noqa: BLE001  (a backend that does not run this shape is left out, said once)
             log(f"  decode sdpa {name} unavailable: {type(e).__name__}: {str(e)[:120]}")
@@ -133,8 +141,5 @@ def measure_decode_length(n: int, geo: dict, methods, decisions, sparsities, rou
                     rows.append({"phase": "decode", "timing": timing, "decision": decision, "batch": batch,
                                  "method": method, "head_dim": d, "group": h // hkv, "length": n, "dense": dense,
                                  "points": pts})
-    del q, k, v, fns
-    if not quick:
-        torch.cuda.empty_cache()
     return rows
 
