@@ -1,4 +1,4 @@
-"""``sparsecal bench break-even``: where the sparse prefill kernel pays on this GPU, for a run's model.
+"""``sparsecal bench break-even``: where the sparse prefill and decode kernels pay on this GPU, for a run's model.
 
 Per length (the run's calibrated lengths, or ``--lengths``) and method (bsfa, blasst): structured
 inputs at the run's geometry (B = 1, the model's H, Hkv, D, bf16; bench/sparse_inputs.structured_qkv),
@@ -7,12 +7,20 @@ bench/harness.sdpa_fns) and by the project's sparse prefill kernel
 (kernels.sparse.prefill_pick.sparse_prefill, the kernel sparsify runs, at the run's BM x BN, with the
 operating point as its expected sparsity) at each ``--sparsities`` operating point, read from the
 input's own tile statistics as bench/sparse.py's prefill_variants does; each point records the
-sparsity the kernel counted. Times are medians over ``--rounds`` round-robin rounds of bench_ms.
-The file (formats/dispatch.py: rows with dense_ms, dense_backend, points and break_even) is what
-``sparsecal export RUN --out DIR --break-even FILE`` reads.
+sparsity the kernel counted. Times (``--timings``): ``eager``, medians over ``--rounds`` round-robin
+rounds of bench_ms (one launch per call, host cost included); ``graph``, the median of replaying
+each call captured as a CUDA graph (device time: what a deployment replaying graphs pays; a call
+that cannot be captured is left out, said on stderr). Decode (``--phases ...,decode``):
+bench/breakeven_decode.py, one decode step of ``--decode-batch`` rows per ``--decode-lengths``
+cached length and ``--decode-decisions`` (head: decode.py, group: decode_group.py, the kernel sparsify
+runs for that decision). The file (formats/dispatch.py: rows per phase and timing with dense_ms,
+dense_backend, points and break_even) is what ``sparsecal export RUN --out DIR --break-even FILE``
+reads (``--dispatch-timing graph|eager``).
 
     sparsecal bench break-even --run RUN --out FILE [--lengths 1024,2048] [--methods bsfa,blasst]
-        [--sparsities 0,0.25,0.5,0.75,0.9] [--rounds 3]
+        [--sparsities 0,0.25,0.5,0.75,0.9] [--rounds 3] [--phases prefill,decode] [--timings graph,eager]
+        [--decode-lengths ...] [--decode-batch 16] [--decode-decisions head,group] [--decode-sparsities ...]
+    TRITON_INTERPRET=1 sparsecal bench break-even --run RUN --out FILE --quick   # CPU: decode rows, tiny
 
 Shape legend: H query heads, Hkv KV heads, N tokens, D head dim.
 """
@@ -43,18 +51,34 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--methods", default="bsfa,blasst")
     ap.add_argument("--sparsities", default=SPARSITIES, help="operating points (shares of reachable tiles skipped)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--phases", default="prefill,decode", help="prefill and/or decode rows")
+    ap.add_argument("--timings", default="graph,eager", help="graph (CUDA-graph replays) and/or eager")
+    ap.add_argument("--decode-lengths", default=None, help="cached lengths of the decode rows [default: --lengths]")
+    ap.add_argument("--decode-batch", type=int, default=16, help="decode rows per step")
+    ap.add_argument("--decode-decisions", default="head", help="head and/or group (sparsify's decode_decision)")
+    ap.add_argument("--decode-sparsities", default=SPARSITIES, help="decode operating points")
+    ap.add_argument("--quick", action="store_true", help="the CPU under TRITON_INTERPRET=1: decode rows, tiny")
     args = ap.parse_args(argv)
     try:
-        args.lengths = None if args.lengths is None else [int(x) for x in args.lengths.split(",") if x.strip()]
-        args.sparsities = sorted({float(x) for x in args.sparsities.split(",") if x.strip()})
+        args.lengths, args.decode_lengths = (None if x is None else [int(y) for y in x.split(",") if y.strip()]
+                                             for x in (args.lengths, args.decode_lengths))
+        args.sparsities, args.decode_sparsities = (sorted({float(y) for y in x.split(",") if y.strip()})
+                                                   for x in (args.sparsities, args.decode_sparsities))
     except ValueError:
         raise UserError("--lengths and --sparsities take comma-separated numbers (e.g. 1024,2048 and 0,0.5).") from None
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in args.methods if m not in D.METHODS] + [s for s in args.sparsities if not 0 <= s < 1]
-    if bad or not args.methods or not args.sparsities or args.rounds < 1 or (args.lengths is not None and (
-            not args.lengths or min(args.lengths) < 1)):
-        raise UserError(f"--methods takes {','.join(D.METHODS)}, --sparsities values in [0, 1), --lengths positive "
-                        f"integers, --rounds >= 1 (got {bad or 'an empty list'}).")
+    for name in ("methods", "phases", "timings", "decode_decisions"):
+        setattr(args, name, [m.strip() for m in getattr(args, name).split(",") if m.strip()])
+    bad = ([m for m in args.methods if m not in D.METHODS] + [p for p in args.phases if p not in D.PHASES]
+           + [t for t in args.timings if t not in D.TIMINGS] + [x for x in args.decode_decisions if x not in D.DECISIONS]
+           + [s for s in args.sparsities + args.decode_sparsities if not 0 <= s < 1])
+    lens = [x for x in (args.lengths, args.decode_lengths) if x is not None]
+    if (bad or not args.methods or not args.phases or not args.timings or not args.decode_decisions
+            or not args.sparsities or not args.decode_sparsities or args.rounds < 1 or args.decode_batch < 1
+            or any(not x or min(x) < 1 for x in lens)):
+        raise UserError(f"--methods takes {','.join(D.METHODS)}, --phases {','.join(D.PHASES)}, --timings "
+                        f"{','.join(D.TIMINGS)}, --decode-decisions {','.join(D.DECISIONS)}, --sparsities values in "
+                        f"[0, 1), --lengths positive integers, --rounds and --decode-batch >= 1 "
+                        f"(got {bad or 'an empty list'}).")
     return args
 
 
@@ -92,11 +116,13 @@ def to_file(measured: list[dict], geo: dict, run: dict, argv_info: dict | None =
     return doc
 
 
-def measure_length(n: int, geo: dict, methods, sparsities, rounds: int) -> list[dict]:
-    """One length on the GPU: per method {"method", "head_dim", "group", "length", "dense"
-    {backend: ms}, "dense_gqa" {backend: native | expanded}, "points" [{"sparsity", "ms", "target"}]}."""
+def measure_length(n: int, geo: dict, methods, sparsities, rounds: int, timings=("eager",)) -> list[dict]:
+    """One length on the GPU: per timing and method {"phase": "prefill", "timing", "method",
+    "head_dim", "group", "length", "dense" {backend: ms}, "dense_gqa" {backend: native | expanded},
+    "points" [{"sparsity", "ms", "target"}]}."""
     import torch
 
+    from sparsecal.bench.decode import graph_ms
     from sparsecal.bench.harness import PREFILL_SDPA, bench_ms, log, sdpa_fns
     from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
     from sparsecal.kernels.sparse.prefill import candidate_tiles
@@ -121,16 +147,51 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int) -> list[
             _, sk = sparse_prefill(q, k, v, scale, bm, bn, out=out, **kw)
             counted[(method, s)] = float(sk.sum()) / reach
             fns[(method, s)] = lambda kw=kw: sparse_prefill(q, k, v, scale, bm, bn, out=out, **kw)
-    times = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            times[key].append(bench_ms(fn))
-    ms = {key: statistics.median(t) for key, t in times.items()}
-    dense = {b: t for (kind, b), t in ms.items() if kind == "dense"}
-    log(f"N={n}: dense " + ", ".join(f"{b} {t:.4f} ms" for b, t in dense.items()))
-    return [{"method": m, "head_dim": d, "group": h // hkv, "length": n, "dense": dense, "dense_gqa": gqa,
-             "points": [{"sparsity": counted[(m, s)], "ms": ms[(m, s)], "target": s} for s in sparsities]}
-            for m in methods]
+    by_timing = {}
+    if "eager" in timings:
+        times = {key: [] for key in fns}
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                times[key].append(bench_ms(fn))
+        by_timing["eager"] = {key: statistics.median(t) for key, t in times.items()}
+    if "graph" in timings:
+        got = {key: graph_ms(fn) for key, fn in fns.items()}
+        for key, t in got.items():
+            if not isinstance(t, float):
+                log(f"  prefill N={n} {key}: {t}")
+        by_timing["graph"] = {key: t for key, t in got.items() if isinstance(t, float)}
+    rows = []
+    for timing, ms in by_timing.items():
+        dense = {b: t for (kind, b), t in ms.items() if kind == "dense"}
+        log(f"N={n} {timing}: dense " + ", ".join(f"{b} {t:.4f} ms" for b, t in dense.items()))
+        rows += [{"phase": "prefill", "timing": timing, "method": m, "head_dim": d, "group": h // hkv, "length": n,
+                  "dense": dense, "dense_gqa": gqa,
+                  "points": [{"sparsity": counted[(m, s)], "ms": ms[(m, s)], "target": s}
+                             for s in sparsities if (m, s) in ms]}
+                 for m in methods if dense and any((m, s) in ms for s in sparsities)]
+    return rows
+
+
+def measure(args, geo: dict, lengths, decode_lengths) -> list[dict]:
+    """Every row's timings (break_even_rows' input): prefill per length, decode per cached length
+    (``--quick``: decode only, batch 1, tiny lengths, on the CPU)."""
+    import torch
+
+    from sparsecal.bench.breakeven_decode import measure_decode_length
+
+    measured = []
+    if "prefill" in args.phases and not args.quick:
+        for n in lengths:
+            measured += measure_length(n, geo, args.methods, args.sparsities, args.rounds, args.timings)
+            torch.cuda.empty_cache()
+    if "decode" in args.phases:
+        for n in decode_lengths:
+            measured += measure_decode_length(n, geo, args.methods, args.decode_decisions, args.decode_sparsities,
+                                              args.rounds, 1 if args.quick else args.decode_batch, args.timings,
+                                              args.quick)
+            if not args.quick:
+                torch.cuda.empty_cache()
+    return measured
 
 
 def summary(doc: dict) -> str:
@@ -139,7 +200,8 @@ def summary(doc: dict) -> str:
     for r in doc["rows"]:
         pts = " ".join(f"{p['sparsity']:.2f}:{p['ms']:.4f}" for p in r["points"])
         be = "never" if r["break_even"] is None else f"{r['break_even']:.3f}"
-        lines.append(f"  {r['method']:6} D={r['head_dim']} G={r['group']} N={r['length']:>6}: "
+        what = f"{r['phase']:7} {r['timing']:5} " + (f"{r['decision']:5} B={r['batch']} " if r.get("decision") else "")
+        lines.append(f"  {what}{r['method']:6} D={r['head_dim']} G={r['group']} N={r['length']:>6}: "
                      f"{r['dense_backend']} {r['dense_ms']:.4f} ms; sparse {pts}; break-even {be}")
     return "\n".join(lines)
 
@@ -148,16 +210,21 @@ def main(argv=None) -> None:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     import torch
 
-    if not torch.cuda.is_available():
+    from sparsecal.kernels.jit import interpreting
+
+    if args.quick and not interpreting():
+        raise UserError("--quick runs the decode kernels on the CPU: set TRITON_INTERPRET=1 before starting Python.")
+    if not args.quick and not torch.cuda.is_available():
         raise UserError("sparsecal bench break-even times the kernels on a CUDA GPU; run it on the GPU that will "
                         "serve the model (this machine has none).")
     geo, lengths, run = geometry(args.run, args.lengths)
-    measured = []
-    for n in lengths:
-        measured += measure_length(n, geo, args.methods, args.sparsities, args.rounds)
-        torch.cuda.empty_cache()
+    decode_lengths = args.decode_lengths or lengths
+    measured = measure(args, geo, lengths, decode_lengths)
     doc = to_file(measured, geo, run, {"lengths": lengths, "methods": args.methods, "sparsities": args.sparsities,
-                                       "rounds": args.rounds})
+                                       "rounds": args.rounds, "phases": args.phases, "timings": args.timings,
+                                       "decode_lengths": decode_lengths, "decode_batch": args.decode_batch,
+                                       "decode_decisions": args.decode_decisions,
+                                       "decode_sparsities": args.decode_sparsities, "quick": args.quick})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     D.write_break_even(args.out, doc)
     print(summary(doc))

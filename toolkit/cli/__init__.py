@@ -208,6 +208,9 @@ def export(
                                               "reaches the break-even, the best SDPA path elsewhere."),
     dispatch_margin: float = typer.Option(0.0, min=0.0, max=1.0, help="With --break-even: run sparse only where the "
                                           "calibrated sparsity >= break-even + this margin."),
+    dispatch_timing: str = typer.Option("graph", "--dispatch-timing", help="With --break-even: the break-even "
+                                        "rows used, graph (CUDA-graph replays: device time, as serving engines "
+                                        "replay decode) or eager (one launch per call, host cost included)."),
     serve_lengths: Optional[str] = typer.Option(None, "--serve-lengths", help="MIN[-MAX]: the lengths the engines "
                                                 "will serve (default: any); the export says where an engine file's "
                                                 "lambda = factor / L reaches 1 there, what each engine does, and the "
@@ -224,10 +227,11 @@ def export(
     from sparsecal.cli.options import check_export
     from sparsecal.formats.engines import parse_formats
 
-    check_export(break_even, max_length, target)
+    check_export(break_even, max_length, target, dispatch_timing)
     export_command(run, out, target, max_length, force, formats=parse_formats(format), patch_config=patch_config,
                    per_layer=per_layer, min_layer_sparsity=min_layer_sparsity, break_even=break_even,
-                   margin=dispatch_margin, serve_lengths=serve_lengths, length_weights=length_weights)
+                   margin=dispatch_margin, serve_lengths=serve_lengths, length_weights=length_weights,
+                   timing=dispatch_timing)
 
 
 @app.command()

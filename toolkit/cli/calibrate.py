@@ -141,7 +141,8 @@ def print_bsfa_fitted(out, fit_dir: Path, doc: dict) -> None:
 
 def export_command(run: Path, out: Path, target, max_length, force: bool = False, formats=(), patch_config=None,
                    per_layer: bool = False, min_layer_sparsity: float = 0.05, break_even=None,
-                   margin: float = 0.0, serve_lengths: str | None = None, length_weights: str | None = None) -> dict:
+                   margin: float = 0.0, serve_lengths: str | None = None, length_weights: str | None = None,
+                   timing: str = "graph") -> dict:
     """``sparsecal export``: the files, a summary line on stderr, the simulated-sparsity report on
     stdout, and with ``break_even`` the dispatch table (which layers run sparse at which lengths).
     ``serve_lengths`` (MIN[-MAX]) and ``length_weights`` (LENGTH:WEIGHT,... or a prompts file) as typed."""
@@ -156,7 +157,8 @@ def export_command(run: Path, out: Path, target, max_length, force: bool = False
                      per_layer=per_layer, min_layer_sparsity=min_layer_sparsity,
                      hf_config=_model_config(store.manifest["model"]) if formats else None,
                      warn=lambda line: console.print(f"[yellow]warning:[/] {line}"), break_even=break_even,
-                     margin=margin, serve_lengths=serve, length_weights=weights, weights_source=source)
+                     margin=margin, serve_lengths=serve, length_weights=weights, weights_source=source,
+                     timing=timing)
     console.print(f"exported to {out}: thresholds.bsfa.pt and thresholds.safetensors {res['bsfa_shape']} "
                   f"(k {','.join(map(str, res['k_values']))}), blasst.json "
                   + "; ".join(f"target {t:g}: a = {f['prefill']:.4g} prefill, "
@@ -195,7 +197,17 @@ def print_dispatch(rec: dict) -> None:
             layers = [i for i, row in enumerate(e["sparse"]) if row[j]]
             cells.append(f"{len(layers)}/{len(e['sparse'])}: {layer_ranges(layers)}")
         t.add_row(f"{e['method']} {e['config']}", *cells)
+        dec = e.get("decode")
+        for mode, g in (dec or {}).get("modes", {}).items():
+            be = " ".join("never" if x is None else f"{x:.3f}" for x in dec["break_even"])
+            t.add_row(f"  decode {mode} (break-even {be})",
+                      *[f"{sum(r[j] for r in g['sparse'])}/{len(g['sparse'])}: "
+                        f"{layer_ranges([i for i, r in enumerate(g['sparse']) if r[j]])}" for j in range(len(rec["lengths"]))])
     out.print(t)
+    timing = rec.get("timing") or {"prefill": "eager", "decode": None}
+    out.print(f"timings: prefill {timing['prefill']}, decode "
+              + (f"{timing['decode']} ({rec.get('decode_decision')} decision)" if timing["decode"] else
+                 "not dispatched (no decode rows in the break-even file)"))
     if not rec["configs"]:
         out.print("no config has break-even rows: every exported layer runs sparse (no dispatch).")
 

@@ -1,18 +1,22 @@
-"""Calibration-driven dispatch: where the sparse prefill kernel pays on a GPU, and which layers
-run it (docs/formats.md "Break-even file" and "Dispatch record").
+"""Calibration-driven dispatch: where the sparse prefill and decode kernels pay on a GPU, and which
+layers run them (docs/formats.md "Break-even file" and "Dispatch record").
 
-**Break-even file** (``sparsecal bench break-even``; kind ``sparsecal-break-even``): per (method,
-head_dim, group = H / Hkv, length) the best SDPA backend's time of one layer's causal prefill
-attention (``dense_ms``, ``dense_backend``), the sparse prefill kernel's time at measured
-(kernel-counted) sparsities (``points``) and ``break_even``: the smallest sparsity from which on
-the sparse kernel is no slower than that dense path (``break_even``; JSON null = never in the
-measured range).
+**Break-even file** (``sparsecal bench break-even``; kind ``sparsecal-break-even``): per (phase
+prefill | decode, timing graph | eager, decode decision head | group, method, head_dim, group =
+H / Hkv, length) the best SDPA backend's time of one layer's attention (prefill: causal, B = 1;
+decode: one new token per row against ``batch`` rows of cached keys) (``dense_ms``,
+``dense_backend``), the sparse kernel's time at measured (kernel-counted) sparsities (``points``)
+and ``break_even``: the smallest sparsity from which on the sparse kernel is no slower than that
+dense path (JSON null = never in the measured range). ``graph``: CUDA-graph replays (device time,
+what a serving engine replaying decode graphs pays); ``eager``: one launch per call (host cost
+included). Rows written before phases and timings existed are prefill, eager.
 
-**Rule** (pure, here): a layer runs sparse at a length bucket iff its calibrated prefill sparsity
-there >= break-even there + margin. Break-even between measured lengths is interpolated linearly
-in log(length) (never at either end: never); outside the measured range the nearest measured
-length's value is used and flagged ``extrapolated``. A prefill of N tokens uses the bucket of the
-largest calibrated length <= N; below the shortest calibrated length it runs dense.
+**Rule** (pure, here): a layer runs sparse at a length bucket iff its calibrated sparsity of that
+phase there >= the phase's break-even there + margin. Break-even between measured lengths is
+interpolated linearly in log(length) (never at either end: never); outside the measured range the
+nearest measured length's value is used and flagged ``extrapolated``. A prefill of N tokens, or a
+decode step against N cached tokens, uses the bucket of the largest calibrated length <= N; below
+the shortest calibrated length it runs dense.
 
 Shape legend: L model layers, NL calibrated lengths (the buckets), NM measured lengths.
 """
@@ -31,13 +35,21 @@ from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
 KIND = "sparsecal-break-even"
 METHODS = ("bsfa", "blasst")
+PHASES = ("prefill", "decode")
+TIMINGS = ("graph", "eager")
+DECISIONS = ("head", "group")  # decode skip decision (kernels.sparse.reference.DECISIONS)
+DECODE_MODES = ("sparse", "topk", "thresholds")  # sparsify's decode modes that skip (integrations.sparsify.DECODES)
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 NEVER = math.inf  # break-even in memory when the sparse kernel never pays (JSON null)
 GEOMETRY_KEYS = ("block_m", "block_n", "heads", "kv_heads", "head_dim")
 REMEDY = "measure it again with `sparsecal bench break-even --run RUN --out FILE`"
 RULE = ("a layer runs its sparse prefill at a length bucket iff its calibrated prefill sparsity there >= "
         "break_even + margin; a prefill of N tokens uses the bucket of the largest calibrated length <= N (dense "
-        "below the shortest); elsewhere the best SDPA path runs; decode steps are not dispatched")
+        "below the shortest); elsewhere the best SDPA path runs")
+DECODE_RULE = ("a decode step against N cached tokens runs a layer's sparse decode kernel iff the layer's calibrated "
+               "decode sparsity (of sparsify's decode mode) at the bucket of the largest calibrated length <= N "
+               ">= decode break_even + margin (dense below the shortest); elsewhere dense's own decode path (SDPA, "
+               "decode dense_backend first); a config without a decode entry does not dispatch decode")
 
 
 def break_even(points, dense_ms: float) -> float:
@@ -66,10 +78,16 @@ def _mem_be(x) -> float:
     return NEVER if x is None else float(x)
 
 
+def row_key(r: dict) -> tuple:
+    """(phase, timing, decision or "", method, head_dim, group, length): one row per key."""
+    return (r.get("phase", "prefill"), r.get("timing", "eager"), r.get("decision") or "", r["method"],
+            r["head_dim"], r["group"], r["length"])
+
+
 def break_even_rows(measured) -> list[dict]:
     """Rows of the file from timings. measured: [{"method", "head_dim", "group", "length",
-    "dense": {SDPA backend name: ms}, "points": [{"sparsity", "ms"}]}]; the fastest backend is
-    the dense path."""
+    "dense": {SDPA backend name: ms}, "points": [{"sparsity", "ms"}], optional "phase" (prefill),
+    "timing" (eager), and for decode "decision" and "batch"}]; the fastest backend is the dense path."""
     rows = []
     for m in measured:
         if not m["dense"]:
@@ -77,11 +95,14 @@ def break_even_rows(measured) -> list[dict]:
         backend = min(m["dense"], key=m["dense"].get)
         pts = sorted(({"sparsity": float(p["sparsity"]), "ms": float(p["ms"])} for p in m["points"]),
                      key=lambda p: p["sparsity"])
-        rows.append({"method": m["method"], "head_dim": int(m["head_dim"]), "group": int(m["group"]),
-                     "length": int(m["length"]), "dense_ms": float(m["dense"][backend]), "dense_backend": backend,
-                     "dense": {k: float(v) for k, v in m["dense"].items()}, "points": pts,
-                     "break_even": _json_be(break_even(pts, m["dense"][backend]))})
-    return sorted(rows, key=lambda r: (r["method"], r["head_dim"], r["group"], r["length"]))
+        row = {"phase": m.get("phase", "prefill"), "timing": m.get("timing", "eager"), "method": m["method"],
+               "head_dim": int(m["head_dim"]), "group": int(m["group"]), "length": int(m["length"])}
+        if row["phase"] == "decode":
+            row.update(decision=m["decision"], batch=int(m["batch"]))
+        rows.append(row | {"dense_ms": float(m["dense"][backend]), "dense_backend": backend,
+                           "dense": {k: float(v) for k, v in m["dense"].items()}, "points": pts,
+                           "break_even": _json_be(break_even(pts, m["dense"][backend]))})
+    return sorted(rows, key=row_key)
 
 
 def break_even_file(measured, geometry: dict, provenance: dict, run: dict | None = None) -> dict:
@@ -106,6 +127,10 @@ def load_break_even(path) -> dict:
     if not path.is_file():
         raise UserError(f"{path} does not exist; {REMEDY}.")
     doc = read_json_manifest(path, KIND, REMEDY)
+    for r in doc.get("rows") or []:  # a file written before phases and timings: prefill rows, eager launches
+        if isinstance(r, dict):
+            r.setdefault("phase", "prefill")
+            r.setdefault("timing", "eager")
     check_break_even(path, doc)
     return doc
 
@@ -125,7 +150,10 @@ def _row_ok(r) -> bool:
             and r.get("dense_backend") in SDPA_BACKENDS and isinstance(pts, list) and bool(pts)
             and all(isinstance(p, dict) and _num(p.get("sparsity")) and 0 <= p["sparsity"] <= 1 and _num(p.get("ms"))
                     and p["ms"] > 0 for p in pts)
-            and (r.get("break_even") is None or (_num(r["break_even"]) and 0 <= r["break_even"] <= 1)))
+            and (r.get("break_even") is None or (_num(r["break_even"]) and 0 <= r["break_even"] <= 1))
+            and r.get("phase", "prefill") in PHASES and r.get("timing", "eager") in TIMINGS
+            and ((r.get("decision") in DECISIONS and _pos_int(r.get("batch"))) if r.get("phase") == "decode"
+                 else r.get("decision") is None))
 
 
 def check_break_even(path, doc) -> None:
@@ -140,9 +168,10 @@ def check_break_even(path, doc) -> None:
     seen = set()
     for i, r in enumerate(rows):
         if not _row_ok(r):
-            raise UserError(f"{path}: rows[{i}] is not a (method {'/'.join(METHODS)}, head_dim, group, length, "
-                            f"dense_ms, dense_backend, points, break_even) row; {REMEDY}.")
-        key = (r["method"], r["head_dim"], r["group"], r["length"])
+            raise UserError(f"{path}: rows[{i}] is not a (phase, timing, method {'/'.join(METHODS)}, head_dim, group, "
+                            f"length, dense_ms, dense_backend, points, break_even; decode: decision, batch) row; "
+                            f"{REMEDY}.")
+        key = row_key(r)
         if key in seen:
             raise UserError(f"{path}: two rows for {key}; {REMEDY}.")
         seen.add(key)
@@ -153,10 +182,19 @@ def check_break_even(path, doc) -> None:
                             f"({_json_be(want)}); the file was edited: {REMEDY}.")
 
 
-def rows_for(doc: dict, method: str, head_dim: int, group: int) -> list[dict]:
-    """The rows of one method at one head_dim and group, by length."""
-    return sorted((r for r in doc["rows"] if (r["method"], r["head_dim"], r["group"]) == (method, head_dim, group)),
-                  key=lambda r: r["length"])
+def rows_for(doc: dict, method: str, head_dim: int, group: int, phase: str = "prefill", timing: str = "eager",
+             decision: str | None = None) -> list[dict]:
+    """The rows of one method at one head_dim and group, phase, timing (and decode decision), by length."""
+    want = (phase, timing, decision or "", method, head_dim, group)
+    return sorted((r for r in doc["rows"] if row_key(r)[:6] == want), key=lambda r: r["length"])
+
+
+def timing_for(doc: dict, phase: str, want: str, head_dim: int, group: int, decision: str | None = None) -> str | None:
+    """The timing whose rows a phase's dispatch uses: ``want`` where the file has rows of it at this
+    head_dim and group (and decision), else the other one, else None (no rows of the phase)."""
+    have = {row_key(r)[1] for r in doc["rows"] if row_key(r)[0] == phase and row_key(r)[2] == (decision or "")
+            and (r["head_dim"], r["group"]) == (head_dim, group)}
+    return want if want in have else next(iter(sorted(have)), None)
 
 
 def check_model(path, doc: dict, head_dim: int, group: int, block_m: int, block_n: int) -> None:
@@ -217,33 +255,55 @@ def config_name(method: str, value) -> str:
     return f"k={int(value)}" if method == "bsfa" else f"target={float(value):g}"
 
 
+def _grid(s: np.ndarray) -> list:
+    return [[None if math.isnan(x) else float(x) for x in row] for row in s]
+
+
 def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_dim: int, group: int,
-                    margin: float = 0.0) -> tuple[dict, list[str]]:
-    """The export's ``dispatch`` record and the methods the break-even file lacks rows for (their
-    configs are left out: they run sparse as without dispatch).
+                    margin: float = 0.0, timing: str = "graph", decision: str = "head") -> tuple[dict, list[str]]:
+    """The export's ``dispatch`` record and the methods the break-even file lacks prefill rows for
+    (their configs are left out: they run sparse as without dispatch).
 
     configs: [{"method", "config", "value" (k or target), "source", "sparsity" [L, NL] (NaN: not
-    sparse in the export)}]; lengths: the calibrated lengths [NL], ascending."""
+    sparse in the export), optional "decode" {decode mode: {"source", "sparsity" [L, NL]}}}];
+    lengths: the calibrated lengths [NL], ascending. ``timing``: the rows used (graph | eager; the
+    other where the file has only that, recorded in ``timing``); decode rows of ``decision``."""
     lengths = [int(n) for n in lengths]
+    t_pre = timing_for(be_doc, "prefill", timing, head_dim, group)
+    t_dec = timing_for(be_doc, "decode", timing, head_dim, group, decision)
     out, missing = [], []
     for c in configs:
-        rows = rows_for(be_doc, c["method"], head_dim, group)
+        rows = rows_for(be_doc, c["method"], head_dim, group, "prefill", t_pre) if t_pre else []
         if not rows:
             missing.append(c["method"])
             continue
         be, ext, backends = break_even_at(rows, lengths)
         s = np.asarray(c["sparsity"], float)
-        out.append({"method": c["method"], "config": c["config"], "value": c["value"], "source": c["source"],
-                    "break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
-                    "dense_backend": backends,
-                    "sparsity": [[None if math.isnan(x) else float(x) for x in row] for row in s],
-                    "sparse": plan(s, be, margin).tolist()})
+        entry = {"method": c["method"], "config": c["config"], "value": c["value"], "source": c["source"],
+                 "break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
+                 "dense_backend": backends, "sparsity": _grid(s), "sparse": plan(s, be, margin).tolist()}
+        drows = rows_for(be_doc, c["method"], head_dim, group, "decode", t_dec, decision) if t_dec else []
+        if drows and c.get("decode"):
+            be, ext, backends = break_even_at(drows, lengths)
+            modes = {m: {"source": d["source"], "sparsity": _grid(np.asarray(d["sparsity"], float)),
+                         "sparse": plan(np.asarray(d["sparsity"], float), be, margin).tolist()}
+                     for m, d in c["decode"].items()}
+            entry["decode"] = {"decision": decision, "break_even": [_json_be(x) for x in be],
+                               "extrapolated": [bool(x) for x in ext], "dense_backend": backends, "modes": modes}
+        out.append(entry)
     prov = be_doc.get("provenance") or {}
-    measured = {m: sorted({r["length"] for r in rows_for(be_doc, m, head_dim, group)}) for m in METHODS}
-    rec = {"rule": RULE, "margin": float(margin), "lengths": lengths,
+
+    def measured(phase, t, dec=None):
+        got = {m: sorted({r["length"] for r in rows_for(be_doc, m, head_dim, group, phase, t, dec)}) for m in METHODS}
+        return {m: v for m, v in got.items() if v}
+
+    rec = {"rule": RULE, "decode_rule": DECODE_RULE, "margin": float(margin), "lengths": lengths,
+           "timing": {"prefill": t_pre, "decode": t_dec}, "decode_decision": decision,
            "break_even_file": {"name": name, "gpu": be_doc.get("gpu"), "commit": prov.get("commit"),
                                "date": prov.get("date"), "geometry": be_doc["geometry"],
-                               "measured_lengths": {m: v for m, v in measured.items() if v}, "provenance": prov},
+                               "measured_lengths": measured("prefill", t_pre),
+                               "decode_measured_lengths": measured("decode", t_dec, decision) if t_dec else {},
+                               "provenance": prov},
            "configs": out}
     return rec, sorted(set(missing))
 
@@ -253,34 +313,59 @@ def _grid_ok(grid, n_layers: int, n_len: int, cell) -> bool:
             and all(isinstance(r, list) and len(r) == n_len and all(map(cell, r)) for r in grid))
 
 
-def _entry_ok(e, n_layers: int, n_len: int) -> bool:
-    if not isinstance(e, dict) or e.get("method") not in METHODS or not isinstance(e.get("config"), str):
-        return False
+def _per_length_ok(e: dict, n_len: int) -> bool:
     be, ext, backends = e.get("break_even"), e.get("extrapolated"), e.get("dense_backend")
     return (isinstance(be, list) and len(be) == n_len and all(x is None or (_num(x) and 0 <= x <= 1) for x in be)
             and isinstance(ext, list) and len(ext) == n_len and all(isinstance(x, bool) for x in ext)
-            and isinstance(backends, list) and len(backends) == n_len and all(b in SDPA_BACKENDS for b in backends)
+            and isinstance(backends, list) and len(backends) == n_len and all(b in SDPA_BACKENDS for b in backends))
+
+
+def _grids_ok(e, n_layers: int, n_len: int) -> bool:
+    return (isinstance(e, dict)
             and _grid_ok(e.get("sparsity"), n_layers, n_len, lambda x: x is None or (_num(x) and 0 <= x <= 1))
             and _grid_ok(e.get("sparse"), n_layers, n_len, lambda x: isinstance(x, bool)))
 
 
+def _decode_ok(d, n_layers: int, n_len: int) -> bool:
+    if d is None:
+        return True
+    modes = d.get("modes") if isinstance(d, dict) else None
+    return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len) and isinstance(modes, dict) and bool(modes)
+            and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
+
+
+def _entry_ok(e, n_layers: int, n_len: int) -> bool:
+    if not isinstance(e, dict) or e.get("method") not in METHODS or not isinstance(e.get("config"), str):
+        return False
+    return _per_length_ok(e, n_len) and _grids_ok(e, n_layers, n_len) and _decode_ok(e.get("decode"), n_layers, n_len)
+
+
+def _flags_follow(grids: dict, break_even_values, margin: float, n_layers: int) -> bool:
+    s = np.array([[np.nan if x is None else x for x in r] for r in grids["sparsity"]], float).reshape(n_layers, -1)
+    return plan(s, [_mem_be(x) for x in break_even_values], margin).tolist() == grids["sparse"]
+
+
 def check_dispatch(path, rec, num_layers: int) -> None:
     """blasst.json's optional ``dispatch`` record: ascending positive lengths, per config the
-    break-even per length, a sparsity and a sparse flag per layer and length, the flags being
-    exactly ``plan`` of the sparsities (an edited flag is refused)."""
+    break-even per length, a sparsity and a sparse flag per layer and length (and the same per decode
+    mode under its decode break-even), the flags being exactly ``plan`` of the sparsities (an
+    edited flag is refused)."""
     bad = f"{path}: dispatch "
     if not isinstance(rec, dict):
         raise UserError(f"{bad}is not an object; export it again with `sparsecal export --break-even FILE`.")
     lens = rec.get("lengths")
+    timing = rec.get("timing", {"prefill": "eager", "decode": None})  # records written before timings: eager
     if not (isinstance(lens, list) and lens and all(map(_pos_int, lens)) and lens == sorted(set(lens))
-            and _num(rec.get("margin")) and isinstance(rec.get("configs"), list)):
-        raise UserError(f"{bad}needs ascending positive lengths, a margin and configs; export it again.")
+            and _num(rec.get("margin")) and isinstance(rec.get("configs"), list) and isinstance(timing, dict)
+            and timing.get("prefill") in TIMINGS and timing.get("decode") in (*TIMINGS, None)):
+        raise UserError(f"{bad}needs ascending positive lengths, a margin, timings and configs; export it again.")
     for i, e in enumerate(rec["configs"]):
-        if not _entry_ok(e, num_layers, len(lens)):
+        if not _entry_ok(e, num_layers, len(lens)) or (e.get("decode") is not None and timing["decode"] is None):
             raise UserError(f"{bad}configs[{i}] does not hold a break-even, sparsity and sparse flag per layer "
-                            f"({num_layers}) and length ({len(lens)}); export it again.")
-        s = np.array([[np.nan if x is None else x for x in r] for r in e["sparsity"]], float).reshape(num_layers, -1)
-        if plan(s, [_mem_be(x) for x in e["break_even"]], rec["margin"]).tolist() != e["sparse"]:
+                            f"({num_layers}) and length ({len(lens)}) (decode: per mode); export it again.")
+        dec = e.get("decode") or {"modes": {}}
+        if not (_flags_follow(e, e["break_even"], rec["margin"], num_layers)
+                and all(_flags_follow(g, dec["break_even"], rec["margin"], num_layers) for g in dec["modes"].values())):
             raise UserError(f"{bad}configs[{i}] ({e['config']}): the sparse flags are not the rule applied to its "
                             "sparsities; the file was edited: export it again.")
 

@@ -395,13 +395,14 @@ def _json_ok(v) -> bool:
 def export_run(store, out: Path, target: float | None = None, max_length: int | None = None, force: bool = False,
                formats=(), patch_config=None, per_layer: bool = False, min_layer_sparsity: float = MIN_LAYER_SPARSITY,
                hf_config=None, warn=None, break_even=None, margin: float = 0.0, serve_lengths=None,
-               length_weights=None, weights_source: str | None = None) -> dict:
+               length_weights=None, weights_source: str | None = None, timing: str = "graph") -> dict:
     """Write the three threshold files and report.txt into ``out`` (plus the engine ``formats`` and,
     with ``patch_config``, Model-Optimizer's block into that checkpoint's config.json); everything
     is checked before the first write. An export of another run in ``out`` is refused unless ``force``.
     ``hf_config``: the model's transformers config, for the attention module names. ``break_even``:
     a break-even file (``sparsecal bench break-even``): blasst.json gets the ``dispatch`` record
-    (sparse where the calibrated sparsity >= break-even + ``margin``). ``serve_lengths`` (MIN, MAX or
+    (sparse where the calibrated sparsity >= break-even + ``margin``; ``timing``: the graph or eager
+    rows of the file). ``serve_lengths`` (MIN, MAX or
     None) and ``length_weights`` ({length: weight}) shape the engine files (engine_options)."""
     root, out = Path(store.root), Path(out)
     fit = _checked(store, out, max_length)
@@ -427,7 +428,8 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     if per_layer:
         add_per_layer(root, doc, layers, ignored)
     if be_doc is not None:
-        doc["dispatch"] = XD.dispatch(root, fit, doc, cal, layers, layers, break_even, be_doc, margin, notes.append)
+        doc["dispatch"] = XD.dispatch(root, fit, doc, cal, layers, layers, break_even, be_doc, margin, notes.append,
+                                       timing)
     rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
                     cal["sparse"], "sparsecal: blasst.json",
                     min_lengths={m: v["min_length"] for m, v in doc["validity"].items()}) if cal["held"] is not None else []

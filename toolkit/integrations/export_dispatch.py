@@ -1,6 +1,7 @@
 """``sparsecal export --break-even FILE``: the export's ``dispatch`` record (formats.dispatch) from
-the calibrated prefill sparsity per operating point, layer and calibrated length, and the
-break-even sparsity measured on a GPU (``sparsecal bench break-even``).
+the calibrated prefill and decode sparsity per operating point, layer and calibrated length, and
+the break-even sparsities measured on a GPU (``sparsecal bench break-even``; ``--dispatch-timing``
+graph | eager picks the rows).
 
 Calibrated sparsity = what the kernels would skip (skipped / reachable tiles, heads pooled):
 
@@ -11,6 +12,17 @@ Calibrated sparsity = what the kernels would skip (skipped / reachable tiles, he
   policy: dense below the validated lengths and where factor / L > 1). When the run's samples are
   gone, the fit table ``blasst_heads`` (all samples pooled, the target's a/L) stands in, under the
   same runtime policy, and the record says so.
+
+Calibrated decode sparsity (per decode mode that skips; the record's ``decode`` entry):
+
+- BLASST ``sparse``: the held-out samples' decode gap histograms at the lambda sparsify gives each
+  layer under the decode law (decode factor, its validated lengths), as for prefill; the pooled fit
+  table's decode rows without the samples; none when the export has no decode calibration (its
+  decode runs dense anyway);
+- BSFA ``topk`` (k blocks kept per head): max(A - k, 0) / (A + 1) at each length, A = (N - 1) // BN
+  candidates (ties, which keep more, ignored); ``thresholds``: 1 - the fit table ``bsfa_decode``'s
+  measured decode density (model mean, the same on every sparse layer), when the fit has it.
+  BSFA's default decode mode (dense) needs no entry.
 
 Layers the export leaves dense (not captured; BLASST: skipping does not pay) have no sparsity (NaN
 here, null in the file) and never dispatch sparse.
@@ -73,11 +85,11 @@ def _log_lambda(factor, n: int, min_length) -> float:
 
 
 def blasst_held_sparsity(doc: dict, held: list, edges, layers: list[int], lengths: list[int],
-                         target: float) -> np.ndarray:
-    """[L, NL] mean over the held-out samples of each layer's prefill sparsity at the lambda
+                         target: float, mode: str = "prefill") -> np.ndarray:
+    """[L, NL] mean over the held-out samples of each layer's ``mode`` sparsity at the lambda
     sparsify runs it with; ``held``: [(length, Hist with count [L', H, NG])] of the exported order."""
-    factors = blasst_layer_factors(doc, "prefill", target)     # None: the layer runs dense
-    min_length = blasst_min_length(doc, "prefill", target)
+    factors = blasst_layer_factors(doc, mode, target)     # None: the layer runs dense
+    min_length = blasst_min_length(doc, mode, target)
     sums, samples = np.zeros((doc["num_layers"], len(lengths))), np.zeros(len(lengths))
     for n, h in held:
         if n not in lengths:
@@ -93,17 +105,23 @@ def blasst_held_sparsity(doc: dict, held: list, edges, layers: list[int], length
     return out
 
 
-def blasst_pooled_sparsity(root: Path, doc: dict, lengths: list[int], target: float) -> np.ndarray:
+def _blasst_factor(doc: dict, target: float, mode: str):
+    entry = doc if abs(target - doc["target_sparsity"]) < 1e-9 else next(
+        e for e in doc["targets"] if abs(e["target_sparsity"] - target) < 1e-9)
+    return entry["threshold_scale_factor"].get(mode)
+
+
+def blasst_pooled_sparsity(root: Path, doc: dict, lengths: list[int], target: float,
+                           mode: str = "prefill") -> np.ndarray:
     """[L, NL] from the fit table ``blasst_heads`` (all samples pooled, the target's a/L; heads
     averaged), 0 where the runtime policy runs dense; NaN on layers the export leaves dense."""
     import polars as pl
 
-    factors = blasst_layer_factors(doc, "prefill", target)
-    a = doc["threshold_scale_factor"]["prefill"] if abs(target - doc["target_sparsity"]) < 1e-9 else next(
-        e["threshold_scale_factor"]["prefill"] for e in doc["targets"] if abs(e["target_sparsity"] - target) < 1e-9)
-    min_length = blasst_min_length(doc, "prefill", target)
+    factors = blasst_layer_factors(doc, mode, target)
+    a = _blasst_factor(doc, target, mode)
+    min_length = blasst_min_length(doc, mode, target)
     tab = (read_table(root / FIT_DIR, "blasst_heads")
-           .filter((pl.col("mode") == "prefill") & (pl.col("order") == doc["scan_order"])
+           .filter((pl.col("mode") == mode) & (pl.col("order") == doc["scan_order"])
                    & ((pl.col("target") - target).abs() < 1e-9))
            .group_by(["length", "layer"]).agg(pl.col("sparsity").mean()))
     out = np.full((doc["num_layers"], len(lengths)), np.nan)
@@ -115,11 +133,50 @@ def blasst_pooled_sparsity(root: Path, doc: dict, lengths: list[int], target: fl
     return out
 
 
+def bsfa_decode_sparsity(root: Path, fit: dict, k: int, sparse_layers, num_layers: int) -> dict:
+    """{decode mode: {"source", "sparsity" [L, NL]}} of BSFA at ``k`` (module docstring); NaN off
+    sparse_layers."""
+    import polars as pl
+
+    lengths = [int(n) for n in fit["lengths"]]
+    rows = [i for i in sparse_layers]
+    a = np.array([(n - 1) // int(fit["config"]["block_n"]) for n in lengths], float)
+    topk = np.full((num_layers, len(lengths)), np.nan)
+    topk[rows] = np.maximum(a - k, 0) / (a + 1)
+    out = {"topk": {"source": "max(A - k, 0) / (A + 1), A = (N - 1) // BN candidates (ties ignored)",
+                    "sparsity": topk}}
+    path = root / FIT_DIR / "bsfa_decode.parquet"
+    tab = read_table(root / FIT_DIR, "bsfa_decode").filter(pl.col("k") == k) if path.is_file() else None
+    if tab is not None and tab.height:
+        dens = {int(r["length"]): float(r["measured"]) for r in tab.iter_rows(named=True)}
+        thr = np.full((num_layers, len(lengths)), np.nan)
+        thr[rows] = [1.0 - dens.get(n, np.nan) for n in lengths]
+        out["thresholds"] = {"source": f"{fit['validation']} (fit table bsfa_decode: 1 - measured decode density "
+                                       "under the decode thresholds, model mean)", "sparsity": np.clip(thr, 0, 1)}
+    return out
+
+
+def blasst_decode(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], t: float) -> dict:
+    """{"sparse": {"source", "sparsity" [L, NL]}} under the decode law, {} without a decode calibration."""
+    if _blasst_factor(doc, t, "decode") is None:
+        return {}
+    lengths = [int(n) for n in fit["lengths"]]
+    if cal["held"] is not None and cal["held"].get("decode"):
+        s = blasst_held_sparsity(doc, cal["held"]["decode"], cal["edges"], layers, lengths, t, "decode")
+        return {"sparse": {"source": f"{fit['validation']} (decode gap histograms at each layer's runtime lambda)",
+                           "sparsity": s}}
+    s = blasst_pooled_sparsity(root, doc, lengths, t, "decode")
+    return {"sparse": {"source": "in-sample (fit table blasst_heads, decode rows, all samples pooled, a/L)",
+                       "sparsity": s}}
+
+
 def configs(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa_layers) -> list[dict]:
-    """Every exported operating point with its calibrated sparsity [L, NL] (formats.dispatch.dispatch_record)."""
+    """Every exported operating point with its calibrated prefill sparsity [L, NL] and decode
+    sparsity per decode mode (formats.dispatch.dispatch_record)."""
     lengths = [int(n) for n in fit["lengths"]]
     out = [{"method": "bsfa", "config": D.config_name("bsfa", k), "value": k, "source": f"{fit['validation']} "
-            "(fit table bsfa_heads: 1 - measured density under the fitted thresholds)", "sparsity": s}
+            "(fit table bsfa_heads: 1 - measured density under the fitted thresholds)", "sparsity": s,
+            "decode": bsfa_decode_sparsity(root, fit, int(k), bsfa_layers, doc["num_layers"])}
            for k, s in bsfa_sparsity(root, fit, bsfa_layers, doc["num_layers"]).items()]
     for entry in doc["targets"] or [doc]:
         t = entry["target_sparsity"]
@@ -130,24 +187,35 @@ def configs(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa
             s = blasst_pooled_sparsity(root, doc, lengths, t)
             source = "in-sample (the run's samples are gone: fit table blasst_heads, all samples pooled, a/L)"
         out.append({"method": "blasst", "config": D.config_name("blasst", t), "value": t, "source": source,
-                    "sparsity": s})
+                    "sparsity": s, "decode": blasst_decode(root, fit, doc, cal, layers, t)})
     return out
 
 
 def dispatch(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa_layers, be_path, be_doc: dict,
-             margin: float, warn=None) -> dict:
-    """The ``dispatch`` record for blasst.json; warns about methods the break-even file lacks and
-    break-evens taken from the nearest measured length."""
+             margin: float, warn=None, timing: str = "graph") -> dict:
+    """The ``dispatch`` record for blasst.json; warns about methods the break-even file lacks, a
+    timing taken for want of the asked one, a file without decode rows, and break-evens taken from
+    the nearest measured length."""
+    if timing not in D.TIMINGS:
+        raise UserError(f"--dispatch-timing takes {' or '.join(D.TIMINGS)}, got {timing!r}.")
     head_dim, group = model_group(fit["model"])
+    name = Path(be_path).name
     rec, missing = D.dispatch_record(configs(root, fit, doc, cal, layers, bsfa_layers), fit["lengths"], be_doc,
-                                     Path(be_path).name, head_dim, group, margin)
+                                     name, head_dim, group, margin, timing)
     for m in missing:
         warn and warn(f"{be_path} has no {m} rows at head_dim {head_dim} group {group}: the {m} configs are left "
                       "out of the dispatch record (they run sparse at every length, as without dispatch).")
-    for method, lens in rec["break_even_file"]["measured_lengths"].items():
-        out = [n for n in rec["lengths"] if n < lens[0] or n > lens[-1]]
-        if out:
-            warn and warn(f"{method} break-even at {', '.join(map(str, out))} tokens is that of the nearest measured "
-                          f"length ({lens[0]}-{lens[-1]} measured in {Path(be_path).name}); measure those lengths "
-                          "with `sparsecal bench break-even --lengths ...`.")
+    for phase, got in rec["timing"].items():
+        if got is not None and got != timing:
+            warn and warn(f"{name} has no {timing} {phase} rows: the {phase} dispatch uses its {got} timings.")
+    if rec["timing"]["decode"] is None:
+        warn and warn(f"{name} has no decode rows at head_dim {head_dim} group {group}: decode is not dispatched "
+                      "(measure them with `sparsecal bench break-even --phases prefill,decode`).")
+    for key, what in (("measured_lengths", "prefill"), ("decode_measured_lengths", "decode")):
+        for method, lens in rec["break_even_file"][key].items():
+            out = [n for n in rec["lengths"] if n < lens[0] or n > lens[-1]]
+            if out:
+                warn and warn(f"{method} {what} break-even at {', '.join(map(str, out))} tokens is that of the nearest "
+                              f"measured length ({lens[0]}-{lens[-1]} measured in {name}); measure those lengths with "
+                              "`sparsecal bench break-even --lengths ...`.")
     return rec

@@ -37,7 +37,11 @@ Dispatch (``dispatch=True``, the default): when blasst.json holds a ``dispatch``
 the bucket of the largest calibrated length <= N (dense below the shortest); elsewhere the layer
 runs PyTorch SDPA (kernels/layer_dense.py) with the break-even file's fastest backend tried first
 (the others in PyTorch's order as fall-backs) and counts nothing. ``dense`` with dispatch on (the
-default) under a record runs every prefill layer that way. Decode steps are not dispatched.
+default) under a record runs every prefill layer that way. Decode steps follow the record's decode
+entry where it has one for the operating point, sparsify's ``decode_decision`` and decode mode
+(sparsify_dense.decode_plan): a step against N cached tokens runs a layer sparse only where the
+decode plan says so at N's bucket, else what ``dense`` runs at decode (SDPA with the record's decode
+backend first; counts nothing). Without decode entries decode runs as without dispatch.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """sparsify's one dense path and its dispatch: what a call that skips nothing runs (the kernels with
 skipping off, or under an export's dispatch record the SDPA backend the record picks per length
-bucket), the dispatch plan of an operating point, and SDPA's backend priority. Split from
+bucket and phase: prefill, and decode where the record has decode entries), the dispatch plan of an
+operating point (prefill and decode), and SDPA's backend priority. Split from
 sparsify.py; ``state`` is sparsify's per-model state (its ``plan``, ``dense_backends`` and
 ``precision``)."""
 from __future__ import annotations
@@ -13,14 +14,26 @@ import torch
 from sparsecal.formats.errors import UserError
 
 
+def _vote(per_config: list, n_len: int) -> list:
+    """Per length the most frequent backend over the configs' lists (ties: SDPA_BACKENDS order)."""
+    from collections import Counter
+
+    from sparsecal.formats.dispatch import SDPA_BACKENDS
+
+    picks = []
+    for j in range(n_len):
+        votes = Counter(b[j] for b in per_config)
+        picks.append(min(votes, key=lambda b: (-votes[b], SDPA_BACKENDS.index(b))))
+    return picks
+
+
 def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     """Under an export's dispatch record: per length bucket the one SDPA backend that every method's
     dense prefill tries first (the reference ``dense`` included), the most frequent fastest dense
     backend over the record's operating points (ties: formats.dispatch.SDPA_BACKENDS order), so a
-    dense layer is the same computation whichever method or point runs it. None: no record."""
-    from collections import Counter
-
-    from sparsecal.formats.dispatch import SDPA_BACKENDS
+    dense layer is the same computation whichever method or point runs it; ``decode``: the same over
+    the configs' decode entries (None: the record has none, decode's dense path stays the kernels
+    with skipping off). None: no record."""
     from sparsecal.formats.exports import BLASST_JSON, load_blasst
 
     folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
@@ -34,11 +47,10 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
         return None  # bsfa: _dispatch_plan has said so; dense, window: no record they could read
     if not rec:
         return None
-    picks = []
-    for j in range(len(rec["lengths"])):
-        votes = Counter(c["dense_backend"][j] for c in rec["configs"])
-        picks.append(min(votes, key=lambda b: (-votes[b], SDPA_BACKENDS.index(b))))
-    return {"lengths": list(rec["lengths"]), "backends": picks}
+    n = len(rec["lengths"])
+    dec = [c["decode"]["dense_backend"] for c in rec["configs"] if c.get("decode")]
+    return {"lengths": list(rec["lengths"]), "backends": _vote([c["dense_backend"] for c in rec["configs"]], n),
+            "decode": _vote(dec, n) if dec else None}
 
 
 def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
@@ -63,7 +75,7 @@ def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
     if entry is None:
         return None
     return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"],
-            "sparsity": entry["sparsity"]}
+            "sparsity": entry["sparsity"], "decode": entry.get("decode")}
 
 
 def _exact_dense(state, query, key, value, scale: float, first: str | None, spec, window, kwargs):
@@ -82,29 +94,46 @@ def _exact_dense(state, query, key, value, scale: float, first: str | None, spec
 
 def dense_first(state, mode: str, length: int) -> str | None:
     """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
-    window that covers every candidate), it runs what ``dense`` runs: under a dispatch record the
-    bucket's SDPA backend (this is returned; below the shortest length, the shortest's), else the
-    kernels with skipping off (None). Decode is never dispatched."""
-    if state.dense_backends is None or mode != "prefill":
+    window that covers every candidate, BSFA's dense decode), it runs what ``dense`` runs: under a
+    dispatch record the bucket's SDPA backend of that phase (this is returned; below the shortest
+    length, the shortest's), else the kernels with skipping off (None). Decode: only under a record
+    with decode entries."""
+    backends = None if state.dense_backends is None else (
+        state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
+    if backends is None:
         return None
     from sparsecal.formats.dispatch import bucket
 
     j = bucket(state.dense_backends["lengths"], length)
-    return state.dense_backends["backends"][0 if j is None else j]
+    return backends[0 if j is None else j]
+
+
+def decode_plan(state) -> dict | None:
+    """The plan's decode entry when it covers this state's decode: the same decision (head | group)
+    and an entry for its decode mode; None otherwise (decode then runs as without dispatch)."""
+    dec = None if state.plan is None else state.plan.get("decode")
+    if not dec or dec["decision"] != state.decision or state.decode not in dec["modes"]:
+        return None
+    return dec
 
 
 def dispatched_dense(state, layer: int, mode: str, length: int) -> str | None:
-    """The SDPA backend to try first when the dispatch plan runs this prefill dense (the bucket's
-    fastest; below the shortest calibrated length, the shortest's), None when it runs sparse or
-    there is no plan (decode is never dispatched)."""
-    if state.plan is None or mode != "prefill":
+    """The SDPA backend to try first when the dispatch plan runs this prefill, or this decode step
+    against ``length`` cached tokens, dense (the bucket's fastest; below the shortest calibrated
+    length, the shortest's), None when it runs sparse or there is no plan for it (decode: no
+    decode entry for the state's decision and decode mode)."""
+    plan = state.plan if mode == "prefill" else decode_plan(state)
+    if plan is None:
         return None
     from sparsecal.formats.dispatch import bucket
 
-    j = bucket(state.plan["lengths"], length)
-    if j is not None and state.plan["sparse"][layer][j]:
+    lengths = state.plan["lengths"]
+    sparse = plan["sparse"] if mode == "prefill" else plan["modes"][state.decode]["sparse"]
+    j = bucket(lengths, length)
+    if j is not None and sparse[layer][j]:
         return None
-    return dense_first(state, mode, length) or state.plan["backends"][0 if j is None else j]
+    backends = plan["backends"] if mode == "prefill" else plan["dense_backend"]
+    return dense_first(state, mode, length) or backends[0 if j is None else j]
 
 
 class _SdpaFirst:
