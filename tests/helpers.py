@@ -95,7 +95,8 @@ def check_sample_tensors(t, n, cfg, layers, heads):
     # every candidate tile lands in exactly one gap bin, every row in one t* and one q-init bin
     assert (t["gap_count"].sum(-1) == int(cand.sum())).all()
     assert (t["tstar_where"].sum(-1) == n).all() and (t["tstar_hist"].sum(-1) == n).all()
-    assert (t["qinit_count"].sum(-1) == n).all()
+    assert (t["qinit_count"].sum(-1) == n).all() and (t["joint_count"].sum(-1) == n).all()
+    assert t["joint_count"].shape == t["qinit_count"].shape
     assert (t["rescale_count"].sum(-1) == n).all() and (t["shortfall_count"].sum(-1) == n).all()
     assert t["rescale_excess"].shape == (layers, heads, o) and (t["rescale_excess"] >= 0).all()
     rows = torch.arange(max(n - cfg.decode_rows, 0), n)
