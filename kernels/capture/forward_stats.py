@@ -127,10 +127,10 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, m_sl, q,
 @triton.jit
 def _row_state(BLOCK_M: tl.constexpr):
     """Per-row scan state before the first tile: t* step and where (0), rescales (0), the running
-    max after step 0 and after the local prefix (-inf)."""
+    max after step 0 and after the local prefix, and the sink + diagonal max (-inf)."""
     zero = tl.zeros([BLOCK_M], tl.int32)
     neg = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    return zero, zero, zero, neg, neg
+    return zero, zero, zero, neg, neg, neg
 
 
 @triton.jit
@@ -173,8 +173,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR, RES
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    t_step, t_where, n_up, m_first, m_loc = _row_state(BLOCK_M)
-    m_sl = m_loc  # -inf: the sink + diagonal max (VFA's local max), kept by _scan_segment
+    t_step, t_where, n_up, m_first, m_loc, m_sl = _row_state(BLOCK_M)
     n_loc = tl.minimum(1 + n_reach - n_cand, n_reach)  # geometry.local_prefix
     n_diag = n_reach - n_cand
     bp, gp = BMAX + tile, GAP + tile
