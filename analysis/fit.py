@@ -16,6 +16,7 @@
       blasst_heads.parquet          per layer x head sparsity at the calibrated lambda
       blasst_curves.parquet         sparsity(lambda) and retained mass(lambda) per length
       stab_where / stab_tstar / qinit / qinit_hist .parquet   stabilization (VFA)
+      joint / joint_hist .parquet   VFA's frozen max - true max (empty for a run captured before it)
       stab_rescale(_hist) / stab_shortfall(_hist) .parquet   running-max rescales and shortfall per order
 
 Samples are read one at a time: calibration samples first (thresholds, histograms), then the
@@ -36,13 +37,14 @@ from sparsecal.analysis import bsfa, bsfa_decode, stabilization
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
-from sparsecal.formats.run import FIT_DIR, FIT_KIND, captured_layers
+from sparsecal.formats.run import FIT_DIR, FIT_KIND, JOINT_KEYS, captured_layers
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.version import SCHEMA_VERSION
 
 CAL_KEYS = ("bsfa_threshold", "gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
             "tstar_where", "tstar_hist", "qinit_count", "candidates", "reachable")
 EVAL_KEYS = CAL_KEYS + ("bsfa_top_bmax", "bsfa_skipped_mass")
+OPTIONAL_KEYS = stabilization.RESCALE_KEYS + JOINT_KEYS  # statistics older captures lack
 
 
 @dataclass
@@ -69,6 +71,7 @@ class _State:
     where: dict = field(default_factory=dict)
     tstar: dict = field(default_factory=dict)
     qinit: dict = field(default_factory=dict)
+    joint: dict = field(default_factory=dict)                               # length -> [L, H, NQ], where captured
     rescale: stabilization.RescaleSums = field(default_factory=stabilization.RescaleSums)
     bsfa_eval: dict = field(default_factory=dict)                           # length -> [per-sample dict]
     dec: bsfa_decode.DecodeStep | None = None                               # BSFA decode thresholds, retained mass
@@ -110,6 +113,9 @@ def _add_stab(st: _State, arrays: dict, length: int) -> None:
     for name, acc in (("tstar_where", st.where), ("tstar_hist", st.tstar), ("qinit_count", st.qinit)):
         a = arrays[name].astype(np.int64)
         acc[length] = acc[length] + a if length in acc else a
+    if "joint_count" in arrays:  # samples captured before it lack the key
+        a = arrays["joint_count"].astype(np.int64)
+        st.joint[length] = st.joint[length] + a if length in st.joint else a
     st.rescale.add(arrays, length)
 
 
@@ -136,7 +142,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     evals = list(split.test) or list(split.train)
     total, done = len(split.train) + len(evals), 0
     for rec in split.train:
-        a = load_arrays(store, rec, CAL_KEYS, stabilization.RESCALE_KEYS)
+        a = load_arrays(store, rec, CAL_KEYS, OPTIONAL_KEYS)
         st.thr.add(a["bsfa_threshold"][..., kidx])
         st.dec.add_sample(store, rec)
         _add_hists(st, a, rec["length"], [st.train, st.pooled], held=False)
@@ -149,7 +155,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
     for w in warnings:  # only once nothing is refused
         warn(w)
     for rec in evals:
-        a = load_arrays(store, rec, EVAL_KEYS, stabilization.RESCALE_KEYS)
+        a = load_arrays(store, rec, EVAL_KEYS, OPTIONAL_KEYS)
         if split.test:
             _add_hists(st, a, rec["length"], [st.pooled], held=True)
             _add_stab(st, a, rec["length"])
@@ -230,6 +236,8 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
         "stab_tstar": stabilization.tstar_rows(st.tstar, cfg.orders),
         "qinit": stabilization.qinit_rows(st.qinit, cfg.qinit_edges()),
         "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges()),
+        "joint": stabilization.joint_rows(st.joint, cfg.qinit_edges()),
+        "joint_hist": stabilization.qinit_hist_rows(st.joint, cfg.qinit_edges()),
         **st.dec.frames(ks, label),
         **stabilization.rescale_frames(st.rescale, cfg.orders, cfg.shortfall_edges()),
     }

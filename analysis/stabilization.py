@@ -1,6 +1,9 @@
 """VFA stabilization tables: where each row's running max reaches its final value (sink block,
-diagonal blocks, middle) per scan order, the normalized t* distribution, and the Q-init error
-quantiles. All samples of a length are pooled (descriptive statistics: no hold-out).
+diagonal blocks, middle) per scan order, the normalized t* distribution, the Q-init error
+quantiles, and VFA's joint statistic max(Q-init, sink + diagonal max) - true row max (the frozen
+max minus the row max: below 0 VFA's frozen phase computes p > 1, far above 0 it scales every p
+down; tables ``joint`` / ``joint_hist``, same bins as Q-init; runs captured before it give empty
+tables). All samples of a length are pooled (descriptive statistics: no hold-out).
 
 The where shares do not depend on the scan order (the stabilizing block is the block holding the
 row's maximum); the running-max rescales per row and the shortfall of the running max after the
@@ -20,6 +23,9 @@ from sparsecal.formats.geometry import PREFIXES, WHERE
 from sparsecal.formats.run import RESCALE_KEYS
 
 SHORTFALL_QUANTILES = (0.5, 0.75, 0.9, 0.95)
+# VFA's risk thresholds on the joint statistic (nats): (column, x, below): the share of rows below x
+# (frozen max more than |x| under the true max: p > 1 in the frozen phase) or above it.
+JOINT_SHARES = (("share_below_1", -1.0, True), ("share_below_5", -5.0, True), ("share_above_5", 5.0, False))
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -74,6 +80,57 @@ def qinit_rows(counts: dict[int, np.ndarray], edges: np.ndarray) -> list[dict]:
             rec.update({f"q{round(p * 100):02d}": float(v) for p, v in zip(QUANTILES, q[layer, head])})
             rows.append(rec)
     return rows
+
+
+def hist_share_below(counts: np.ndarray, edges: np.ndarray, x: float) -> np.ndarray:
+    """Share of the rows below x from histograms counts [..., E+1] on edges [E] (bins as
+    hist_quantiles): exact where x is an edge, linear inside a bin; nan without rows."""
+    counts = np.asarray(counts, np.float64)
+    i = int(np.searchsorted(edges, x, side="right"))  # bins 0..i-1 lie below edges[i-1] <= x
+    below = counts[..., :i].sum(-1)
+    if 0 < i < len(edges):
+        below = below + counts[..., i] * (x - edges[i - 1]) / (edges[i] - edges[i - 1])
+    tot = counts.sum(-1)
+    return np.where(tot > 0, below / np.maximum(tot, 1), np.nan)
+
+
+def joint_rows(counts: dict[int, np.ndarray], edges: np.ndarray) -> list[dict]:
+    """joint rows: VFA's joint statistic per length, layer and head, counts[n] [L, H, NQ]: the
+    qinit columns (quantiles, share_below_range), share_above_range (the open top bin) and the
+    JOINT_SHARES."""
+    rows = qinit_rows(counts, edges)
+    extra = []
+    for n, c in sorted(counts.items()):
+        tot = np.maximum(c.sum(-1), 1)
+        cols = {"share_above_range": c[..., -1] / tot}
+        cols.update({name: (hist_share_below(c, edges, x) if below else 1.0 - hist_share_below(c, edges, x))
+                     for name, x, below in JOINT_SHARES})
+        for (layer, head), _ in np.ndenumerate(c[..., 0]):
+            extra.append({k: float(v[layer, head]) for k, v in cols.items()})
+    return [dict(r, **e) for r, e in zip(rows, extra)]
+
+
+def joint_bands(joint, joint_hist, bands: int = 6) -> list[dict]:
+    """fit's console summary of VFA's joint statistic: consecutive layer bands (at most ``bands``,
+    near-equal sizes), all lengths and heads pooled: rows, the median (joint_hist's bins, linear
+    inside a bin, the open bins clamped to their finite edge) and the JOINT_SHARES (row-weighted
+    from the joint table). joint, joint_hist: the fit tables (polars DataFrames)."""
+    import polars as pl
+
+    layers = sorted(set(joint["layer"].to_list()))
+    out = []
+    for band in np.array_split(np.asarray(layers), min(bands, len(layers))):
+        j = joint.filter(pl.col("layer").is_in(band.tolist()))
+        rows = int(j["rows"].sum())
+        rec = {"layers": f"{band[0]}-{band[-1]}" if len(band) > 1 else str(band[0]), "rows": rows}
+        h = joint_hist.filter(pl.col("layer").is_in(band.tolist()))
+        h = h.with_columns(pl.when(pl.col("bin_lo").is_infinite()).then(pl.col("bin_hi")).otherwise(pl.col("bin_lo"))
+                           .alias("bin_lo"))
+        rec["median"] = hist_median(h) if rows else math.nan
+        for name, _, _ in JOINT_SHARES:
+            rec[name] = float((j[name].fill_nan(0) * j["rows"]).sum() / rows) if rows else math.nan
+        out.append(rec)
+    return out
 
 
 def qinit_hist_rows(counts: dict[int, np.ndarray], edges: np.ndarray) -> list[dict]:

@@ -256,10 +256,11 @@ def tstar_distribution(df: pl.DataFrame) -> go.Figure:
     return finish(fig, title)
 
 
-def qinit_histogram(df: pl.DataFrame, clip: float = 10.0) -> go.Figure:
-    """Q-init error (estimated minus true row max, nats) histogram. ``df``: qinit_hist rows (layers
+def qinit_histogram(df: pl.DataFrame, clip: float = 10.0,
+                    title: str = "Q-init error: estimated minus true row max") -> go.Figure:
+    """Q-init error (estimated minus true row max, nats) histogram, or VFA's frozen max minus the
+    true row max (joint_hist rows, same bins). ``df``: qinit_hist / joint_hist rows (layers
     summed); the open outer bins and anything beyond +-clip are drawn at the clip edges."""
-    title = "Q-init error: estimated minus true row max"
     if not df.height:
         return empty_figure(title)
     mid = ((df["bin_lo"].clip(-clip - 0.25, clip + 0.25) + df["bin_hi"].clip(-clip - 0.25, clip + 0.25)) / 2

@@ -40,6 +40,7 @@ from sparsecal.formats.files import check_schema, read_json_manifest
 from sparsecal.formats.run import (
     FIT_DIR,
     FIT_KIND,
+    JOINT_MISSING,
     MANIFEST,
     RESCALE_MISSING,
     RUN_KIND,
@@ -67,6 +68,8 @@ TABLE_COLUMNS = {
     "stab_tstar": ("order", "length", "layer", "bin_lo", "bin_hi", "rows"),
     "qinit": ("length", "layer", "head", "rows", "q05", "q25", "q50", "q75", "q95"),
     "qinit_hist": ("length", "layer", "bin_lo", "bin_hi", "rows"),
+    "joint": ("length", "layer", "head", "rows", "q50", "share_below_1", "share_below_5", "share_above_5"),
+    "joint_hist": ("length", "layer", "bin_lo", "bin_hi", "rows"),
     "stab_rescale": ("order", "length", "layer", "head", "rows", "mean_rescales", "share_zero", "q50", "q90"),
     "stab_rescale_hist": ("order", "length", "layer", "rescales", "open", "rows"),
     "stab_shortfall": ("order", "prefix", "length", "layer", "head", "rows", "share_zero", "q50", "q90"),
@@ -247,6 +250,16 @@ def rescale_table(root: Path, name: str):
     df = table(root, name)
     if not df.height:
         raise Missing(RESCALE_MISSING)
+    return df
+
+
+def joint_table(root: Path, name: str):
+    """VFA's joint-statistic table (joint, joint_hist). Absent (a fit older than the statistic):
+    Missing naming `sparsecal fit`; empty (a run captured before it): Missing with the one line
+    formats.run.JOINT_MISSING."""
+    df = table(root, name)
+    if not df.height:
+        raise Missing(JOINT_MISSING)
     return df
 
 

@@ -1,5 +1,6 @@
 """Stabilization (VFA): where each row's running max settles per scan order (sink block, diagonal
-blocks, middle), the distribution of normalized t*, the Q-init error, and what the scan order
+blocks, middle), the distribution of normalized t*, the Q-init error beside VFA's frozen max
+(max(Q-init, sink + diagonal max)) minus the true row max, and what the scan order
 changes: running-max rescales per row and the shortfall after the first / first + local blocks.
 Controls: length and layer (or all), the order and category of the per-head heatmap, the order
 and metric of the per-head rescale heatmap."""
@@ -11,6 +12,8 @@ import streamlit as st
 from sparsecal.dashboard import charts_fit, charts_stab, data, ui
 
 ALL = -1
+JOINT_TITLE = "VFA frozen max minus true row max"
+JOINT_COLS = ("share_below_1", "share_below_5", "share_above_5")
 ORDER_NOTE = ("The where shares above are the same for every scan order: they count the block that holds "
               "each row's maximum, whichever order the blocks are scanned in. What the order changes is how "
               "often the running max rises on the way (each rise is an O(D) rescale of the accumulator) and "
@@ -38,6 +41,19 @@ def _pick(df: pl.DataFrame, n: int, layer: int | None) -> pl.DataFrame:
     if layer is not None and layer != ALL:
         df = df.filter(pl.col("layer") == layer)
     return df
+
+
+def _joint(root, n: int, layer: int) -> None:
+    """VFA's frozen max minus the true row max (same bins as Q-init) and its risk shares."""
+    hist = _pick(data.joint_table(root, "joint_hist"), n, layer)
+    ui.plot(charts_fit.qinit_histogram(hist, title=JOINT_TITLE), key="st_joint")
+    j = _pick(data.joint_table(root, "joint"), n, layer)
+    rows = max(int(j["rows"].sum()), 1)
+    share = {c: float((j[c].fill_nan(0) * j["rows"]).sum() / rows) for c in JOINT_COLS}
+    st.caption(f"Frozen max = max(Q-init, sink + diagonal max). Rows whose frozen max is more than 1 nat below "
+               f"the true max (p > 1 in VFA's frozen phase): "
+               f"{share['share_below_1']:.2%}; more than 5 below: {share['share_below_5']:.2%}; more than 5 "
+               f"above (every p scaled down): {share['share_above_5']:.2%}.")
 
 
 def _heads(where: pl.DataFrame, n: int, layer_types: list | None) -> None:
@@ -93,8 +109,11 @@ def render() -> None:
             ui.plot(charts_fit.where_shares(_pick(where, n, layer)), key="st_where")
         with c2, ui.section():
             ui.plot(charts_fit.tstar_distribution(_pick(data.table(root, "stab_tstar"), n, layer)), key="st_tstar")
-        with ui.section():
+        c1, c2 = st.columns(2)
+        with c1, ui.section():
             ui.plot(charts_fit.qinit_histogram(_pick(data.table(root, "qinit_hist"), n, layer)), key="st_qinit")
+        with c2, ui.section():
+            _joint(root, n, layer)
         st.subheader("Per layer and head")
         _heads(where, n, data.layer_map(root)[1])
         _rescales(root, n, layer, data.layer_map(root)[1])

@@ -95,7 +95,8 @@ def check_sample_tensors(t, n, cfg, layers, heads):
     # every candidate tile lands in exactly one gap bin, every row in one t* and one q-init bin
     assert (t["gap_count"].sum(-1) == int(cand.sum())).all()
     assert (t["tstar_where"].sum(-1) == n).all() and (t["tstar_hist"].sum(-1) == n).all()
-    assert (t["qinit_count"].sum(-1) == n).all()
+    assert (t["qinit_count"].sum(-1) == n).all() and (t["joint_count"].sum(-1) == n).all()
+    assert t["joint_count"].shape == t["qinit_count"].shape
     assert (t["rescale_count"].sum(-1) == n).all() and (t["shortfall_count"].sum(-1) == n).all()
     assert t["rescale_excess"].shape == (layers, heads, o) and (t["rescale_excess"] >= 0).all()
     rows = torch.arange(max(n - cfg.decode_rows, 0), n)
@@ -186,6 +187,7 @@ def assert_tiles_match(t, r, ties, orders):
     for name in ("mass", "dec_mass"):
         torch.testing.assert_close(getattr(t, name), getattr(r, name), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(t.qinit_err, r.qinit_err, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(t.joint_err, r.joint_err, atol=1e-4, rtol=1e-4)
     assert torch.equal(t.dec_rows, r.dec_rows)
     exact = ~ties[:, None, :].expand(-1, len(orders), -1)
     for name in ("tstar_step", "tstar_where", "tstar_norm", "rescales"):
@@ -245,12 +247,24 @@ def assert_reduced_match(a, r, n, cfg, ties):
         assert int((a[k] - b[k]).abs().sum()) <= 2 * n_ties, k
     slack = hist_slack(r.qinit_err, cfg.qinit_edges())
     assert int((a["qinit_count"] - b["qinit_count"]).abs().sum()) <= 2 * slack
+    assert_joint_match(a["joint_count"], b["joint_count"], r.joint_err, cfg, ties)
     assert int((a["rescale_count"] - b["rescale_count"]).abs().sum()) <= 2 * n_ties
     assert int((a["rescale_excess"] - b["rescale_excess"]).abs().sum()) <= n_ties
     sc_a, sc_b = a["shortfall_count"], b["shortfall_count"]
     assert torch.equal(sc_a.sum(-1), sc_b.sum(-1)), "shortfall_count: rows per (head, order, prefix)"
     slack = hist_slack(r.shortfall, cfg.shortfall_edges()) + 2 * n_ties  # edges, and 0 vs > 0 at ties
     assert int((sc_a - sc_b).abs().sum()) <= 2 * slack
+
+
+def assert_joint_match(got, want, joint_err, cfg, ties):
+    """VFA's joint statistic histograms [H, NQ]: every row counted once, and no row in another bin
+    than the reference's except a value next to a bin edge or a row at a near tie. Exact zeros
+    (the row max in block 0 or a diagonal block, the q-init estimate no higher) sit on the edge 0
+    in both paths, so they give no slack."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.sum(-1), want.sum(-1)), "joint_count: rows per head"
+    slack = hist_slack(joint_err[joint_err != 0], cfg.qinit_edges()) + int(ties.sum())
+    assert int((got - want).abs().sum()) <= 2 * slack, "joint_count"
 
 
 TOL = {torch.float32: (2e-4, 1e-4), torch.bfloat16: (3e-2, 1e-2), torch.float16: (4e-3, 2e-3)}  # atol, rtol

@@ -29,11 +29,12 @@ CASES = [  # (N, KV heads, GQA group, D, BM, BN, dtype)
 def check_order(got, ref_out, r, o, ties, dtype):
     """got: instrumented_forward_triton's tuple; r: the reference TileStats; o: order index.
     t*, rescales and the shortfall's zeros exact away from (near) ties of two block maxima."""
-    out, lse, bmax, gap, tstep, twhere, qerr, resc, short = got
+    out, lse, bmax, gap, tstep, twhere, qerr, resc, short, jerr = got
     torch.testing.assert_close(out.double(), ref_out.double(), atol=OUT_TOL[dtype], rtol=OUT_RTOL[dtype])
     assert_same_floats(bmax, r.bmax, 1e-4, "bmax")
     assert_same_floats(gap, r.gap[:, o], 1e-4, "gap")
     torch.testing.assert_close(qerr, r.qinit_err, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(jerr, r.joint_err, atol=1e-4, rtol=1e-4)
     assert tstep.dtype == torch.int32 and twhere.dtype == torch.int8 and tstep.shape == r.tstar_step[:, o].shape
     ok = ~ties
     assert torch.equal(tstep[ok].long(), r.tstar_step[:, o][ok]), "tstar_step differs away from ties"

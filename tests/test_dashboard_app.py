@@ -1,9 +1,11 @@
 """The dashboard app under streamlit's AppTest: every page on the committed fixture run (a real
 SmolLM2 capture, fit and export) with its main controls changed; missing, broken and old files
 shown on the page instead of a traceback; the Accuracy-speedup empty state and chart."""
+import base64
 import json
 import shutil
 
+import numpy as np
 import polars as pl
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -98,6 +100,8 @@ def test_stabilization_old_run_says_rescales_are_not_in_it(fixture_app):
     _ok(at, 4)
     assert [i.value for i in at.info].count(RESCALE_MISSING) == 1
     assert any("same for every scan order" in m.value for m in at.markdown)
+    # nor VFA's joint statistic: its fit tables are absent, the info line names the command
+    assert [i.value for i in at.info if "joint_hist.parquet is missing" in i.value and "sparsecal fit" in i.value]
 
 
 def _chart(at: AppTest, title: str) -> dict:
@@ -122,6 +126,22 @@ def test_stabilization_rescales_and_shortfall_per_order(monkeypatch, hybrid_run)
     _set(at, "selectbox", "st_rs_metric", "share at the final max after the first + local blocks", 9)
     assert "(reverse order)" in _chart(at, "Share at the final max after the first + local")["layout"]["title"]["text"]
     _set(at, "selectbox", "st_len", 64, 9)
+
+
+def test_stabilization_joint_statistic_beside_qinit(monkeypatch, hybrid_run):
+    """VFA's frozen max minus the true row max: its histogram (shares of rows, on the Q-init bins)
+    beside the Q-init error's, and the caption's shares below -1 / -5 and above +5 nats are the
+    joint table's row-weighted ones."""
+    at = _page(_app(monkeypatch, hybrid_run), "stabilization")
+    _ok(at, 9)
+    y = _chart(at, "VFA frozen max minus true row max")["data"][0]["y"]
+    if isinstance(y, dict):  # plotly's typed-array encoding of a numpy / polars column
+        y = np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"])
+    assert abs(float(np.sum(y)) - 1) < 1e-9 and _chart(at, "Q-init error")
+    tab = pl.read_parquet(hybrid_run / "fit" / "joint.parquet")
+    want = float((tab["share_below_1"] * tab["rows"]).sum() / tab["rows"].sum())
+    cap = next(c.value for c in at.caption if c.value.startswith("Frozen max = max(Q-init"))
+    assert f"(p > 1 in VFA's frozen phase): {want:.2%}" in cap
 
 
 def test_tiles(fixture_app):

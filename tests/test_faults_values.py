@@ -89,7 +89,8 @@ def write_manifest(root, man):
 # ---- samples: values -----------------------------------------------------------------------------
 BAD = [("gap_mass", float("nan")), ("decode_gap_mass", float("inf")), ("gap_count", -3),
        ("bsfa_threshold", float("nan")), ("bsfa_top_bmax", float("inf")), ("bsfa_skipped_mass", 2.5),
-       ("decode_bsfa_cand_mass", float("nan")), ("tstar_hist", -1), ("qinit_count", -7), ("candidates", 99)]
+       ("decode_bsfa_cand_mass", float("nan")), ("tstar_hist", -1), ("qinit_count", -7), ("joint_count", -7),
+       ("candidates", 99)]
 
 
 @pytest.mark.parametrize("key,value", BAD, ids=[k for k, _ in BAD])
@@ -104,6 +105,18 @@ def test_impossible_statistic_is_refused_by_readers_and_left_out_by_name(run, ke
     assert sid not in {r["id"] for r in finished_records(store, warnings.append)}
     assert len(warnings) == 1 and sid in warnings[0] and key in warnings[0]
     assert sid in store.scan(values=True) and store.scan(values=True)[sid] is not None
+
+
+def test_joint_count_on_other_bins_than_qinit_is_refused():
+    """joint_count must have qinit_count's shape (the same bins); a sample without it passes."""
+    from sparsecal.formats.sample_values import check_shapes
+
+    flat = {"input_ids": (300,), "candidates": (3,), "reachable": (3,)}
+    ok = dict(flat, qinit_count=(2, 4, 162), joint_count=(2, 4, 162))
+    assert check_shapes(ok, 300, 128, 2, 4) is None
+    assert check_shapes(dict(flat, qinit_count=(2, 4, 162)), 300, 128, 2, 4) is None
+    why = check_shapes(dict(ok, joint_count=(2, 4, 81)), 300, 128, 2, 4)
+    assert why == "joint_count has shape [2, 4, 81], not [2, 4, 162] of qinit_count (the same bins)"
 
 
 def test_fit_leaves_a_nan_sample_out_and_exits_0(run):

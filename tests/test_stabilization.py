@@ -1,7 +1,7 @@
-"""Running-max rescales and shortfall in `sparsecal fit` (analysis/stabilization.py): the tables'
-numbers against the samples' own histograms read back, the quantile rules against raw values, the
-console table, and a run captured before these statistics existed (fit still works and says so
-in one line)."""
+"""Running-max rescales and shortfall, and VFA's joint statistic, in `sparsecal fit`
+(analysis/stabilization.py): the tables' numbers against the samples' own histograms read back,
+the quantile and share rules against raw values, the console tables, and a run captured before
+these statistics existed (fit still works and says so in one line each)."""
 import json
 import math
 
@@ -13,7 +13,7 @@ import torch
 from sparsecal.analysis import stabilization as S
 from sparsecal.analysis.fit import FitRequest, fit_run
 from sparsecal.bench.synthetic import write_synthetic_run
-from sparsecal.formats.run import RESCALE_KEYS, RESCALE_MISSING, SPARSE_KEYS, RunStore
+from sparsecal.formats.run import JOINT_KEYS, JOINT_MISSING, RESCALE_KEYS, RESCALE_MISSING, SPARSE_KEYS, RunStore
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import load_arrays, save_arrays
 
@@ -102,12 +102,13 @@ def test_console_table_per_order(fitted, monkeypatch):
 
 
 def make_old_run(root, seed):
-    """A synthetic run as sparsecal 0.1.0 wrote it: no rescale arrays, no rescale config keys."""
+    """A synthetic run as sparsecal 0.1.0 wrote it: no rescale arrays, no rescale config keys, no
+    joint statistic."""
     store = write_synthetic_run(root, [512], 2, layers=1, heads=2, seed=seed)
     for folder in store.sample_dirs():
         arrays, meta = load_arrays(folder / "stats.safetensors")
         meta.pop("sparsecal.sparse", None)
-        save_arrays(folder / "stats.safetensors", {k: v for k, v in arrays.items() if k not in RESCALE_KEYS},
+        save_arrays(folder / "stats.safetensors", {k: v for k, v in arrays.items() if k not in RESCALE_KEYS + JOINT_KEYS},
                     sparse=SPARSE_KEYS, metadata=meta)
     man = json.loads((root / "manifest.json").read_text())
     for k in ("rescale_bins", "shortfall_hi", "shortfall_step"):
@@ -119,7 +120,7 @@ def make_old_run(root, seed):
 def test_old_run_fits_and_says_so(tmp_path, seed):
     store = make_old_run(tmp_path / "old", seed)
     doc = fit_run(store, FitRequest(targets=[0.5], holdout=0.5), warn=lambda line: None)
-    for name in ("stab_rescale", "stab_rescale_hist", "stab_shortfall", "stab_shortfall_hist"):
+    for name in ("stab_rescale", "stab_rescale_hist", "stab_shortfall", "stab_shortfall_hist", "joint", "joint_hist"):
         assert name in doc["tables"] and pl.read_parquet(store.root / "fit" / f"{name}.parquet").height == 0
     assert pl.read_parquet(store.root / "fit" / "stab_where.parquet").height > 0
     res = cli("fit", str(store.root), "--targets", "0.5", "--holdout", "0.5")
@@ -127,3 +128,61 @@ def test_old_run_fits_and_says_so(tmp_path, seed):
     text = res.stdout + res.stderr if hasattr(res, "stderr") else res.output
     lines = [x for x in text.splitlines() if RESCALE_MISSING in x]
     assert len(lines) == 1 and lines[0].startswith("Running-max stabilization per scan order")
+    joint = [x for x in text.splitlines() if JOINT_MISSING in x]
+    assert len(joint) == 1 and joint[0].startswith("VFA frozen max")
+
+
+def test_joint_table_is_exact(fitted):
+    """joint rows per length, layer and head: rows, the open bins and the shares at -1 / -5 / +5
+    (edges of the default grid: exact sums of bins) from the samples' joint_count read back; the
+    synthetic joint is the Q-init count with rows moved up, so its CDF lies below Q-init's."""
+    store, doc = fitted
+    assert {"joint", "joint_hist"} <= set(doc["tables"])
+    edges = StatsConfig().qinit_edges()
+    counts, qinit = summed(store, "joint_count"), summed(store, "qinit_count")
+    tab = pl.read_parquet(store.root / "fit" / "joint.parquet")
+    assert tab.height == len(LENGTHS) * 2 * 3
+    edge = {x: int(np.searchsorted(edges, x)) for x in (-5.0, -1.0, 5.0)}  # bins 0..edge[x] lie below x
+    for r in tab.iter_rows(named=True):
+        c = counts[r["length"]][r["layer"], r["head"]]
+        tot = c.sum()
+        assert r["rows"] == tot and math.isclose(r["share_below_range"], c[0] / tot)
+        assert math.isclose(r["share_above_range"], c[-1] / tot)
+        assert math.isclose(r["share_below_1"], c[:edge[-1.0] + 1].sum() / tot)
+        assert math.isclose(r["share_below_5"], c[:edge[-5.0] + 1].sum() / tot)
+        assert math.isclose(r["share_above_5"], c[edge[5.0] + 1:].sum() / tot)
+        q = qinit[r["length"]][r["layer"], r["head"]]
+        assert (np.cumsum(c) <= np.cumsum(q)).all() and r["q50"] >= S.hist_quantiles(q, edges)[2] - 1e-9
+    hist = pl.read_parquet(store.root / "fit" / "joint_hist.parquet")
+    assert hist["rows"].sum() == sum(int(c.sum()) for c in counts.values())
+
+
+def test_joint_shares_match_raw_values(np_rng):
+    """Values binned as the capture bins them (bucketize right=True) give the raw shares below -1
+    and -5 and above +5 exactly (edges), and within one bin elsewhere (linear inside a bin)."""
+    edges = StatsConfig().qinit_edges()
+    vals = np.concatenate([np_rng.normal(0.0, 4.0, 900), np.full(50, 30.0), np.full(50, -1.0)])
+    counts = np.bincount(torch.bucketize(torch.from_numpy(vals), torch.from_numpy(edges), right=True).numpy(),
+                         minlength=len(edges) + 1)
+    for x in (-5.0, -1.0, 5.0):
+        assert math.isclose(S.hist_share_below(counts, edges, x), (vals < x).mean())
+    assert abs(S.hist_share_below(counts, edges, 0.6) - (vals < 0.6).mean()) <= counts.max() / counts.sum()
+    assert np.isnan(S.hist_share_below(np.zeros_like(counts), edges, 0.0))
+
+
+def test_joint_console_table_per_layer_band(tmp_path, seed):
+    """fit prints VFA's joint statistic per layer band: bands of consecutive layers cover every
+    layer once, their rows add up, and the shares are the joint table's row-weighted ones."""
+    store = write_synthetic_run(tmp_path / "run", [512], 2, layers=7, heads=2, seed=seed)
+    res = cli("fit", str(store.root), "--targets", "0.5", "--holdout", "0.5")
+    assert res.exit_code == 0, res.output
+    assert "VFA frozen max - true row max per layer band" in res.output
+    joint = pl.read_parquet(store.root / "fit" / "joint.parquet")
+    bands = S.joint_bands(joint, pl.read_parquet(store.root / "fit" / "joint_hist.parquet"))
+    assert [b["layers"] for b in bands] == ["0-1", "2", "3", "4", "5", "6"]
+    assert sum(b["rows"] for b in bands) == joint["rows"].sum()
+    first = joint.filter(pl.col("layer") <= 1)
+    want = float((first["share_below_1"] * first["rows"]).sum() / first["rows"].sum())
+    assert math.isclose(bands[0]["share_below_1"], want) and -20 <= bands[0]["median"] <= 20
+    for b in bands:
+        assert b["layers"] in res.output and f"{b['share_above_5']:.4f}" in res.output

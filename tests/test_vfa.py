@@ -142,9 +142,10 @@ def test_sparsify_vfa(tiny_model, tmp_path, seed):  # noqa: F811
 
 def test_capture_joint_statistic_matches_bruteforce(seed):
     """The capture reference's joint_err = max(Q-init, exact max over sink + diagonal blocks) - row
-    max, from the definitions; its histogram on the Q-init edges (joint_reduce) counts every row."""
+    max, from the definitions; its histogram on the Q-init edges (reduce_tiles' joint_count, the
+    sample key) counts every row."""
     from sparsecal.formats.stats_config import StatsConfig
-    from sparsecal.kernels.capture.reduce_reference import joint_reduce
+    from sparsecal.kernels.capture.reduce_reference import reduce_tiles
     from sparsecal.kernels.capture.reference import instrumented_attention
 
     n, bm, bn, d = 150, 32, 16, 64
@@ -166,7 +167,7 @@ def test_capture_joint_statistic_matches_bruteforce(seed):
         want[:, r] = torch.maximum(m_init, s[:, r, local].amax(-1)) - s[:, r, : r + 1].amax(-1)
     torch.testing.assert_close(t.joint_err.double(), want, atol=2e-5, rtol=0)
     assert (t.joint_err >= t.qinit_err - 1e-6).all() and (want < 0).any() and (want > 0).any()
-    assert joint_reduce(t, cfg)["joint_count"].sum(dim=-1).tolist() == [n] * 4
+    assert reduce_tiles(t, n, cfg)["joint_count"].sum(dim=-1).tolist() == [n] * 4
 
 
 def test_joint_statistic_per_layer_summary():

@@ -112,8 +112,8 @@ def _hist_section(part: torch.Tensor, cfg: StatsConfig, key: str, bins: int, per
 
 def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict:
     """reduce_tiles' histogram keys (gap, decode gap, diagonal and decode diagonal gap, t*, q-init,
-    rescale and shortfall counts; f64 masses) from the in-kernel [H, W] rows of the tiles (part)
-    and of the decode rows (dpart)."""
+    VFA joint statistic, rescale and shortfall counts; f64 masses) from the in-kernel [H, W] rows of
+    the tiles (part) and of the decode rows (dpart)."""
     lay = HistLayout.of(cfg)
     part, dpart = part.double(), dpart.double()
     sf0 = lay.offsets["shortfall_count"]
@@ -130,6 +130,7 @@ def hist_keys(part: torch.Tensor, dpart: torch.Tensor, cfg: StatsConfig) -> dict
         "tstar_where": _hist_section(part, cfg, "tstar_where", 3, 4).round().long(),
         "tstar_hist": _hist_section(part, cfg, "tstar_hist", lay.nt, lay.tbp).round().long(),
         "qinit_count": _hist_section(part, cfg, "qinit_count", lay.nq, None).round().long(),
+        "joint_count": _hist_section(part, cfg, "joint_count", lay.nq, None).round().long(),
         "rescale_count": _hist_section(part, cfg, "rescale_count", lay.nr, lay.rbp).round().long(),
         "rescale_excess": _hist_section(part, cfg, "rescale_excess", 1, 1)[..., 0].round().long(),
         "shortfall_count": pick(sf[..., :lay.ns], cfg).round().long(),

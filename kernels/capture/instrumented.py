@@ -9,8 +9,9 @@ pass 1  ``_instr_fwd_kernel`` (grid P x heads): the dense flash forward of dense
         (signed-absmax key representatives, a few extra [BM, 64] products).
 pass 2  ``tilestats.tile_stats_kernel`` (grid P x heads): reads those per-row values
         back in chunks of tiles and, reusing the log-sum-exp, computes bmax, mass, the gap in all
-        three scan orders, t*, running-max rescales and shortfalls of every row in every order (no
-        score is recomputed), and in the
+        three scan orders, t*, running-max rescales and shortfalls of every row in every order,
+        VFA's joint statistic max(q-init, block 0 and diagonal max) - row max (no score is
+        recomputed: both maxima are registers the sink_local scan keeps anyway), and in the
         capture path also adds the run's histograms (atomics into one row per head).
 decode  ``_decode_kernel`` (grid Kb x row chunks x H): each of the last R rows' max score and mass
         in every key block; ``tilestats.decode_stats_kernel`` turns them into the three
@@ -125,8 +126,9 @@ def _instr_fwd_kernel(Q, K, V, KREP, O, LSE, QERR, XY, TOFF,
 class ForwardResult:
     """What passes 1 and 2 return. out [1, H, N, D] (a [1, N, H, D] buffer seen transposed);
     lse, qinit_err [H, N] f32; with statistics also bmax, mass [H, P, Kb], gap [H, 3, P, Kb],
-    tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) / rescales (i64) [H, 3, N] and
-    shortfall (f32) [H, 3, 2, N] (unless fused), and with fused histograms part [H, W]
+    tstar_step (i64) / tstar_where (i8) / tstar_norm (f32) / rescales (i64) [H, 3, N],
+    shortfall (f32) [H, 3, 2, N] and joint_err (f32) [H, N] (unless fused), and with fused
+    histograms part [H, W]
     (HistLayout). Orders as geometry.ORDERS."""
 
     out: torch.Tensor
@@ -140,6 +142,7 @@ class ForwardResult:
     tstar_norm: torch.Tensor | None = None
     rescales: torch.Tensor | None = None
     shortfall: torch.Tensor | None = None
+    joint_err: torch.Tensor | None = None
     part: torch.Tensor | None = None
 
 
@@ -169,7 +172,7 @@ def _stat_buffers(h: int, n: int, p: int, kb: int, device, fused: bool, width: i
                    tstar_where=torch.empty((h, 3, n), dtype=torch.int8, device=device),
                    tstar_norm=torch.empty((h, 3, n), **f32),
                    rescales=torch.empty((h, 3, n), dtype=torch.int64, device=device),
-                   shortfall=torch.empty((h, 3, 2, n), **f32))
+                   shortfall=torch.empty((h, 3, 2, n), **f32), joint_err=torch.empty((h, n), **f32))
     return out
 
 
@@ -184,7 +187,8 @@ def _tile_stats(res: ForwardResult, xy, toff, qerr, cfg, geom: dict, launch, fus
                (res.tstar_step, res.tstar_where, res.tstar_norm, res.rescales, res.shortfall)]
     warps, stages = _launch("stats", 0, launch)
     LAST_COMPILED["stats"] = tile_stats_kernel[(geom["blocks"], geom["heads"])](
-        xy, toff, res.lse, qerr, res.bmax, res.mass, res.gap, *per_row,
+        xy, toff, res.lse, qerr, dummy if res.joint_err is None else res.joint_err, res.bmax, res.mass, res.gap,
+        *per_row,
         res.part if res.part is not None else dummy, ge, qe, se,
         geom["n"], geom["head0"], geom["num_tiles"], geom["blocks"], geom["kb"],
         g_lo, g_inv, n_ge, q_lo, q_inv, n_qe, s_lo, s_inv, n_se,
@@ -256,7 +260,7 @@ def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scrat
     stats = TileStats(res.bmax, pick(res.gap, cfg), res.mass, pick(res.tstar_step, cfg),
                       pick(res.tstar_where, cfg), pick(res.tstar_norm, cfg), res.qinit_err,
                       pick(dec_gap, cfg), dec_mass, rows, pick(res.rescales, cfg), pick(res.shortfall, cfg),
-                      dec_bmax=dec_bmax)
+                      dec_bmax=dec_bmax, joint_err=res.joint_err)
     return res.out, stats
 
 

@@ -7,7 +7,8 @@ single-order path the gap, t* and q-init histograms (kernels/capture/reduce_refe
   A_i - #(candidates with bmax < threshold) and the skipped mass, for every k at once;
 - ORDER >= 0 (single-order capture): the gap histograms (count and mass) of that order of the
   candidate tiles (j < A_i) and of the diagonal tiles (A_i <= j < R_i), and the block's rows:
-  t* where-category and normalized-t* counts, q-init error counts and running-max rescale /
+  t* where-category and normalized-t* counts, q-init error and VFA joint-statistic counts (one
+  bucket and one atomic add per row each) and running-max rescale /
   shortfall counts (tilestats.row_scan_stats), added with atomics into the histogram row of the
   head (tilestats.HistLayout, at the order's slot of geometry.ORDERS), bins exactly
   torch.bucketize's (f64 edge tables).
@@ -25,7 +26,7 @@ from sparsecal.formats.geometry import ORDERS
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.kernels.capture.common import shortfall_args
 from sparsecal.kernels.capture.reduce_reference import bsfa_thresholds, top_mass
-from sparsecal.kernels.capture.tilestats import HistLayout, bucket, hist_add, row_scan_stats
+from sparsecal.kernels.capture.tilestats import HistLayout, bucket, count_bins, hist_add, row_scan_stats
 
 TJ = 64  # tiles per chunk
 
@@ -60,7 +61,8 @@ def _tstar_counts(TWHERE, TSTEP, r, row_ok, n_reach, part_w, part_t, NT: tl.cons
 
 
 @triton.jit
-def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR, RESC, SHORT, PART, GEDGES, QEDGES,
+def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR, JERR, RESC, SHORT, PART, GEDGES,
+                           QEDGES,
                            SEDGES, n_ctx, n_qb, n_kb, n_k, g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges,
                            s_lo, s_inv, n_sedges,
                            BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
@@ -68,10 +70,11 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
                            OFF_TW: tl.constexpr, OFF_TH: tl.constexpr, OFF_QI: tl.constexpr,
                            NT: tl.constexpr, TBP: tl.constexpr, OFF_RC: tl.constexpr, OFF_RX: tl.constexpr,
                            OFF_SF: tl.constexpr, NR: tl.constexpr, RBP: tl.constexpr, SBP: tl.constexpr,
-                           OFF_DG: tl.constexpr):
+                           OFF_DG: tl.constexpr, OFF_JI: tl.constexpr):
     """Grid (P, H). BMAX, MASS, GAP [H, P, Kb] f32 (GAP: the one order's); THR [H, P, K] f32;
-    KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP, RESC [H, N] i32, TWHERE [H, N] i8, QERR
-    [H, N] f32, SHORT [H, 2, N] f32; PART [H, W] f32 (zeroed by the caller, added into). ORDER -1: BSFA only."""
+    KEPT [H, P, K] i64, SKIP [H, P, K] f32 (written); TSTEP, RESC [H, N] i32, TWHERE [H, N] i8, QERR,
+    JERR [H, N] f32 (q-init error, VFA's joint statistic), SHORT [H, 2, N] f32; PART [H, W] f32
+    (zeroed by the caller, added into). ORDER -1: BSFA only."""
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     n_cand = (i * BM) // BN
@@ -106,9 +109,8 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
         r = h * n_ctx + rows
         _tstar_counts(TWHERE, TSTEP, r, row_ok, n_reach, part + OFF_TW + 4 * ORDER, part + OFF_TH + ORDER * TBP,
                       NT, TBP)
-        qerr = tl.load(QERR + r, mask=row_ok, other=0.0)
-        bins = bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
-        tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
+        count_bins(tl.load(QERR + r, mask=row_ok, other=0.0), row_ok, part + OFF_QI, QEDGES, q_lo, q_inv, n_qedges)
+        count_bins(tl.load(JERR + r, mask=row_ok, other=0.0), row_ok, part + OFF_JI, QEDGES, q_lo, q_inv, n_qedges)
         resc = tl.load(RESC + r, mask=row_ok, other=0)
         sf = SHORT + 2 * h * n_ctx + rows
         sf1 = tl.load(sf, mask=row_ok, other=0.0)
@@ -118,13 +120,15 @@ def _capture_reduce_kernel(BMAX, MASS, THR, KEPT, SKIP, GAP, TSTEP, TWHERE, QERR
 
 
 def capture_reduce(bmax, mass, cand, cfg: StatsConfig, edges: tuple, order: str | None = None,
-                   gap=None, tstep=None, twhere=None, qerr=None, part=None, resc=None, short=None) -> dict:
+                   gap=None, tstep=None, twhere=None, qerr=None, part=None, resc=None, short=None,
+                   jerr=None) -> dict:
     """reduce.bsfa_reduce's six BSFA keys (same values, shapes, dtypes; skipped mass summed in
     another order, so equal to float rounding) with no host sync: the thresholds by
     reduce.bsfa_thresholds, the counts in the kernel. bmax, mass [H, P, Kb]; cand [P] on the
     device. With ``order``: also adds that order's gap histogram (gap [H, P, Kb]) and the row
     histograms (tstep [H, N] i32, twhere [H, N] i8, qerr [H, N], resc [H, N] i32 rescales, short
-    [H, 2, N] shortfalls) into part [H, W] (instrumented.edge_args gives ``edges``)."""
+    [H, 2, N] shortfalls, jerr [H, N] VFA's joint statistic) into part [H, W]
+    (instrumented.edge_args gives ``edges``)."""
     h, p, kb = bmax.shape
     thr, top, cmask, top_idx = bsfa_thresholds(bmax, cand, cfg)
     tmass, cmass = top_mass(mass, top, top_idx, cmask)
@@ -136,12 +140,12 @@ def capture_reduce(bmax, mass, cand, cfg: StatsConfig, edges: tuple, order: str 
     o = -1 if order is None else ORDERS.index(order)
     se, s_lo, s_inv, n_se = shortfall_args(cfg, bmax.device)
     if order is None:
-        gap = tstep = twhere = qerr = part = resc = short = bmax  # unused
+        gap = tstep = twhere = qerr = part = resc = short = jerr = bmax  # unused
         n = cfg.block_m * p
     else:
         n = tstep.shape[1]
     _capture_reduce_kernel[(p, h)](
-        bmax, mass, thr, kept, skipped, gap, tstep, twhere, qerr, resc, short, part, ge, qe, se,
+        bmax, mass, thr, kept, skipped, gap, tstep, twhere, qerr, jerr, resc, short, part, ge, qe, se,
         n, p, kb, thr.shape[-1], g_lo, g_inv, n_ge, q_lo, q_inv, n_qe, s_lo, s_inv, n_se,
         BM=cfg.block_m, BN=cfg.block_n, BLOCK_M=triton.next_power_of_2(cfg.block_m), TJ=TJ,
         KP=max(2, triton.next_power_of_2(thr.shape[-1])), ORDER=o, W=off["width"], NBP=lay.nbp,

@@ -35,6 +35,10 @@ Output keys
     tstar_where        [H, O, 3]  i64  rows whose running max stabilizes at sink/diagonal/middle
     tstar_hist         [H, O, NT] i64  rows per normalized-t* bin on [0, 1]
     qinit_count        [H, NQ]    i64  rows per Q-init error bin
+    joint_count        [H, NQ]    i64  rows per bin of VFA's joint statistic (TileStats.joint_err:
+                                       max(Q-init, exact max over block 0 and the diagonal blocks)
+                                       - true row max), on the Q-init error's edges; prefill rows
+                                       only (the decode rows carry no Q-init estimate)
     rescale_count      [H, O, NR] i64  rows per number of running-max rescales (NR = rescale_bins;
                                        the last bin: NR - 1 or more)
     rescale_excess     [H, O]     i64  sum over the rows of max(rescales - (NR - 1), 0): the mean is
@@ -206,14 +210,6 @@ def gap_reduce(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tensor
     return out
 
 
-def joint_reduce(t: TileStats, cfg: StatsConfig) -> dict[str, torch.Tensor]:
-    """joint_count [H, NQ] i64: rows per bin of VFA's joint statistic (TileStats.joint_err: max(Q-init,
-    exact max over the sink and diagonal blocks) - true row max) on the Q-init error's edges. Not yet
-    part of ``reduce_tiles`` (the sample files): the Triton capture does not compute it yet, and both
-    backends write the same keys."""
-    return {"joint_count": histogram(t.joint_err, torch.from_numpy(cfg.qinit_edges()))}
-
-
 def reduce_tiles(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tensor]:
     """All per-layer reductions of one call (see the module docstring for keys and shapes)."""
     h, o = t.gap.shape[:2]
@@ -227,6 +223,8 @@ def reduce_tiles(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tens
     tb = torch.clamp((t.tstar_norm * nt).floor().long(), max=nt - 1).reshape(h * o, -1)
     out["tstar_hist"] = histogram(tb.double(), torch.arange(1, nt, dtype=torch.float64)).view(h, o, nt)
     out["qinit_count"] = histogram(t.qinit_err, torch.from_numpy(cfg.qinit_edges()))
+    if t.joint_err is not None:  # every capture path fills it; a TileStats built without it has none
+        out["joint_count"] = histogram(t.joint_err, torch.from_numpy(cfg.qinit_edges()))
     out.update(rescale_reduce(t.rescales, t.shortfall, cfg))
     if cfg.raw:
         out["raw_bmax"] = t.bmax.half()

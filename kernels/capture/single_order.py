@@ -1,14 +1,15 @@
 """Single-order Triton capture: one scan order's statistics in two passes over the key blocks.
 
 pass 1  forward_stats._fwd_stats_kernel: output, log-sum-exp, bmax, the order's gap, t*
-        (step, where), running-max rescales and shortfalls and the q-init error, all in
-        registers during the flash forward;
+        (step, where), running-max rescales and shortfalls, the q-init error and VFA's joint
+        statistic (q-init against the sink + diagonal max), all in registers during the flash
+        forward;
 pass 2  mass._mass_kernel: the block mass from the final log-sum-exp (QK^T only);
 decode  decode_rows.decode_forward: the last rows' gaps and their histograms, and their row block
         maxima, reduced by reduce_reference.decode_bsfa_reduce (torch.topk);
 reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histograms (candidate
-        and diagonal tiles) and the row histograms (t* where, normalized t*, q-init, rescales,
-        shortfalls), after reduce.bsfa_thresholds' torch.topk.
+        and diagonal tiles) and the row histograms (t* where, normalized t*, q-init, joint,
+        rescales, shortfalls), after reduce.bsfa_thresholds' torch.topk.
 
 No host sync and no per-row scratch. ``single_order_capture_triton`` returns what
 kernels/capture/reduce_reference.py's ``reduce_tiles`` makes of the reference's TileStats for a StatsConfig with one
@@ -51,14 +52,14 @@ def single_order_capture_triton(q, k, v, scale: float, cfg: StatsConfig, launch:
 def single_order_reductions(q, k, fwd: tuple, mass: torch.Tensor, scale: float, cfg: StatsConfig,
                             launch: dict | None = None, *, softcap: float = 0.0) -> dict:
     """Decode rows and the device reductions after the two passes. fwd = (lse, bmax, gap, tstep,
-    twhere, qerr, resc, short) of instrumented_forward_triton for cfg.orders[0] (with the same
-    softcap); mass [H, P, Kb]."""
-    lse, bmax, gap, tstep, twhere, qerr, resc, short = fwd
+    twhere, qerr, resc, short, jerr) of instrumented_forward_triton for cfg.orders[0] (with the
+    same softcap); mass [H, P, Kb]."""
+    lse, bmax, gap, tstep, twhere, qerr, resc, short, jerr = fwd
     dev, h, n = q.device, q.shape[1], q.shape[2]
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
     part = torch.zeros((h, HistLayout.of(cfg).offsets["width"]), dtype=torch.float32, device=dev)
     red = capture_reduce(bmax, mass, cand, cfg, edge_args(cfg, dev), cfg.orders[0], gap, tstep, twhere, qerr, part,
-                         resc, short)
+                         resc, short, jerr)
     decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True, softcap=softcap)
     red.update(decode_bsfa_reduce(decode[4], decode[2], n, cfg))
     red.update(hist_keys(part, decode[3], cfg))

@@ -15,7 +15,8 @@ chunks of TJ tiles, [TJ, BLOCK_M] at a time, and with the rows' final log-sum-ex
   the first geometry.local_prefix scanned blocks;
 - optionally (HIST) the additive histograms of kernels/capture/reduce_reference.py: gap counts
   and masses of the candidate tiles and of the diagonal tiles per order, t* where /
-  normalized-t* counts, the q-init error counts and the rescale / shortfall counts, added with
+  normalized-t* counts, the q-init error counts, VFA's joint statistic counts (max(q-init, block 0
+  and diagonal max) - row max, on the q-init bins) and the rescale / shortfall counts, added with
   atomics into one f32 row per head (counts stay exact below 2^24). Bins follow
   torch.bucketize(v.double(), edges, right=True) exactly (an f64 edge table corrects the guess).
 
@@ -38,8 +39,8 @@ class HistLayout:
     """Sections of one head's histogram row (f32, counts exact up to 2^24):
     gap counts [3, NBP], gap masses [3, NBP], t* where [3, 4], t* hist [3, TBP], q-init [QBP],
     rescale counts [3, RBP], rescale excess [4], shortfall counts [3, 2, SBP], diagonal-tile gap
-    counts [3, NBP] and masses [3, NBP] (orders as geometry.ORDERS; NBP, TBP, QBP, RBP, SBP the bin
-    counts rounded up to powers of two). The diagonal sections repeat the gap sections' layout, so
+    counts [3, NBP] and masses [3, NBP], VFA joint-statistic counts [QBP] on the q-init bins (orders
+    as geometry.ORDERS; NBP, TBP, QBP, RBP, SBP the bin counts rounded up to powers of two). The diagonal sections repeat the gap sections' layout, so
     a kernel adds a tile at ``OFF_DG`` (diagonal) or 0 (candidate) plus the same relative offset."""
 
     ng: int
@@ -85,13 +86,14 @@ class HistLayout:
         dg = sf + 6 * self.sbp
         return {"gap_count": gc, "gap_mass": gm, "tstar_where": tw, "tstar_hist": th, "qinit_count": qi,
                 "rescale_count": rc, "rescale_excess": rx, "shortfall_count": sf, "diag_gap_count": dg,
-                "diag_gap_mass": dg + 3 * self.nbp, "width": dg + 6 * self.nbp}
+                "diag_gap_mass": dg + 3 * self.nbp, "joint_count": dg + 6 * self.nbp,
+                "width": dg + 6 * self.nbp + self.qbp}
 
     def launch_args(self) -> dict:
         """The rescale / shortfall / diagonal-gap sections as the kernels' constexpr arguments."""
         off = self.offsets
         return dict(OFF_RC=off["rescale_count"], OFF_RX=off["rescale_excess"], OFF_SF=off["shortfall_count"],
-                    NR=self.nr, RBP=self.rbp, SBP=self.sbp, OFF_DG=off["diag_gap_count"])
+                    NR=self.nr, RBP=self.rbp, SBP=self.sbp, OFF_DG=off["diag_gap_count"], OFF_JI=off["joint_count"])
 
 
 @triton.jit
@@ -318,11 +320,22 @@ def _order_rows(step, j, n_cand, n_reach, row_ok, step_ptr, where_ptr, norm_ptr,
 
 
 @triton.jit
+def count_bins(v, row_ok, ptr, EDGES, lo, inv_step, n_edges):
+    """Count the rows' values v [BLOCK_M] (valid row_ok) into bins at ptr (bucket's rule): one
+    atomic add per row."""
+    bins = bucket(tl.where(row_ok, v, 0.0), EDGES, lo, inv_step, n_edges)
+    tl.atomic_add(ptr + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
+
+
+@triton.jit
 def _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
-               QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
-               OFF_QI: tl.constexpr, STORE: tl.constexpr, HIST: tl.constexpr, NT: tl.constexpr,
-               TBP: tl.constexpr, QBP: tl.constexpr):
-    """t* of every row in the three orders (TSTEP/TWHERE/TNORM [H, 3, N]) and the row histograms."""
+               QERR, JERR, QEDGES, q_lo, q_inv, n_qedges, local, best, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
+               OFF_QI: tl.constexpr, OFF_JI: tl.constexpr, STORE: tl.constexpr, HIST: tl.constexpr,
+               NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr):
+    """t* of every row in the three orders (TSTEP/TWHERE/TNORM [H, 3, N]) and the row histograms,
+    and VFA's joint statistic max(q-init error, (local - best) ln 2) per row (JERR [H, N] with
+    STORE; counted at OFF_JI with HIST): local = max over block 0 and the diagonal blocks, best =
+    the row max (log2 units), both already in registers."""
     d0 = tl.maximum(n_cand, 1)
     n_diag = n_reach - d0
     j_s = tl.where(p_s == 0, 0, tl.where(p_s <= n_diag, d0 + p_s - 1, p_s - n_diag))
@@ -335,10 +348,14 @@ def _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TW
     r += n_ctx
     _order_rows(p_s, j_s, n_cand, n_reach, row_ok, TSTEP + r, TWHERE + r, TNORM + r,
                 part + OFF_TW + 8, part + OFF_TH + 2 * TBP, STORE, HIST, NT, TBP)
+    qerr = tl.load(QERR + h * n_ctx + rows, mask=row_ok, other=0.0)
+    # exact: x -> fl(x * ln 2) and the subtraction are monotone, so this is fl(max(m_init, local) - best) ln 2
+    jerr = tl.maximum(qerr, (local - best) * 0.6931471805599453)
+    if STORE:
+        tl.store(JERR + h * n_ctx + rows, jerr, mask=row_ok)
     if HIST:
-        qerr = tl.load(QERR + h * n_ctx + rows, mask=row_ok, other=0.0)
-        bins = bucket(qerr, QEDGES, q_lo, q_inv, n_qedges)
-        tl.atomic_add(part + OFF_QI + bins, tl.full(bins.shape, 1.0, tl.float32), mask=row_ok, sem="relaxed")
+        count_bins(qerr, row_ok, part + OFF_QI, QEDGES, q_lo, q_inv, n_qedges)
+        count_bins(jerr, row_ok, part + OFF_JI, QEDGES, q_lo, q_inv, n_qedges)
 
 
 @triton.jit
@@ -363,7 +380,7 @@ def _rescale_rows(best, n_f, n_s, x0, pre_f, suf_r, x_last, n_r, d_max, rows, ro
 
 
 @triton.jit
-def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, RESC, SHORT, PART,
+def tile_stats_kernel(XY, TOFF, LSE, QERR, JERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM, RESC, SHORT, PART,
                        GEDGES, QEDGES, SEDGES, n_ctx, head0, num_tiles, n_qb, n_kb,
                        g_lo, g_inv, n_gedges, q_lo, q_inv, n_qedges, s_lo, s_inv, n_sedges,
                        BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, TJ: tl.constexpr,
@@ -371,11 +388,17 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
                        W: tl.constexpr, NBP: tl.constexpr, OFF_TW: tl.constexpr, OFF_TH: tl.constexpr,
                        OFF_QI: tl.constexpr, NT: tl.constexpr, TBP: tl.constexpr, QBP: tl.constexpr,
                        OFF_RC: tl.constexpr, OFF_RX: tl.constexpr, OFF_SF: tl.constexpr, NR: tl.constexpr,
-                       RBP: tl.constexpr, SBP: tl.constexpr, OFF_DG: tl.constexpr):
+                       RBP: tl.constexpr, SBP: tl.constexpr, OFF_DG: tl.constexpr, OFF_JI: tl.constexpr):
     """Grid (P, heads of this chunk). Query block i = program_id(0) of head head0 + program_id(1);
     its tile j's pairs at XY[((pid1 * num_tiles + TOFF[i] + j) * BLOCK_M + row) * 2 + (0, 1)]. BMAX, MASS [H, P, Kb];
     GAP [H, 3, P, Kb] (forward, reverse, sink_local); TSTEP/TWHERE/TNORM/RESC [H, 3, N]; SHORT
-    [H, 3, 2, N]; PART [H, W] (zeroed by the caller; histograms are added into it)."""
+    [H, 3, 2, N]; JERR [H, N] VFA's joint statistic (stored with STORE_TSTAR); PART [H, W] (zeroed
+    by the caller; histograms are added into it).
+
+    VFA's joint statistic costs no extra pass: block 0's max x0 and the diagonal max d_max are the
+    per-row registers the sink_local scan already keeps, the row max ``best`` comes out of the
+    forward sweep, and the q-init error is the value the row histogram already loads; one max, and
+    (HIST_ROWS) one more bucket and atomic add per row, against TJ x BLOCK_M tile values a chunk."""
     i = tl.program_id(0)
     h = (head0 + tl.program_id(1)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -402,7 +425,8 @@ def tile_stats_kernel(XY, TOFF, LSE, QERR, BMAX, MASS, GAP, TSTEP, TWHERE, TNORM
     n_r = _reverse_sweep(XY + tile0, row_ok, n_cand, n_reach, gap0 + ostride, MASS + tiles, part,
                          GEDGES, g_lo, g_inv, n_gedges, TJ, BLOCK_M, HIST, NBP, OFF_DG)
     _row_stats(t_f, t_r, p_s, n_cand, n_reach, rows, row_ok, n_ctx, h, TSTEP, TWHERE, TNORM, part,
-               QERR, QEDGES, q_lo, q_inv, n_qedges, OFF_TW, OFF_TH, OFF_QI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
+               QERR, JERR, QEDGES, q_lo, q_inv, n_qedges, tl.maximum(x0, d_max), best, OFF_TW, OFF_TH, OFF_QI,
+               OFF_JI, STORE_TSTAR, HIST_ROWS, NT, TBP, QBP)
     _rescale_rows(best, n_f, n_s, x0, pre_f, suf_r, x_last, n_r, d_max, rows, row_ok, n_ctx, h, RESC, SHORT,
                   part, SEDGES, s_lo, s_inv, n_sedges, OFF_RC, OFF_RX, OFF_SF, STORE_TSTAR, HIST_ROWS, NR, RBP, SBP)
 

@@ -38,9 +38,10 @@ CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
 
 def order_errors(got, ref_out, r, o: int, dtype) -> dict:
     """Max errors of instrumented_forward_triton's outputs vs the reference TileStats (order o)."""
-    out, lse, bmax, gap, tstep, twhere, qerr, resc, short = got
+    out, lse, bmax, gap, tstep, twhere, qerr, resc, short, jerr = got
     e = {"out": float((out.double() - ref_out.double()).abs().max())}
-    for name, a, b in (("bmax", bmax, r.bmax), ("gap", gap, r.gap[:, o]), ("qinit_err", qerr, r.qinit_err)):
+    for name, a, b in (("bmax", bmax, r.bmax), ("gap", gap, r.gap[:, o]), ("qinit_err", qerr, r.qinit_err),
+                       ("joint_err", jerr, r.joint_err)):
         fin = torch.isfinite(b)
         e[name] = float((a[fin].double() - b[fin].double()).abs().max())
         e[name + "_inf_equal"] = bool(torch.equal(torch.isneginf(a), torch.isneginf(b)))
@@ -51,7 +52,7 @@ def order_errors(got, ref_out, r, o: int, dtype) -> dict:
     e["shortfall"] = float((short[fin].double() - r.shortfall[:, o][fin].double()).abs().max())
     e["shortfall_inf_equal"] = bool(torch.equal(torch.isposinf(short), torch.isposinf(r.shortfall[:, o])))
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    e["ok"] = bool(e["out"] < tol and all(e[x] < 1e-3 for x in ("bmax", "gap", "qinit_err"))
+    e["ok"] = bool(e["out"] < tol and all(e[x] < 1e-3 for x in ("bmax", "gap", "qinit_err", "joint_err"))
                    and all(e[x + "_inf_equal"] for x in ("bmax", "gap", "shortfall")) and e["tstar_step_mismatch"] < 0.01
                    and e["rescales_mismatch"] < 0.01 and e["shortfall"] < 1e-3)
     return e

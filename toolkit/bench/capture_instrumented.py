@@ -58,7 +58,7 @@ def field_errors(t, r) -> dict:
     share of rows whose t* or rescale count differs, and the shortfall's error, +inf pattern and
     share of rows whose "already final" (shortfall 0) differs."""
     out = {}
-    for name in ("bmax", "gap", "mass", "qinit_err", "dec_gap", "dec_mass", "tstar_norm"):
+    for name in ("bmax", "gap", "mass", "qinit_err", "joint_err", "dec_gap", "dec_mass", "tstar_norm"):
         a, b = getattr(t, name).double(), getattr(r, name).double()
         fin = torch.isfinite(b)
         out[name] = {"max_abs_err": float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0,
@@ -92,7 +92,7 @@ def check_case(case) -> dict:
     tol_out = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     res["ok"] = bool(res["out_max_abs_err"] < tol_out and res["dense_max_abs_err"] < tol_out
                      and all(v.get("inf_pattern_equal", True) for v in f.values())
-                     and all(f[x]["max_abs_err"] < 1e-3 for x in ("bmax", "gap", "qinit_err", "dec_gap"))
+                     and all(f[x]["max_abs_err"] < 1e-3 for x in ("bmax", "gap", "qinit_err", "joint_err", "dec_gap"))
                      and all(f[x]["max_abs_err"] < 1e-4 for x in ("mass", "dec_mass"))
                      and f["tstar_step"]["mismatch_share"] < 0.01 and res["bsfa_kept_equal"]
                      and rescales_ok(f))

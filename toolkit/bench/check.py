@@ -67,7 +67,7 @@ def _two_pass(q, k, v, scale, cfg, r, ref_out, cap, tol) -> dict:
     ks = reduced_errors(fused, b)
     err = float((out.double() - ref_out.double()).abs().max())
     ok = (err < tol and all(x.get("inf_pattern_equal", True) for x in f.values())
-          and all(f[x]["max_abs_err"] < 1e-3 for x in ("bmax", "gap", "qinit_err", "dec_gap"))
+          and all(f[x]["max_abs_err"] < 1e-3 for x in ("bmax", "gap", "qinit_err", "joint_err", "dec_gap"))
           and all(f[x]["max_abs_err"] < 1e-4 for x in ("mass", "dec_mass"))
           and f["tstar_step"]["mismatch_share"] < 0.01 and rescales_ok(f)
           and torch.equal(a["bsfa_kept"], b["bsfa_kept"])

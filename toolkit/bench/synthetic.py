@@ -12,7 +12,9 @@ Per sample of length n, every (layer, head):
   exactly for every target S <= C / R, prefill and decode alike: the a/L, a L^-b and A exp(B S) / L
   laws then have known parameters (b = 1: all three hold; b != 1: only the power law does);
 - stabilization, Q-init, rescale and shortfall histograms: random counts (no known answer, shape
-  only; the analysis is checked against these counts read back);
+  only; the analysis is checked against these counts read back); VFA's joint statistic: the Q-init
+  counts with half of each bin below 0 moved into the bin at 0 (the joint statistic is never below
+  the Q-init error; no extra random draw, so the other arrays stay what they were);
 - BSFA retained-mass arrays (each reachable tile of a position weighs 1 / reachable) and the decode
   rows' BSFA arrays (row r its own block, A_r = r // BN iid N(0, 1) candidate maxima); with
   ``exact_bsfa`` every position's candidate maxima are 0, -1, -2, ... in every sample, so fitted
@@ -104,7 +106,19 @@ def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: f
         "candidates": torch.from_numpy(cand), "reachable": torch.from_numpy(reach),
         "input_ids": torch.from_numpy(rng.integers(0, 1000, n)).int(),
     })
+    out["joint_count"] = _joint_from_qinit(out["qinit_count"].numpy(), cfg)
     return out
+
+
+def _joint_from_qinit(qinit: np.ndarray, cfg: StatsConfig) -> torch.Tensor:
+    """[L, H, NQ] synthetic joint counts: each q-init bin below 0 gives half its rows (rounded
+    down) to the bin starting at 0."""
+    zero = int(np.searchsorted(cfg.qinit_edges(), 0.0, side="right"))
+    joint = qinit.astype(np.int64).copy()
+    moved = joint[..., :zero] // 2
+    joint[..., :zero] -= moved
+    joint[..., zero] += moved.sum(-1)
+    return torch.from_numpy(joint).int()
 
 
 def _gap_cdf(n: int, a: float, target: float, ratio: float, law: tuple | None):

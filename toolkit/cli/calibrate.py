@@ -50,6 +50,7 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
     _print_laws(out, doc)
     _print_held_out(out, fit_dir, doc)
     print_rescales(out, fit_dir)
+    print_joint(out, fit_dir)
 
 
 def _fmt(x) -> str:
@@ -313,4 +314,30 @@ def print_rescales(out: Console, fit_dir: Path) -> None:
     for r in order_summary(rescale, hist):
         t.add_row(r["order"], f"{r['rows']:,}", f"{r['mean_rescales']:.3f}", f"{r['first_share_zero']:.3f}",
                   f"{r['first_median']:.3g}", f"{r['local_share_zero']:.3f}", f"{r['local_median']:.3g}")
+    out.print(t)
+
+
+def print_joint(out: Console, fit_dir: Path) -> None:
+    """VFA's frozen max (max(Q-init, sink + diagonal max)) minus the true row max per layer band:
+    the median and the shares of rows more than 1 / 5 nats below it (p > 1 in the frozen phase)
+    and more than 5 above; one line for a run captured before the statistic."""
+    from sparsecal.analysis.stabilization import joint_bands
+    from sparsecal.analysis.tables import read_table
+    from sparsecal.formats.errors import UserError
+    from sparsecal.formats.run import JOINT_MISSING
+
+    try:
+        joint, hist = read_table(fit_dir, "joint"), read_table(fit_dir, "joint_hist")
+    except UserError:
+        joint = hist = None
+    if joint is None or not joint.height:
+        out.print(f"VFA frozen max: {JOINT_MISSING}", soft_wrap=True, markup=False)
+        return
+    t = Table(title="VFA frozen max - true row max per layer band (nats)",
+              caption="frozen = max(Q-init, sink + diagonal max); all lengths and heads; < -1: p > 1 rows")
+    for col in ("layers", "rows", "median", "< -1", "< -5", "> +5"):
+        t.add_column(col, justify="right")
+    for r in joint_bands(joint, hist):
+        t.add_row(r["layers"], f"{r['rows']:,}", f"{r['median']:.3g}", f"{r['share_below_1']:.4f}",
+                  f"{r['share_below_5']:.4f}", f"{r['share_above_5']:.4f}")
     out.print(t)

@@ -51,7 +51,8 @@ FIT_KIND = "sparsecal-fit"
 # Mostly-zero histograms: stored as (index, value) pairs on disk, dense in memory.
 SPARSE_KEYS = frozenset({"gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
                          "diag_gap_count", "diag_gap_mass", "decode_diag_gap_count", "decode_diag_gap_mass",
-                         "tstar_where", "tstar_hist", "qinit_count", "rescale_count", "shortfall_count"})
+                         "tstar_where", "tstar_hist", "qinit_count", "joint_count", "rescale_count",
+                         "shortfall_count"})
 # Running-max rescale / shortfall statistics (every row of prefill, per scan order): new in this
 # sparsecal version; runs captured before it lack them and readers say so in one line.
 RESCALE_KEYS = ("rescale_count", "rescale_excess", "shortfall_count")
@@ -60,6 +61,10 @@ RESCALE_MISSING = f"not in this run (captured before sparsecal {RESCALE_SINCE}; 
 # Gap histograms of the diagonal tiles (prefill A_i <= j < R_i; a decode row's own last block): samples
 # captured before them lack these keys, so readers load them as optional (analysis.samples.load_arrays).
 DIAG_GAP_KEYS = ("diag_gap_count", "diag_gap_mass", "decode_diag_gap_count", "decode_diag_gap_mass")
+# VFA's joint stabilization statistic max(Q-init, sink + diagonal max) - row max per prefill row, on the
+# q-init bins: samples captured before it lack the key; fit leaves it out of the tables and says so.
+JOINT_KEYS = ("joint_count",)
+JOINT_MISSING = "VFA's joint statistic is not in this run (captured before joint_count existed; re-capture)"
 
 
 def as_arrays(tensors: dict) -> dict:

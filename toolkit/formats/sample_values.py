@@ -7,7 +7,8 @@ Checked by every reader of a sample (``RunStore.load_sample`` on the arrays it r
 - sample.json: an object whose ``id`` is the folder's name, ``task`` a string and ``length`` a
   positive integer N;
 - stats.safetensors, from its header: ``input_ids`` [N], ``candidates`` and ``reachable`` [P] with
-  P = ceil(N / block_m), every other array [Lc, H, ...] (captured layers, query heads);
+  P = ceil(N / block_m), every other array [Lc, H, ...] (captured layers, query heads), and
+  ``joint_count`` (where present) the shape of ``qinit_count`` (the same bins);
 - values: no NaN anywhere; thresholds and sorted block maxima (THRESHOLD_KEYS) finite or -inf
   (-inf: keep every candidate / padding); every other statistic finite and >= 0; per-position
   masses (UNIT_KEYS) at most 1 + UNIT_EPS; ``candidates`` and ``reachable`` exactly the block
@@ -26,6 +27,7 @@ UNIT_KEYS = frozenset({"bsfa_skipped_mass", "bsfa_top_mass", "bsfa_cand_mass", "
                        "decode_bsfa_top_mass", "decode_bsfa_cand_mass"})
 UNIT_EPS = 1e-3          # float32 sums of a row's softmax weights land a little above 1
 FLAT_KEYS = ("input_ids", "candidates", "reachable")
+SAME_SHAPE = {"joint_count": "qinit_count"}  # arrays on another's bins
 
 
 def check_record(sid: str, record) -> str | None:
@@ -53,6 +55,9 @@ def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: in
     for name, shape in sorted(shapes.items()):
         if name not in FLAT_KEYS and tuple(shape[:2]) != (layers, heads):
             return f"{name} has shape {list(shape)}, not [{layers} layers, {heads} heads, ...] of this run"
+    for name, like in SAME_SHAPE.items():
+        if name in shapes and like in shapes and tuple(shapes[name]) != tuple(shapes[like]):
+            return f"{name} has shape {list(shapes[name])}, not {list(shapes[like])} of {like} (the same bins)"
     return None
 
 
