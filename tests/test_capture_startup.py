@@ -73,3 +73,49 @@ def test_warm_up_length_has_a_long_prompts_tile_multiples():
     n = warm_length(req, 131072, cuda=True)
     assert n == 2048 and n % 16 == 0 and (n // 128) % 16 == 0 and (n // 64) % 16 == 0
     assert warm_length(req, 512, cuda=True) == 512 and warm_length(req, None, cuda=False) == 128
+
+
+def test_early_loads_on_a_thread_with_a_short_switch_interval_and_restores_it(tmp_path, seed):
+    """Early (every rank of several): the model loads and warms up on a thread, with the GIL's switch
+    interval at EARLY_SWITCH_S meanwhile (a loading thread waits that long per op for the GIL from the
+    checks beside it); ``model`` returns the warmed-up model and restores the interval; the
+    timeline has transformers imported before the load and the warm-up."""
+    import sys
+
+    from sparsecal.capture.command import EARLY_SWITCH_S, Early
+    from sparsecal.capture.distributed import Ranks
+    from sparsecal.capture.profile import Startup
+
+    from helpers import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed, layers=2, context=256)
+    before = sys.getswitchinterval()
+    assert before > EARLY_SWITCH_S
+    clock = Startup()
+    early = Early(CaptureRequest(out=tmp_path / "run", model=str(ckpt), backend="reference"), Ranks(), clock)
+    assert sys.getswitchinterval() == EARLY_SWITCH_S
+    model = early.model()
+    assert sys.getswitchinterval() == before
+    assert model.config.num_hidden_layers == 2 and not model.training
+    assert clock.at["imported"] <= clock.at["loaded"] <= clock.at["warmed"]
+    assert "transformers import" in clock.line() and "warm-up" in clock.line()
+
+
+def test_early_load_failure_is_raised_where_the_model_is_needed(tmp_path):
+    """A checkpoint that cannot load fails in ``model`` (after the checks beside it), not on the
+    thread; the switch interval is restored all the same."""
+    import sys
+
+    from sparsecal.capture.command import Early
+    from sparsecal.capture.distributed import Ranks
+    from sparsecal.capture.profile import Startup
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 1}')
+    (bad / "model.safetensors").write_bytes(b"not safetensors")
+    before = sys.getswitchinterval()
+    early = Early(CaptureRequest(out=tmp_path / "run", model=str(bad), backend="reference"), Ranks(), Startup())
+    with pytest.raises(Exception):  # noqa: B017 - whichever error the loader raises is re-raised here
+        early.model()
+    assert sys.getswitchinterval() == before

@@ -151,17 +151,18 @@ class CaptureJob:
 def capture_command(req: CaptureRequest) -> None:
     """One process, or one rank of ``torchrun ... -m sparsecal.cli capture`` (capture/distributed.py):
     rank 0 checks and plans while the others wait, then every rank captures its share. With several
-    ranks every rank loads its model and warms its kernels up (``Early``) while rank 0 checks: the
-    other ranks before they wait, rank 0 on a thread beside its checks."""
+    ranks every rank starts loading its model and warming its kernels up (``Early``, on a thread)
+    before it joins the process group: rank 0's checks and the other ranks' wait for its plan (and
+    the group's rendezvous) run beside it."""
     from sparsecal.capture import distributed
     from sparsecal.capture.profile import Startup
 
     clock = Startup()
+    mine = distributed.from_env()
+    early = Early(req, mine, clock) if mine.several else None
     ranks = distributed.start()
-    early = None
     if ranks.several:
         clock.mark("group")
-        early = Early(req, ranks, clock, background=ranks.main)
 
     def checked():
         job = prepare(req, ranks)
@@ -174,24 +175,36 @@ def capture_command(req: CaptureRequest) -> None:
         capture_share(req, job, ranks, clock, early.model() if early is not None else None)
 
 
-class Early:
-    """This rank's model, loaded and warmed up before rank 0's plan arrives. The options were checked
-    before the ranks started (cli/options.py), so only rank 0's checks of the model, prompts and run
-    directory run beside it; a failure here (an unreadable checkpoint) is raised where the model is
-    needed, after those checks, so a bad input is still reported by the check that names it. The
-    warm-up is one instrumented forward of ``warm_length`` tokens: Triton's kernels for these shapes
-    come from its on-disk cache (TRITON_CACHE_DIR, capture/distributed.shared_defaults) or are compiled
-    once, CUDA's libraries and the model's first-call paths start, before the first sample."""
+# The GIL's switch interval while a rank's model loads beside its checks: the loading thread gives
+# the GIL up in every torch op and file read and waits up to this long to get it back from a
+# thread running Python (CPython's default, 5 ms, per op; capture/profile.py's notes).
+EARLY_SWITCH_S = 0.0005
 
-    def __init__(self, req: CaptureRequest, ranks, clock, background: bool):
+
+class Early:
+    """This rank's model, loaded and warmed up on a thread before rank 0's plan arrives. The options
+    were checked before the ranks started (cli/options.py), so only rank 0's checks of the model,
+    prompts and run directory run beside it; a failure here (an unreadable checkpoint) is raised where
+    the model is needed, after those checks, so a bad input is still reported by the check that names
+    it. The warm-up is one instrumented forward of ``warm_length`` tokens: Triton's kernels for these
+    shapes come from its on-disk cache (TRITON_CACHE_DIR, capture/distributed.shared_defaults) or are
+    compiled once, CUDA's libraries and the model's first-call paths start, before the first sample.
+    While the thread runs, the GIL's switch interval is ``EARLY_SWITCH_S`` (restored in ``model``).
+    The rank ends with os._exit (cli._exit) when it stops early, so the thread is never joined then."""
+
+    def __init__(self, req: CaptureRequest, ranks, clock, background: bool = True):
         self.req, self.ranks, self.clock = req, ranks, clock
-        self._model, self._error, self._thread = None, None, None
-        if background:  # rank 0: its checks run meanwhile; it ends with os._exit (cli._exit), never joined then
+        self._model, self._error, self._thread, self._interval = None, None, None, None
+        if background:
+            import sys
             import threading
 
             import transformers  # noqa: F401 - imported whole before two threads ask its lazy module for names
             from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
+            clock.mark("imported")
+            self._interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._interval, EARLY_SWITCH_S))
             self._thread = threading.Thread(target=self._run, name="sparsecal-early-load", daemon=True)
             self._thread.start()
         else:
@@ -213,7 +226,10 @@ class Early:
     def model(self):
         """The warmed-up model (waits for rank 0's thread); the load's error, if it failed."""
         if self._thread is not None:
+            import sys
+
             self._thread.join()
+            sys.setswitchinterval(self._interval)
         if self._error is not None:
             raise self._error
         return self._model

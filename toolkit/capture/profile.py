@@ -111,15 +111,16 @@ _IMPORTED = time.perf_counter()
 
 class Startup:
     """The command's milestones in seconds since its process started: 'cli' (the command parsed,
-    torch imported), 'group' (the ranks' process group joined), 'preloaded' (a rank other than 0:
+    torch imported), 'imported' (several ranks: transformers imported, the model's load starts on a
+    thread), 'group' (the ranks' process group joined), 'preloaded' (a rank other than 0:
     its imports done while rank 0 checks), 'checked' (rank 0: checks, prompts and plan done),
     'planned' (every rank: rank 0's plan received), 'loaded' (this rank's model loaded), 'warmed'
     (several ranks: its warm-up forward done, capture/command.Early), 'first' (its first sample
     written), 'captured', 'summary'. With several ranks the model loads beside rank 0's checks, so
     the line lists the steps in the order they were reached."""
 
-    STEPS = (("cli", "python+CLI+torch"), ("group", "process group"), ("preloaded", "preload"),
-             ("checked", "checks+imports+plan"), ("planned", "wait for rank 0"), ("loaded", "model load"),
+    STEPS = (("cli", "python+CLI+torch"), ("imported", "transformers import"), ("group", "process group"),
+             ("preloaded", "preload"), ("checked", "checks+imports+plan"), ("planned", "wait for rank 0"), ("loaded", "model load"),
              ("warmed", "warm-up"), ("first", "first sample"), ("captured", "other samples"),
              ("summary", "totals+summary"))
 
