@@ -2,7 +2,8 @@
 reference (TRITON_INTERPRET=1): every kind of launch (tensor-core and CUDA-core products, loop tiles
 16..128, evict-first loads, the fused merge, wave-fitted and per-SM splits, 1 / 3 / the launch's own
 splits) on ragged batches (lengths 1, awkward, a page multiple, longer), contiguous and paged,
-GQA 1 / 4 / 8, D 64 / 128; and the table lookup."""
+GQA 1 / 4 / 8, D 64 / 128; the table lookup; the committed table against the H100 sweep's JSONs."""
+import json
 import math
 
 import pytest
@@ -19,9 +20,10 @@ from sparsecal.kernels.sparse.decode_group_dense import (
 )
 from sparsecal.kernels.sparse.reference import sparse_decode_ragged
 
-from helpers import INTERPRETER_WARNINGS, TOL
+from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
+SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep-h100-d{d}.json" for d in (128, 64)]   # the sweep DENSE_TABLE is from
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)
@@ -96,3 +98,28 @@ def test_table_lookup_and_loop_tile():
     assert loop_tile(DenseLaunch(block_n=128), 32) == 32 and loop_tile(DenseLaunch(block_n=64), 0) == 64
     with pytest.raises(ValueError, match="loop tile"):
         loop_tile(DenseLaunch(block_n=64), 24)
+
+
+def _spread(row: dict) -> float:
+    """Round-to-round spread of a timed row: (max - min) / median of its rounds."""
+    return (max(row["rounds_ms"]) - min(row["rounds_ms"])) / row["ms"]
+
+
+def test_committed_table_is_the_sweeps_checked_winners():
+    """DENSE_TABLE is exactly the sweep's dense winners (its "table") that beat DENSE_DEFAULT at their
+    shape by more than the larger round spread of the two rows, each a configuration the sweep built
+    and checked: every ragged/paged check row of its name ok, its timed row at the shape ok."""
+    want = {}
+    for path in SWEEPS:
+        sweep = json.loads(path.read_text())
+        failed = {r["config"] for r in sweep["check"] if not r["ok"]}
+        checked = {r["config"] for r in sweep["check"]} - failed
+        for shape in sweep["shapes"]:
+            rows = {r["variant"]: r for r in shape["rows"]}
+            win, base = shape["winners"]["dense"], rows[f"dense_{DENSE_DEFAULT.name()}"]
+            cfg, key = DenseLaunch(**win["config"]), buckets(shape["d"], shape["group"], shape["length"])
+            assert win["variant"] == f"dense_{cfg.name()}" and sweep["table"][",".join(map(str, key))] == win["config"]
+            if cfg != DENSE_DEFAULT and base["ms"] / win["ms"] - 1 > max(_spread(rows[win["variant"]]), _spread(base)):
+                assert cfg.name() in checked and rows[win["variant"]]["ok"], (key, cfg.name())
+                want[key] = cfg
+    assert DENSE_TABLE == want

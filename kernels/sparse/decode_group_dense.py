@@ -102,7 +102,21 @@ class DenseLaunch:
 
 
 DENSE_DEFAULT = DenseLaunch()
-DENSE_TABLE: dict[tuple[int, int, int], DenseLaunch] = {}   # (D, G bucket, length bucket) -> launch
+_N128 = DenseLaunch(block_n=128, warps=8, stages=2, waves=2)   # n128w8s2W2
+_W1 = DenseLaunch(waves=1)                                     # n64w4s3W1
+_EVICT = DenseLaunch(stages=4, waves=2, evict=True)            # n64w4s4W2-evict
+# (D, G bucket, length bucket) -> launch: the winners of the H100 sweep (data/bench/decode-sweep-h100-d128.json,
+# -d64.json; B=16, H=32) that beat DENSE_DEFAULT by more than the larger round-to-round spread ((max - min) /
+# median of 3 rounds) of the two; the comment is the gain over DENSE_DEFAULT. Not listed (default won): D=64 G=4
+# at 16K and 64K. Lengths under 24K take the 16K entry (``buckets``), unmeasured below 16K.
+DENSE_TABLE: dict[tuple[int, int, int], DenseLaunch] = {
+    (128, 1, 16384): _N128, (128, 1, 32768): _N128, (128, 1, 65536): _N128,   # +1.4% / +2.0% / +1.8%
+    (128, 4, 16384): _N128, (128, 4, 32768): _N128, (128, 4, 65536): _N128,   # +3.1% / +3.2% / +3.4%
+    (128, 8, 16384): _N128, (128, 8, 32768): _N128, (128, 8, 65536): _N128,   # +3.9% / +2.8% / +2.6%
+    (64, 1, 16384): _W1, (64, 1, 32768): _W1, (64, 1, 65536): _W1,            # +10.1% / +8.5% / +6.0%
+    (64, 4, 32768): _EVICT,                                                    # +0.1% (spreads 0.06%)
+    (64, 8, 16384): _W1, (64, 8, 32768): _EVICT, (64, 8, 65536): _EVICT,      # +0.5% / +1.4% / +2.7%
+}
 
 
 def buckets(d: int, group: int, length: int) -> tuple[int, int, int]:
