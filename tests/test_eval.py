@@ -191,7 +191,7 @@ def test_runner_rows_dense_first_noop_and_window(tok, tmp_path, seed):
     from transformers import AutoModelForCausalLM
 
     from sparsecal.capture.prompts import build_sample
-    from sparsecal.evaluation.command import run_batch
+    from sparsecal.evaluation.rows import run_batch
 
     make_checkpoint(tmp_path / "m", seed, heads=2, kv_heads=1, head_dim=64, layers=2, vocab_size=len(tok))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa").eval()
@@ -228,7 +228,7 @@ def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):
     from transformers import AutoModelForCausalLM
 
     from sparsecal.capture.prompts import build_sample
-    from sparsecal.evaluation.command import batches, run_batch
+    from sparsecal.evaluation.rows import batches, run_batch
     from sparsecal.formats.exports import write_blasst
     from sparsecal.integrations.exports import write_bsfa
 
@@ -257,6 +257,7 @@ def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):
     for r in batched:
         a = alone[(r["sample_id"], r["label"])]
         assert (r["batch"], a["batch"]) == (2, 1)
+        assert min(r["setup_s"], r["answer_s"], r["fidelity_s"], r["prefill_s"], r["decode_s"]) > 0
         for k in ("generated", "new_tokens", "prefill_skipped", "prefill_reachable", "decode_skipped",
                   "decode_reachable"):
             assert r[k] == a[k], (r["label"], k)
