@@ -47,7 +47,7 @@ from sparsecal.bench.decode_inputs import (
     sdpa_variants,
 )
 from sparsecal.bench.decode_sweep import run as run_sweep
-from sparsecal.bench.harness import log
+from sparsecal.bench.harness import graph_replay, log
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -95,15 +95,7 @@ def graph_ms(fn) -> float | str:
 
     try:
         fn()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return float(triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median"))
+        return float(triton.testing.do_bench(graph_replay(fn), warmup=10, rep=60, return_mode="median"))
     except Exception as e:  # noqa: BLE001  (a variant with a host sync, torch-made masks, cannot be captured)
         return f"not captured: {type(e).__name__}: {str(e)[:160]}"
 

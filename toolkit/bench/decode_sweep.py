@@ -31,7 +31,7 @@ import torch
 import triton
 
 from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsfa_at, counted, decode_qkv, sdpa_variants
-from sparsecal.bench.harness import log
+from sparsecal.bench.harness import graph_replay, log
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
 from sparsecal.kernels.sparse.decode_group import decode_tile_maxima, group_decode_triton
@@ -111,15 +111,7 @@ def _time_round_robin(fns: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
             if quick:
                 runners[name] = fn
                 continue
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            runners[name] = graph.replay
+            runners[name] = graph_replay(fn)
         except Exception as e:  # noqa: BLE001  (recorded; the candidate never wins)
             errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
     times = {name: [] for name in runners}

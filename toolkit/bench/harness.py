@@ -82,6 +82,20 @@ def sweep(name: str, variants, make_fn) -> tuple:
     return (best[0] if best else None), rows
 
 
+def graph_replay(fn):
+    """``fn`` (its inputs fixed) warmed on a side stream and captured in a CUDA graph: the graph's
+    replay (one launch for all of fn's kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def sdpa_fn(q, k, v, backend, causal: bool = True):
     """A callable running SDPA with one backend: GQA natively when supported, else on K/V expanded
     outside the timed call. ``causal`` False for decode (one query row sees the whole cache).
