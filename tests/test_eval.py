@@ -245,7 +245,7 @@ def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):
                        "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 2,
                        "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
     prompts = [build_sample(tok, "niah_single", 260, seed + i) for i in range(2)]
-    methods = with_dense(parse_methods("blasst:0.5"))
+    methods = parse_methods("dense,blasst:0.5")  # dense first: the reference
     manifest = {"model": {"id": "tiny"}, "prompts": []}
 
     def rows(group):
