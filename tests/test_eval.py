@@ -244,7 +244,7 @@ def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):
     write_blasst(exp, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": 30.0, "decode": 30.0},
                        "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 2,
                        "q_block_size": 128, "k_block_size": 64, "schema_version": 1})
-    prompts = [build_sample(tok, "niah_single", 260, seed + i) for i in range(2)]
+    prompts = [build_sample(tok, "niah_single", 200, seed + i) for i in range(2)]
     methods = parse_methods("dense,blasst:0.5")  # dense first: the reference
     manifest = {"model": {"id": "tiny"}, "prompts": []}
 
@@ -265,7 +265,7 @@ def test_batched_rows_are_each_prompts_own(tok, tmp_path, seed):
             assert r[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (r["label"], k)
     blasst = [r["decode_skipped"] for r in batched if r["label"] == "blasst:0.5"]
     assert blasst[0] != blasst[1] and min(blasst) > 0
-    short = build_sample(tok, "niah_single", 200, seed)
+    short = build_sample(tok, "niah_single", 150, seed)
     grouped = batches([(prompts[0], 1), (short, 2), (prompts[1], 3)], 8)
     assert [[x for _, x in g] for g in grouped] == [[1, 3], [2]]
 

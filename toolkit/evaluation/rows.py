@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import time
 
+# The row columns that are wall times (they differ run to run; everything else is deterministic)
+TIMING_COLUMNS = ("prefill_s", "decode_s", "seconds", "setup_s", "answer_s", "fidelity_s")
+
 
 def _sid(p) -> str:
     from sparsecal.formats.run import sample_id
