@@ -275,6 +275,21 @@ def _mask_for(tmax, lengths, bound: int, block_m: int, block_n: int, kw: dict) -
     return mask
 
 
+def _split_buffers(q, hkv: int, n_split: int) -> tuple:
+    """The attend pass's outputs besides ``out``: with one split (the pass writes the output and
+    the final counts itself) no partials and int64 counts [B, H] / [B, Hkv]; else the partials
+    (acc [B, H, S, D], m and l [B, H, S] float32) and per-split int32 counts [B, H, S] / [B, Hkv, S]."""
+    b, h, _, d = q.shape
+    dev, f32 = q.device, torch.float32
+    if n_split == 1:
+        return ((q, q, q), torch.empty((b, h), dtype=torch.int64, device=dev),
+                torch.empty((b, hkv), dtype=torch.int64, device=dev))
+    part = (torch.empty((b, h, n_split, d), dtype=f32, device=dev),
+            torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev))
+    return (part, torch.empty((b, h, n_split), dtype=torch.int32, device=dev),
+            torch.empty((b, hkv, n_split), dtype=torch.int32, device=dev))
+
+
 def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                         log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                         topk: int | None = None, dense: bool = False, decision: str = "head", lengths=None,
@@ -332,15 +347,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     thr = thresholds.to(device=dev, dtype=f32).contiguous() if decide == BSFA else q
     out = torch.empty_like(q)
     direct = n_split == 1
-    if direct:
-        part = (q, q, q)
-        cnt = torch.empty((b, h), dtype=torch.int64, device=dev)
-        vcnt = torch.empty((b, hkv), dtype=torch.int64, device=dev)
-    else:
-        part = (torch.empty((b, h, n_split, d), dtype=f32, device=dev),
-                torch.empty((b, h, n_split), dtype=f32, device=dev), torch.empty((b, h, n_split), dtype=f32, device=dev))
-        cnt = torch.empty((b, h, n_split), dtype=torch.int32, device=dev)
-        vcnt = torch.empty((b, hkv, n_split), dtype=torch.int32, device=dev)
+    part, cnt, vcnt = _split_buffers(q, hkv, n_split)
     LAST_COMPILED["group_attend"] = _group_attend_kernel[(n_split, b * hkv)](
         q2, k, v, bt, lens, thr, tmax, skip, *part, cnt, vcnt, out, *strides, v.stride(0), v.stride(1), v.stride(2),
         bt.stride(0) if block_table is not None else 0, out.stride(0), out.stride(1), bound, kb, tps, n_split, h,
