@@ -86,6 +86,7 @@ def test_record_with_decode_round_trips_and_refuses_damage():
     assert rec["timing"] == {"prefill": "eager", "decode": "graph"} and "decode" not in blasst
     assert bsfa["decode"]["modes"]["topk"]["sparse"] == [[True, True], [False, True]]
     assert bsfa["decode"]["dense_backend"] == ["FLASH_ATTENTION"] * 2 and bsfa["dense_backend"] == ["CUDNN_ATTENTION"] * 2
+    assert bsfa["decode"]["batch"] == 1  # the decode rows' batch
     edited = json.loads(json.dumps(rec))
     edited["configs"][0]["decode"]["modes"]["topk"]["sparse"][1][0] = True
     with pytest.raises(UserError, match="configs\\[0\\] \\(k=1\\): the sparse flags .* edited") as e:
@@ -94,6 +95,7 @@ def test_record_with_decode_round_trips_and_refuses_damage():
     for damage in (lambda r: r["configs"][0]["decode"]["modes"]["topk"]["sparsity"].pop(),
                    lambda r: r["configs"][0]["decode"].update(decision="both"),
                    lambda r: r["configs"][0]["decode"]["break_even"].append(0.5),
+                   lambda r: r["configs"][0]["decode"].update(batch=0),
                    lambda r: r["timing"].update(decode=None)):
         broken = json.loads(json.dumps(rec))
         damage(broken)
@@ -124,7 +126,7 @@ def _prefill_then_step(model, seed, n=300):
     return logits, {k: v.clone() for k, v in model.sparsecal_stats.items()}
 
 
-def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed):
+def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed, capsys):
     reach = 301 // 64 + 1
     sparsecal.sparsify(tiny_model, _export(tmp_path / "e", (0.1, 0.7)), method="bsfa", k=1, decode="topk")
     _, st = _prefill_then_step(tiny_model, seed)  # bucket 256: layer 0 decodes sparse, layer 1 dense
@@ -140,6 +142,12 @@ def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed):
     assert torch.equal(got, want) and st["skipped"].sum() == 0 and st["reachable"].sum() == 0
     state = tiny_model._sparsecal_state
     assert D.bucket(state.plan["lengths"], 301) == 0 and state.plan["decode"]["decision"] == "head"
+    # a decode of another batch than the break-even's (batch 1 here) is said once, on stderr
+    ids = torch.randint(0, 300, (2, 301), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        pre = tiny_model(ids[:, :300], use_cache=True)
+        tiny_model(ids[:, 300:], past_key_values=pre.past_key_values, use_cache=True)
+    assert capsys.readouterr().err.count("measured at batch 1, this decode runs batch 2") == 1
     # the group decision has no decode entry in this record: decode runs as without dispatch (sparse)
     sparsecal.sparsify(tiny_model, tmp_path / "d", method="bsfa", k=1, decode="topk", decode_decision="group")
     _, st = _prefill_then_step(tiny_model, seed)

@@ -206,9 +206,11 @@ def print_dispatch(rec: dict) -> None:
                         f"{layer_ranges([i for i, r in enumerate(g['sparse']) if r[j]])}" for j in range(len(rec["lengths"]))])
     out.print(t)
     timing = rec.get("timing") or {"prefill": "eager", "decode": None}
+    batch = next((c["decode"].get("batch") for c in rec["configs"] if c.get("decode")), None)
     out.print(f"timings: prefill {timing['prefill']}, decode "
-              + (f"{timing['decode']} ({rec.get('decode_decision')} decision)" if timing["decode"] else
-                 "not dispatched (no decode rows in the break-even file)"))
+              + (f"{timing['decode']} ({rec.get('decode_decision')} decision"
+                 + (f", batch {batch}: a decode of another batch may break even elsewhere)" if batch else ")")
+                 if timing["decode"] else "not dispatched (no decode rows in the break-even file)"))
     if not rec["configs"]:
         out.print("no config has break-even rows: every exported layer runs sparse (no dispatch).")
 

@@ -288,7 +288,8 @@ def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_
             modes = {m: {"source": d["source"], "sparsity": _grid(np.asarray(d["sparsity"], float)),
                          "sparse": plan(np.asarray(d["sparsity"], float), be, margin).tolist()}
                      for m, d in c["decode"].items()}
-            entry["decode"] = {"decision": decision, "break_even": [_json_be(x) for x in be],
+            entry["decode"] = {"decision": decision, "batch": int(drows[0]["batch"]),
+                               "break_even": [_json_be(x) for x in be],
                                "extrapolated": [bool(x) for x in ext], "dense_backend": backends, "modes": modes}
         out.append(entry)
     prov = be_doc.get("provenance") or {}
@@ -331,6 +332,7 @@ def _decode_ok(d, n_layers: int, n_len: int) -> bool:
         return True
     modes = d.get("modes") if isinstance(d, dict) else None
     return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len) and isinstance(modes, dict) and bool(modes)
+            and ("batch" not in d or _pos_int(d["batch"]))  # the decode rows' batch (older records lack it)
             and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
 
 

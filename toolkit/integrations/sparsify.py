@@ -97,6 +97,7 @@ class _State:
     layers: frozenset | None = None                # layers the export runs sparse (None: every layer)
     specs: dict = field(default_factory=dict)      # layer -> formats.layers.LayerSpec of the model
     said_fallback: bool = False                    # the head-dim fall-back to the reference was reported
+    said_batch: bool = False                       # a decode batch unlike the decode break-even's was reported
     decode: str = "sparse"                         # decode steps: sparse | dense | topk | thresholds (DECODES)
     decision: str = "head"                         # decode skip decision: head | group (reference.group_skip)
     precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
@@ -412,7 +413,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     note_law(state, mode, nk)  # state.law = model.sparsecal_law: interpolated | extrapolated | below | None
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
-    first, kw, counted = dispatched_dense(state, layer, mode, nk), None, True
+    first, kw, counted = dispatched_dense(state, layer, mode, nk, query.shape[0]), None, True
     if first is None and _runs_sparse(state, layer, spec, window, nk):
         kw = {"dense": True} if _window_covers(state, mode, nk) else call_args(state, layer, mode, nk, query.device)
         first = dense_first(state, mode, nk) if kw.get("dense") else None  # skips nothing: dense's own path

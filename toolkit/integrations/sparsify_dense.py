@@ -117,14 +117,21 @@ def decode_plan(state) -> dict | None:
     return dec
 
 
-def dispatched_dense(state, layer: int, mode: str, length: int) -> str | None:
+def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | None = None) -> str | None:
     """The SDPA backend to try first when the dispatch plan runs this prefill, or this decode step
     against ``length`` cached tokens, dense (the bucket's fastest; below the shortest calibrated
     length, the shortest's), None when it runs sparse or there is no plan for it (decode: no
-    decode entry for the state's decision and decode mode)."""
+    decode entry for the state's decision and decode mode). A decode step of another ``batch`` than
+    the one its break-even was measured at is said once (the break-even moves with the batch)."""
     plan = state.plan if mode == "prefill" else decode_plan(state)
     if plan is None:
         return None
+    if mode == "decode" and batch and plan.get("batch") not in (None, batch) and not state.said_batch:
+        import sys
+
+        print(f"note: the decode dispatch was measured at batch {plan['batch']}, this decode runs batch {batch}; "
+              f"its break-even may differ (sparsecal bench break-even --decode-batch {batch}).", file=sys.stderr)
+        state.said_batch = True
     from sparsecal.formats.dispatch import bucket
 
     lengths = state.plan["lengths"]
