@@ -7,7 +7,8 @@ from which the metrics draw next-token distributions in chunks (metrics.py) and
 ``generate_batch`` the first new tokens; decode then continues from the cache one token a step
 for the whole batch. ``prefill`` / ``generate`` / ``answer_logprob`` are the same functions on a
 batch of one prompt. Skipped and reachable tiles are counted per batch row
-(``model.sparsecal_stats["row_skipped"]``), so a batched row counts what its prompt skipped. Under a sparse method every forward leaves the skipped and reachable
+(``model.sparsecal_stats["row_skipped"]``), so a batched row counts what its prompt skipped.
+Under a sparse method every forward leaves the skipped and reachable
 tiles of that forward in ``model.sparsecal_stats`` ([L, H] each); prefill keeps its own counts
 and decode sums them over its steps. ``law`` is where the forward's length sits against the BLASST
 law's validated lengths (integrations/sparsify_laws.py: below | interpolated | extrapolated; decode:

@@ -32,8 +32,8 @@ def run_batch(model, tok, prompts, methods, pending, export_dir, manifest: dict,
     answers = [answer_ids(tok, p) for p in prompts]
     model_id, held = manifest["model"]["id"], [_held_out(manifest, p) for p in prompts]
     extrapolate = (manifest.get("request") or {}).get("extrapolate", False)
-    head = model.get_output_embeddings()
-    refs, sync = None, (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
+    head, refs = model.get_output_embeddings(), None
+    ids = torch.tensor([p.input_ids for p in prompts], device=model.device)  # [B, N]: each row's targets
     for method in methods:  # dense first (with_dense put it there): the reference of the others
         wanted = [i for i, todo in enumerate(pending) if method in todo]
         if refs is not None and not wanted:
@@ -45,15 +45,13 @@ def run_batch(model, tok, prompts, methods, pending, export_dir, manifest: dict,
         refs = refs or [Reference(head, pre.hidden[i]) for i in range(len(prompts))]
         if wanted:
             t0 = time.perf_counter()
-            forced = answer_logprob_batch(model, pre, answers)
-            sync()
+            forced = answer_logprob_batch(model, pre, answers)  # a host list: the device has finished
             answer_s = time.perf_counter() - t0
             gens = generate_batch(model, pre, budgets, eos)
             rows = []
             for i in wanted:
                 t0 = time.perf_counter()
-                ids = torch.tensor(prompts[i].input_ids, device=pre.hidden.device)
-                fid = fidelity(head, refs[i], pre.hidden[i], ids)
+                fid = fidelity(head, refs[i], pre.hidden[i], ids[i])
                 rows.append(dict(_row(prompts[i], method, tok, pre.row(i), gens[i], fid, held[i]),
                                  answer_logprob=forced[i], answer_tokens=len(answers[i]), batch=len(prompts),
                                  setup_s=setup_s / len(prompts), answer_s=answer_s / len(prompts),

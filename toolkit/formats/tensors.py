@@ -37,7 +37,7 @@ def encode(arrays: dict[str, np.ndarray], sparse=()) -> tuple[dict[str, np.ndarr
 
 def decode(raw: dict[str, np.ndarray], shapes: dict[str, list]) -> dict[str, np.ndarray]:
     """The dense arrays of a file's stored arrays and its ``sparsecal.sparse`` shapes."""
-    out = {k: v for k, v in raw.items() if not (k.endswith(".idx") or k.endswith(".val"))}
+    out = {k: v for k, v in raw.items() if not k.endswith((".idx", ".val"))}
     for name, shape in shapes.items():
         if f"{name}.val" not in raw:
             continue
@@ -90,6 +90,6 @@ def header_shapes(path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
         meta = dict(f.metadata() or {})
         raw = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     sparse = json.loads(meta.pop(SPARSE_META, "{}"))
-    out = {k: v for k, v in raw.items() if not (k.endswith(".idx") or k.endswith(".val"))}
+    out = {k: v for k, v in raw.items() if not k.endswith((".idx", ".val"))}
     out.update({name: tuple(shape) for name, shape in sparse.items() if f"{name}.val" in raw})
     return out, meta
