@@ -3,6 +3,7 @@ fidelity metrics (dense vs dense: KL 0, agreement 1), and a tiny end-to-end eval
 SmolLM2 at 512 tokens through the CLI with resume, the bench join and the bad-input lines."""
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -339,6 +340,8 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     args = [exp, "--out", out, "--tasks", "niah_single", "--lengths", "512", "--methods", "dense,blasst:0.5"]
     res = _eval(*args)
     assert res.exit_code == 0, res.output
+    # no terminal here: a line per batch and method says where its time went
+    assert re.search(r"\d\d:\d\d:\d\d blasst:0\.5 1/1 acc .* batch prefill [\d.]+s decode [\d.]+s answer", res.output)
     rows = pl.read_parquet(out / "data" / "rows.parquet")
     dense, blasst = (rows.filter(pl.col("label") == x).to_dicts()[0] for x in ("dense", "blasst:0.5"))
     assert dense["kl"] == 0.0 and dense["top1"] == 1.0 and dense["sparsity"] == 0.0

@@ -409,6 +409,10 @@ def run() -> None:
     from sparsecal.formats.children import adopt_from_env
 
     adopt_from_env()  # a rank of --gpus N: end with the launcher, however it ends
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where every thread is (a long run that seems stuck)
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if "WORLD_SIZE" not in os.environ:  # ranks keep the default: torchrun stops them and says so itself
         signal.signal(signal.SIGTERM, _terminate)
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")

@@ -23,6 +23,7 @@ meaningless (results.json and curves.parquet ``accuracy_meaningful`` false).
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -397,7 +398,19 @@ def _with_bars(store, plan: Plan, rows) -> None:
             bar.update(job, completed=sum(r["label"] == label for r in store.rows), acc=_so_far(store, label))
         for group in rows:
             store.add_rows(group)
-            bar.update(jobs[group[0]["label"]], advance=len(group), acc=_so_far(store, group[0]["label"]))
+            label = group[0]["label"]
+            bar.update(jobs[label], advance=len(group), acc=_so_far(store, label))
+            if not console.is_terminal:  # a log file sees no live bar: one line per batch and method
+                done = int(bar.tasks[jobs[label]].completed)
+                console.print(f"{time.strftime('%H:%M:%S')} {label} {done}/{total} {_so_far(store, label)}  "
+                              f"batch {_batch_seconds(group)}",
+                              soft_wrap=True)
+
+
+def _batch_seconds(rows: list) -> str:
+    """Where one batch's wall time went (the rows' timing columns summed over the batch)."""
+    parts = {k: sum(r.get(f"{k}_s") or 0.0 for r in rows) for k in ("prefill", "decode", "answer", "fidelity")}
+    return " ".join(f"{k} {v:.2f}s" for k, v in parts.items())
 
 
 def _so_far(store, label: str) -> str:
