@@ -330,7 +330,7 @@ def eval_(
     decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round (median per step)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Timing phase: also CUDA-graph replays of the prefill (CUDA only)."),
     time_lengths: Optional[str] = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
-    batch: int = typer.Option(1, min=1, help="Prompts of one length evaluated together as one batch (rows stay per prompt and independent; a GPU's host-bound decode steps are shared): 8-16 on a GPU."),
+    batch: int = typer.Option(1, min=1, help="Prompts of one length evaluated together as one batch (rows stay per prompt and independent; a GPU's host-bound decode steps are shared): 16-32 on a GPU, one process per GPU (processes sharing one are time-sliced)."),
 ):
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
     agreement, perplexity, achieved sparsity and time per sample; summary and result files in OUT
