@@ -148,9 +148,14 @@ def _bench_table(path: Path) -> tuple[pl.DataFrame, dict]:
         raise UserError(f"--bench {path} is not readable ({type(e).__name__}: {e}).") from None
 
 
-SPEED = ["speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "ideal_ttft", "ideal_tpot", "attention_share",
+SPEED = ["speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_graph", "ideal_ttft", "ideal_tpot", "attention_share",
          "attention_share_decode", "timed_sparsity", "timed_decode_sparsity", "sparse_layers", "sparsity_match",
          "decode_sparsity_match", "speed_device"]
+
+
+def _col(frame: pl.DataFrame, name: str) -> pl.Expr:
+    """A column, or nulls where an older timing file lacks it."""
+    return pl.col(name) if name in frame.columns else pl.lit(None, pl.Float64)
 
 
 def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
@@ -163,6 +168,7 @@ def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
         pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft")).alias("speedup_ttft"),
         pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft_graph")).alias("speedup_ttft_graph"),
         pl.when(ok("decode_sparsity_match")).then(pl.col("speedup_tpot")).alias("speedup_tpot"),
+        pl.when(ok("decode_sparsity_match")).then(_col(timing, "speedup_tpot_graph")).alias("speedup_tpot_graph"),
         "ideal_ttft", "ideal_tpot", "attention_share", "attention_share_decode",
         pl.col("sparsity").alias("timed_sparsity"), pl.col("decode_sparsity").alias("timed_decode_sparsity"),
         "sparse_layers", "sparsity_match", "decode_sparsity_match", "speed_device")

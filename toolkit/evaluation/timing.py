@@ -8,7 +8,9 @@ method; the noise floors ``dense:fp32`` and ``sdpa`` are not configurations anyo
            median of ``reps`` after ``warmup`` (CUDA events on a GPU), and with ``graph`` the same
            forward without a cache captured in a CUDA graph and replayed
     tpot   greedy decode steps from that prompt's cache: ``warmup`` untimed steps, then the median
-           of ``decode_steps`` single-step times (eager; decode is not captured in a graph)
+           of ``decode_steps`` single-step times (eager), and with ``graph`` one decode step against
+           the prompt's cache captured in a CUDA graph and replayed (device time: what a serving
+           engine that replays decode graphs pays; the eager step of a small model is host-bound)
 
 each against the best PyTorch SDPA on the same length: the model's own attention as causal SDPA
 in PyTorch's backend order (``sdpa``) and with cuDNN first (``sdpa_cudnn``, GPU only), the faster
@@ -57,7 +59,7 @@ class TimingOptions:
     rounds: int = 3        # round-robin rounds over the variants of a length (median kept)
     reps: int = 5          # timed prefill forwards per round (median)
     warmup: int = 2        # untimed forwards (and decode steps) first
-    graph: bool = True     # also CUDA-graph replays of the prefill (CUDA only)
+    graph: bool = True     # also CUDA-graph replays of the prefill and of a decode step (CUDA only)
     decode_steps: int = 16  # timed decode steps per round (median per step)
 
 
@@ -147,6 +149,34 @@ def decode_ms(model, ids, steps: int, warmup: int) -> dict:
                 s, r = _counts(model)
                 skipped, reachable = skipped + s, reachable + r
     return {"ms": statistics.median(times), "skipped": skipped, "reachable": reachable}
+
+
+def decode_graph_ms(model, ids, reps: int, warmup: int) -> float:
+    """Median ms of one decode step against the cache of the prompt ``ids`` [1, N], captured in a CUDA
+    graph and replayed. Every replay recomputes the same step (position N): the capture appends to
+    its own copy of the cache, so the prompt's cache is left as it was."""
+    import copy
+
+    with torch.no_grad():
+        out = model(ids, logits_to_keep=1, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 1)):
+                model(input_ids=nxt, past_key_values=copy.deepcopy(cache), use_cache=True)
+        torch.cuda.current_stream().wait_stream(side)
+        step, graph = copy.deepcopy(cache), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(input_ids=nxt, past_key_values=step, use_cache=True)
+        times = []
+        for i in range(warmup + reps):
+            with _Clock(ids.device) as c:
+                graph.replay()
+            if i >= warmup:
+                times.append(c.ms)
+    del graph, step, cache
+    return statistics.median(times)
 
 
 def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -271,7 +301,7 @@ def timed_methods(methods) -> list:
 
 
 def _measure(model, ids, opts: TimingOptions, sparse: bool) -> dict:
-    """One round of one variant: eager TTFT (and its kernel counts), graph TTFT, TPOT."""
+    """One round of one variant: eager TTFT (and its kernel counts), graph TTFT, TPOT eager and graph."""
     from sparsecal.evaluation.model import _counts
 
     cuda = ids.device.type == "cuda"
@@ -286,6 +316,12 @@ def _measure(model, ids, opts: TimingOptions, sparse: bool) -> dict:
             got["ttft_graph_ms"], got["graph_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     dec = decode_ms(model, ids, opts.decode_steps, opts.warmup)
     got["tpot_ms"] = dec["ms"]
+    if opts.graph and cuda:
+        try:
+            got["tpot_graph_ms"] = decode_graph_ms(model, ids, opts.reps, opts.warmup)
+        except RuntimeError as e:  # recorded beside the prefill's: a decode capture can fail where eager runs
+            got["tpot_graph_ms"] = None
+            got["graph_error"] = got.get("graph_error") or f"decode {type(e).__name__}: {str(e)[:200]}"
     if sparse:
         got["decode_skipped"], got["decode_reachable"] = dec["skipped"], dec["reachable"]
     return got
@@ -333,7 +369,7 @@ def _median(values):
 def _baseline(got: dict) -> dict:
     """Best SDPA per measure (name, ms), the rest ms and the attention shares, from a length's timings."""
     out = {}
-    for measure in ("ttft_ms", "ttft_graph_ms", "tpot_ms"):
+    for measure in ("ttft_ms", "ttft_graph_ms", "tpot_ms", "tpot_graph_ms"):
         cands = {n: _median(got[("base", n)].get(measure)) for n in ("sdpa", "sdpa_cudnn") if ("base", n) in got}
         cands = {n: v for n, v in cands.items() if v}
         best = min(cands, key=cands.get) if cands else None
@@ -364,16 +400,19 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
     row = next((r for r in rows if r["sample_id"] == prompt and r["label"] == m.label), None)
     row_reach = None if row is None else row["prefill_reachable"]  # the same layers ran sparse: the same count
     ttft, graph, tpot = _median(t["ttft_ms"]), _median(t.get("ttft_graph_ms")), _median(t["tpot_ms"])
+    tpot_graph = _median(t.get("tpot_graph_ms"))
     b, g, d = base["ttft_ms"], base["ttft_graph_ms"], base["tpot_ms"]
+    dg = base.get("tpot_graph_ms") or {"ms": None}
     return {"label": m.label, "method": m.name, "config": m.config, "value": m.value, "decode": m.decode_mode,
             "dispatch": m.dispatch, "length": length, "prompt": prompt,
             "ttft_ms": ttft, "ttft_rounds_ms": t["ttft_ms"], "ttft_graph_ms": graph, "tpot_ms": tpot,
-            "tpot_rounds_ms": t["tpot_ms"], "graph_error": (t.get("graph_error") or [None])[0],
+            "tpot_rounds_ms": t["tpot_ms"], "tpot_graph_ms": tpot_graph, "sdpa_tpot_graph_ms": dg["ms"],
+            "graph_error": (t.get("graph_error") or [None])[0],
             "sdpa_ttft_ms": b["ms"], "sdpa_ttft_backend": b["best"], "sdpa_ttft_graph_ms": g["ms"],
             "sdpa_tpot_ms": d["ms"], "sdpa_tpot_backend": d["best"], "rest_ttft_ms": b["rest"],
             "rest_tpot_ms": d["rest"], "attention_share": b["share"], "attention_share_decode": d["share"],
             "speedup_ttft": _ratio(b["ms"], ttft), "speedup_ttft_graph": _ratio(g["ms"], graph),
-            "speedup_tpot": _ratio(d["ms"], tpot),
+            "speedup_tpot": _ratio(d["ms"], tpot), "speedup_tpot_graph": _ratio(dg["ms"], tpot_graph),
             "ideal_ttft": ideal_speedup(b["share"], s) if b["share"] is not None and s is not None else None,
             "ideal_tpot": ideal_speedup(d["share"], sd) if d["share"] is not None and sd is not None else None,
             "prefill_skipped": ps, "prefill_reachable": pr, "sparsity": s,
@@ -412,6 +451,7 @@ def run_timing(model, methods, lengths, export_dir, model_id: str, rows: list[di
             rec = method_record(m, n, got[("method", m.label)], base, prompt_of[m.label], rows)
             records.append(rec)
             say(f"  {n} tokens {m.label}: TTFT {rec['speedup_ttft'] or 0:.3f}x, TPOT {rec['speedup_tpot'] or 0:.3f}x "
+                f"(graph {_fmt(rec['speedup_tpot_graph'])}x) "
                 f"of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {rec['sparsity']:.3f} timed vs "
                 f"{_fmt(rec['point_sparsity'])} evaluated")
         if device.type == "cuda":
@@ -424,7 +464,8 @@ def _fmt(x) -> str:
 
 
 # ----------------------------------------------------------------------------- the records
-SPEED_COLUMNS = ("speedup", "speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "ideal_ttft", "ideal_tpot",
+SPEED_COLUMNS = ("speedup", "speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_graph", "ideal_ttft",
+                 "ideal_tpot",
                  "attention_share", "timed_sparsity", "timed_decode_sparsity", "sparsity_match",
                  "decode_sparsity_match", "speed_device", "accuracy_meaningful")
 
@@ -467,6 +508,6 @@ def print_speed(cur, meaningful: bool) -> None:
     for r in cur.filter(cur["speedup_ttft"].is_not_null() | cur["timed_sparsity"].is_not_null()).iter_rows(named=True):
         out.print(f"speed {r['label']} @ {r['length']}: TTFT {_fmt(r['speedup_ttft'])}x (graph "
                   f"{_fmt(r.get('speedup_ttft_graph'))}x, ideal {_fmt(r.get('ideal_ttft'))}x), TPOT "
-                  f"{_fmt(r['speedup_tpot'])}x of best SDPA; sparsity timed {_fmt(r.get('timed_sparsity'))}"
+                  f"{_fmt(r['speedup_tpot'])}x (graph {_fmt(r.get('speedup_tpot_graph'))}x) of best SDPA; sparsity timed {_fmt(r.get('timed_sparsity'))}"
                   f" / evaluated {_fmt(r['sparsity'])} (match {r.get('sparsity_match')}) on "
                   f"{r.get('speed_device')}", soft_wrap=True)
