@@ -142,6 +142,11 @@ def generate_batch(model, pre: Batch, budgets: list[int], eos_ids: set) -> list[
     nxt = head(pre.hidden[:, -1]).argmax(-1)                          # [B]
     tokens = [[t] for t in nxt.tolist()]
     active = [budgets[i] > 1 and tokens[i][0] not in eos_ids for i in range(b)]
+    # the same rule on the device (no host-to-device copy per step): row i goes on while it has
+    # fewer than budgets[i] tokens and its last one is no EOS
+    budget = torch.tensor(budgets, device=device)
+    eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
+    keep, count = torch.tensor(active, device=device), torch.ones(b, dtype=torch.int64, device=device)
     skipped = torch.zeros(b, dtype=torch.int64, device=device)
     reachable = torch.zeros_like(skipped)
     laws: list[list] = [[] for _ in range(b)]
@@ -151,12 +156,13 @@ def generate_batch(model, pre: Batch, budgets: list[int], eos_ids: set) -> list[
     while any(active):
         out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        keep = torch.tensor(active, device=device)
         s, r = _row_counts(model, b, device)
         skipped, reachable = skipped + s * keep, reachable + r * keep
         law = _law(model)
         nxt = out.logits[:, -1].argmax(-1)
-        for i, t in enumerate(nxt.tolist()):
+        count = count + keep
+        keep = keep & (count < budget) & ~torch.isin(nxt, eos)
+        for i, t in enumerate(nxt.tolist()):  # the step's one synchronisation
             if active[i]:
                 laws[i].append(law)
                 tokens[i].append(t)
@@ -187,17 +193,17 @@ def answer_logprob_batch(model, pre: Batch, answers: list[list[int]]) -> list[fl
     head = model.get_output_embeddings()
     device, b = model.device, len(answers)
     rows = torch.arange(b, device=device)
-    first = torch.tensor([a[0] for a in answers], device=device)
-    total = torch.log_softmax(head(pre.hidden[:, -1]).float(), dim=-1)[rows, first].double()
+    steps = max(len(a) for a in answers) - 1
+    # [steps + 1, B] each row's answer, its last token repeated past its end (one copy to the device)
+    padded = torch.tensor([[a[min(j, len(a) - 1)] for a in answers] for j in range(steps + 1)], device=device)
+    counted = torch.tensor([[j + 1 < len(a) for a in answers] for j in range(steps)] or [[False] * b], device=device)
+    total = torch.log_softmax(head(pre.hidden[:, -1]).float(), dim=-1)[rows, padded[0]].double()
     cache = copy.deepcopy(pre.cache)
-    for step in range(max(len(a) for a in answers) - 1):
-        prev = torch.tensor([a[min(step, len(a) - 1)] for a in answers], device=device)
-        nxt = torch.tensor([a[step + 1] if step + 1 < len(a) else 0 for a in answers], device=device)
-        counted = torch.tensor([step + 1 < len(a) for a in answers], device=device)
-        out = model(input_ids=prev[:, None], past_key_values=cache, use_cache=True)
+    for step in range(steps):
+        out = model(input_ids=padded[step][:, None], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)[rows, nxt]
-        total = total + torch.where(counted, lp, torch.zeros_like(lp)).double()
+        lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)[rows, padded[step + 1]]
+        total = total + torch.where(counted[step], lp, torch.zeros_like(lp)).double()
     return total.tolist()
 
 
