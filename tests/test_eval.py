@@ -404,6 +404,19 @@ def test_merge_shards_of_one_evaluation(tmp_path):
     other = EvalStore.create(tmp_path / "other", dict(base, request={"methods": "dense"}, prompts=[]))
     with pytest.raises(UserError, match="other methods"):
         merge_shards(tmp_path / "x", [tmp_path / "text", other.root])
+    # each shard's timing records come along; a configuration timed in two shards is refused
+    import polars as pl
+
+    from sparsecal.evaluation.store import TIMING, write_parquet
+
+    for shard, n in (("niah_single", 512), ("text", 1024)):
+        write_parquet(tmp_path / shard / TIMING, pl.DataFrame({"label": ["bsfa:4"], "length": [n], "ttft_ms": [1.0]}))
+    joined = merge_shards(tmp_path / "timed", [tmp_path / "niah_single", tmp_path / "text"])
+    assert pl.read_parquet(joined.root / TIMING)["length"].to_list() == [512, 1024]
+    write_parquet(tmp_path / "text" / TIMING, pl.DataFrame({"label": ["bsfa:4"], "length": [512], "ttft_ms": [2.0]}))
+    with pytest.raises(UserError, match="timed in two shards"):
+        merge_shards(tmp_path / "twice", [tmp_path / "niah_single", tmp_path / "text"])
+    assert not (tmp_path / "twice").exists()  # nothing written
 
 
 def test_export_with_a_dispatch_record_is_recorded(tmp_path):

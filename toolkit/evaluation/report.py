@@ -71,3 +71,46 @@ def split_lines(summary) -> list[str]:
         f"{r['split']} rel. dense {_fmt(r['accuracy_rel_dense'], '.3f')}, top-1 {_fmt(r['top1'], '.4f')}, "
         f"KL {_fmt(r['kl'], '.2e')} ({r['tasks']}, {r['samples']} samples)" for r in rows)
         for (label, length), rows in by.items() if label != "dense"]
+
+
+def markdown_table(summary, speed=None) -> str:
+    """One Markdown row per (method label, length) of an evaluation's summary (summary.parquet):
+    per answer task its accuracy (n), answers gained / lost against dense, the exact paired p and
+    the answer log-likelihood difference [95%]; per text task the KL [95%] and the samples whose
+    perplexity rose / fell against dense with the exact sign test's p; the tasks where the
+    cell differs from the rounding floor (``distinguishable``); the counted prefill / decode
+    sparsity (mean over tasks); and, with ``speed`` (summary.own_speed of timing.parquet), the
+    configuration's own TTFT and TPOT speedups against the best SDPA, eager / CUDA-graph replay."""
+    import polars as pl
+
+    tasks = [(t, m == "accuracy") for t, m in summary.select("task", "metric").unique().sort("task").rows()]
+    heads = [f"{t}: {'acc (n) +/- p; answer LL - dense [95%]' if b else 'KL [95%]; ppl fell +/rose -, p'}" for t, b in tasks]
+    cols = ["method", "tokens", *heads, "differs from floor", "sparsity pre / dec", "TTFT eager / graph",
+            "TPOT eager / graph"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    speed_of = {} if speed is None else {(r["label"], r["length"]): r for r in speed.iter_rows(named=True)}
+    keys = summary.select("label", "length").unique(maintain_order=True).sort("length").rows()
+    order = {label: i for i, label in enumerate(summary["label"].unique(maintain_order=True))}
+    for label, n in sorted(keys, key=lambda k: (order[k[0]], k[1])):
+        cell = summary.filter((pl.col("label") == label) & (pl.col("length") == n))
+        by = {r["task"]: r for r in cell.iter_rows(named=True)}
+        parts = [_task_cell(by.get(t), b) for t, b in tasks]
+        apart = sorted(t for t, r in by.items() if r.get("distinguishable"))
+        s = speed_of.get((label, n), {})
+        lines.append("| " + " | ".join([
+            label, str(n), *parts, ", ".join(apart) or "no",
+            f"{_fmt(cell['sparsity'].mean(), '.2f')} / {_fmt(cell['decode_sparsity'].mean(), '.2f')}",
+            f"{_fmt(s.get('speedup_ttft'), '.3f')} / {_fmt(s.get('speedup_ttft_graph'), '.3f')}",
+            f"{_fmt(s.get('speedup_tpot'), '.3f')} / {_fmt(s.get('speedup_tpot_graph'), '.3f')}"]) + " |")
+    return "\n".join(lines)
+
+
+def _task_cell(r: dict | None, answers: bool) -> str:
+    """An answer task's accuracy, flips and exact p with the answer LL difference; a text task's KL
+    with its perplexity flips and exact p."""
+    if r is None:
+        return "-"
+    if not answers:
+        return f"{_ci(r, 'kl', '.1e')}; +{_fmt(r.get('gained'), 'd')}/-{_fmt(r.get('lost'), 'd')} p={_fmt(r.get('p_dense'), '.2g')}"
+    return (f"{_fmt(r['accuracy'], '.2f')} (n={r['samples']}) +{_fmt(r.get('gained'), 'd')}/-{_fmt(r.get('lost'), 'd')} "
+            f"p={_fmt(r.get('p_dense'), '.2g')}; {_ci(r, 'answer_ll_delta', '+.3f')}")

@@ -186,8 +186,9 @@ def merge_shards(root: Path, shards: list) -> EvalStore:
     """One evaluation directory ``root`` from shard directories of the same export, model and
     methods, each run as its own process over some tasks and lengths (several processes sharing
     one GPU). The manifest lists every shard's prompts; the request's tasks and lengths are the
-    union and ``samples`` maps "task@length" to the samples run there. Refuses shards of another
-    export, model or method list, and a non-empty ``root``."""
+    union and ``samples`` maps "task@length" to the samples run there; the shards' timing records
+    are joined (_merged_timing). Refuses shards of another export, model or method list, and a
+    non-empty ``root``."""
     import polars as pl
 
     mans = [EvalStore.open(Path(s)) for s in shards]
@@ -202,6 +203,7 @@ def merge_shards(root: Path, shards: list) -> EvalStore:
             raise UserError(f"{st.root} evaluated other methods than {mans[0].root}.")
     if EvalStore.read_manifest(Path(root)) is not None:
         raise UserError(f"{root} already holds an evaluation; merge into a new directory.")
+    timing = _merged_timing(mans)  # refused before anything is written
     prompts = [p for st in mans for p in st.manifest["prompts"]]
     samples: dict = {}
     for p in prompts:
@@ -212,7 +214,26 @@ def merge_shards(root: Path, shards: list) -> EvalStore:
                                               merged_from=[str(st.root) for st in mans]))
     store.rows = [r for st in mans for r in st.rows]
     write_parquet(store.root / ROWS, pl.DataFrame(store.rows, infer_schema_length=None))
+    if timing is not None:
+        write_parquet(store.root / TIMING, timing)
     return store
+
+
+def _merged_timing(stores: list):
+    """The shards' timing records in one polars DataFrame (each length is timed in one shard, `eval
+    --time-only`), None when no shard has any; a (label, length) timed in two shards is refused."""
+    import polars as pl
+
+    parts = [pl.read_parquet(st.root / TIMING) for st in stores if (st.root / TIMING).is_file()]
+    if not parts:
+        return None
+    table = pl.concat(parts, how="diagonal_relaxed")
+    twice = table.group_by("label", "length").len().filter(pl.col("len") > 1)
+    if twice.height:
+        label, length = twice.row(0)[:2]
+        raise UserError(f"{label} at {length} tokens was timed in two shards; keep one shard's timing.parquet "
+                        "(delete the other's data/timing.parquet) and merge again.")
+    return table.sort("length", "label")
 
 
 def _first_difference(have: dict, want: dict) -> str:
