@@ -115,7 +115,17 @@ def scan_rescales(rmax: torch.Tensor, perm: list[int], row_max: torch.Tensor, n_
     m(s) > m(s - 1) > -inf; shortfall [H, 2, m]: row_max - m(0) and row_max - m(n_local - 1)).
     """
     idx = torch.tensor(perm, dtype=torch.long, device=rmax.device)
-    running = torch.cummax(rmax.index_select(-1, idx), dim=-1).values
+    return _rescales(torch.cummax(rmax.index_select(-1, idx), dim=-1).values, row_max, n_local)
+
+
+def forward_rescales(rmax: torch.Tensor, row_max: torch.Tensor, n_local: int):
+    """``scan_rescales`` in the forward order (perm 0 .. nr-1), the same numbers without the index
+    tensor scan_rescales uploads: for a caller on a per-block host path (kernels/sparse/vfa.py)."""
+    return _rescales(torch.cummax(rmax, dim=-1).values, row_max, n_local)
+
+
+def _rescales(running: torch.Tensor, row_max: torch.Tensor, n_local: int):
+    """(rescales [H, m], shortfall [H, 2, m]) of a running max [H, m, nr] in scan order."""
     prev, cur = running[..., :-1], running[..., 1:]
     rescales = ((cur > prev) & (prev > NEG_INF)).sum(dim=-1)
     shortfall = torch.stack([row_max - running[..., 0], row_max - running[..., n_local - 1]], dim=1)

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsecal.formats.geometry import ORDERS, scan_order
+from sparsecal.formats.geometry import ORDERS
 from sparsecal.kernels.jit import (
     LAST_COMPILED,
     LOG2E,
@@ -314,10 +314,22 @@ def _decode_merge_kernel(ACC, M, LS, O, so_b, so_h, num_heads, n_split,
     _merge_splits(ACC, M, LS, O, tl.program_id(0).to(tl.int64), so_b, so_h, num_heads, n_split, HEAD_DIM, SP)
 
 
+_SMS: dict = {}  # device -> its SM count (asked once: a decode step asks per layer)
+
+
+def sm_count(device) -> int:
+    """The device's SM count, cached per device; 8 stand in for the CPU interpreter."""
+    if device.type != "cuda":
+        return 8
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[key]
+
+
 def num_splits(batch_kv: int, n_kb: int, device) -> int:
     """Splits along the keys so that about four programs per SM run (each at least 4 tiles)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(4 * sms, batch_kv), triton.cdiv(n_kb, 4)))
+    return max(1, min(triton.cdiv(4 * sm_count(device), batch_kv), triton.cdiv(n_kb, 4)))
 
 
 def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int, *, thresholds=None,
@@ -335,13 +347,33 @@ def decode_skip_mask(tmax: torch.Tensor, length: int, block_m: int, block_n: int
     if thresholds is not None:
         thr = thresholds[:, min(r // block_m, thresholds.shape[1] - 1)].to(tmax) * LOG2E
         return cand & (tmax < thr.view(1, h, 1))
-    if order == "forward":  # the scan order is the tile order: no permutation to upload
-        gap = tmax - torch.cummax(tmax, dim=-1).values
-    else:
-        seq = torch.tensor(scan_order(order, a, kb), device=tmax.device)
-        gap = torch.empty_like(tmax)
-        gap[..., seq] = tmax[..., seq] - torch.cummax(tmax[..., seq], dim=-1).values
-    return cand & (gap < log2_lambda(log_lambda))
+    seq = in_scan_order(tmax, order, a)
+    return cand & (from_scan_order(seq - torch.cummax(seq, dim=-1).values, order, a) < log2_lambda(log_lambda))
+
+
+def in_scan_order(x: torch.Tensor, order: str, a: int) -> torch.Tensor:
+    """x [..., Kb] (one value per key block of a row with ``a`` candidates) in ``order``'s scan
+    order (formats.geometry.scan_order), made from slices on x's device: no index uploaded."""
+    kb = x.shape[-1]
+    if order == "forward":
+        return x
+    if order == "reverse":
+        return x.flip(-1)
+    if order != "sink_local":
+        raise ValueError(f"Unknown scan order '{order}'. Available: {', '.join(ORDERS)}.")
+    d0 = min(max(a, 1), kb)  # the first diagonal block after block 0
+    return torch.cat([x[..., :1], x[..., d0:], x[..., 1:d0]], dim=-1)
+
+
+def from_scan_order(y: torch.Tensor, order: str, a: int) -> torch.Tensor:
+    """The inverse of ``in_scan_order``: y [..., Kb] in scan order -> block order."""
+    kb = y.shape[-1]
+    if order == "forward":
+        return y
+    if order == "reverse":
+        return y.flip(-1)
+    n_diag = kb - min(max(a, 1), kb)  # diagonal blocks besides block 0
+    return torch.cat([y[..., :1], y[..., 1 + n_diag:], y[..., 1:1 + n_diag]], dim=-1)
 
 
 SCHEDULES = ("gather", "inline")

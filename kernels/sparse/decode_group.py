@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, next_pow2, soft_cap, softcap_args
-from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask
+from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask, sm_count
 from sparsecal.kernels.sparse.decode_group_dense import _group_merge_kernel, _row, _tile_base, dense_group_decode
 from sparsecal.kernels.sparse.reference import check_decision, check_method
 
@@ -235,8 +235,7 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
 def group_splits(batch_kv: int, n_kb: int, device) -> int:
     """Splits along the keys: about PROGRAMS_PER_SM attend programs per SM, each with at least
     MIN_TILES tiles (8 SMs stand in for the CPU interpreter)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, batch_kv), triton.cdiv(n_kb, MIN_TILES)))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sm_count(device), batch_kv), triton.cdiv(n_kb, MIN_TILES)))
 
 
 def _check_layout(q, k, v, block_n: int, lengths, block_table) -> tuple:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, next_pow2, soft_cap, softcap_args
-from sparsecal.kernels.sparse.decode import _merge_splits
+from sparsecal.kernels.sparse.decode import _merge_splits, sm_count
 
 MIN_TILES = 4   # each split at least this many loop tiles
 
@@ -304,7 +304,7 @@ def dense_splits(batch_kv: int, n_tiles: int, cfg: DenseLaunch, device, occ: int
     """Splits along the keys: ``cfg.waves`` full waves when the occupancy ``occ`` is known, else
     about cfg.pps programs per SM; each split at least MIN_TILES loop tiles (8 SMs, occupancy 1,
     stand in for the CPU interpreter)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = sm_count(device)
     if cfg.waves and (occ or device.type != "cuda"):
         want = max(1, cfg.waves * sms * (occ or 1) // batch_kv)
     else:

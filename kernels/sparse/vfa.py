@@ -54,8 +54,8 @@ from sparsecal.kernels.capture.reference import (
     NEG_INF,
     block_scores,
     check_sequence,
+    forward_rescales,
     pad_blocks,
-    scan_rescales,
     signed_absmax_keys,
 )
 from sparsecal.kernels.softcap import check_softcap, soft_cap, soft_cap_
@@ -104,12 +104,12 @@ def _probs(s: torch.Tensor, rmax: torch.Tensor, m_init: torch.Tensor, a: int, lo
     counts {name: [H]})."""
     h, m, nr = rmax.shape
     row_max = rmax.amax(dim=-1)
-    fa = scan_rescales(rmax, list(range(nr)), row_max, 1)[0].sum(dim=1)
+    fa = forward_rescales(rmax, row_max, 1)[0].sum(dim=1)
     zeros = torch.zeros(h, dtype=torch.int64, device=s.device)
     if a <= 1:  # nothing to freeze: the plain dense softmax (the reference's dense path)
         return torch.softmax(s, dim=-1), {"fa_rescales": fa, "rescales": fa}
-    local = [0] + list(range(a, nr))
-    run = torch.cummax(torch.cat([m_init.unsqueeze(-1), rmax[..., local]], dim=-1), dim=-1).values
+    local = (rmax[..., :1], rmax[..., a:])  # the sink and diagonal blocks, slices: no index uploaded
+    run = torch.cummax(torch.cat([m_init.unsqueeze(-1), *local], dim=-1), dim=-1).values
     resc = (run[..., 1:] > run[..., :-1]).sum(dim=(1, 2))
     frozen = run[..., -1]                                               # [H, m]
     xr = rmax[..., 1:a]                                                 # [H, m, a-1] phase-2 row maxima
@@ -177,7 +177,7 @@ def vfa_decode(q, k, v, scale: float, block_m: int, block_n: int, *, log_lambda:
         kp, vp = pad_blocks(k[s_i].float(), bn), pad_blocks(v[s_i].float(), bn)
         qi = q[s_i].float().reshape(hkv, group, d) * scale
         s = soft_cap_(torch.bmm(qi, kp[:, : nr * bn].transpose(1, 2)), softcap).view(h, 1, nr * bn)
-        s[..., length:] = NEG_INF                                             # padding keys
+        s[..., length:].fill_(NEG_INF)                                        # padding keys
         m_init = _m_init(qi, signed_absmax_keys(kp, bn), nr, h, 1, softcap)
         p, part = _probs(s, s.view(h, 1, nr, bn).amax(dim=-1), m_init, a, log_lambda)
         outs.append(torch.bmm(p.view(hkv, group, nr * bn), vp[:, : nr * bn]).view(h, 1, d))

@@ -46,6 +46,7 @@ backend first; counts nothing). Without decode entries decode runs as without di
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,8 @@ class _State:
     dense_backends: dict | None = None             # dispatch record: {"lengths" [NL], "backends" [NL]}, the SDPA
     #                                                backend every method's dense prefill runs (dense_first)
     _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
+    geo: tuple = ()                                # (config, _geometry(config)) of the last config seen
+    masks_ok: list = field(default_factory=list)   # weakrefs: this forward's masks found causal
 
     def thresholds_on(self, device, decode: bool = False) -> torch.Tensor:
         """The BSFA thresholds (``decode``: those calibrated on decode rows) on ``device``, cached."""
@@ -403,9 +406,8 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     mode = "prefill" if nq == nk else "decode"
     if mode == "decode" and nq != 1:
         raise RuntimeError("sparse attention runs prefill of whole sequences and decode one token at a time")
-    if attention_mask is not None and not _is_causal_only(attention_mask, nq, nk):
-        raise RuntimeError("sparse attention takes unpadded sequences (no padding mask)")
-    geo = _geometry(module.config)
+    _check_mask(state, attention_mask, nq, nk, layer)
+    geo = _state_geometry(state, module.config)
     stats = state.stats_on(query.device, geo["num_layers"], h, query.shape[0])
     if layer == 0:  # a new forward starts: the counts describe the last forward only
         for counts in stats.values():
@@ -437,9 +439,9 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     if counted:  # a layer the export leaves dense counts nothing; skipped [B, H], reach per row
         stats["row_skipped"][layer] = skipped
-        stats["row_reachable"][layer] = reach
+        stats["row_reachable"][layer].fill_(reach)  # a host number: filled, no tensor made of it
         stats["skipped"][layer] = skipped.sum(dim=0)
-        stats["reachable"][layer] = reach * query.shape[0]
+        stats["reachable"][layer].fill_(reach * query.shape[0])
     return (out.to(dtype) if state.precision == "fp32" else out), None
 
 
@@ -573,8 +575,22 @@ def method_args(state: _State, layer: int, mode: str, length: int, device) -> di
     return {"dense": True} if lam is None else {"log_lambda": math.log(lam)}  # dense: the reference's own call
 
 
-def _is_causal_only(mask, nq: int, nk: int) -> bool:
-    """True when a boolean/additive mask [B, 1, Nq, Nk] is exactly the causal mask (no padding)."""
+def _state_geometry(state: _State, config) -> dict:
+    """``_geometry(config)`` once per config (slow to read; every layer of every step asks)."""
+    if not state.geo or state.geo[0] is not config:
+        state.geo = (config, _geometry(config))
+    return state.geo[1]
+
+
+def _check_mask(state: _State, mask, nq: int, nk: int, layer: int) -> None:
+    """Refuse a padding mask: a boolean/additive mask [B, 1, Nq, Nk] must be exactly the causal one.
+    Reading it syncs with the device: layer 0 reads each mask it is given, later layers of the
+    forward skip a mask object already read (transformers passes the same one to every layer)."""
+    if mask is None or (layer != 0 and any(seen() is mask for seen in state.masks_ok)):
+        return
     causal = torch.ones(nq, nk, dtype=torch.bool, device=mask.device).tril(nk - nq)
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    return bool((allowed == causal).all())
+    if not bool(((mask if mask.dtype == torch.bool else mask == 0) == causal).all()):
+        raise RuntimeError("sparse attention takes unpadded sequences (no padding mask)")
+    if layer == 0:
+        state.masks_ok.clear()
+    state.masks_ok.append(weakref.ref(mask))

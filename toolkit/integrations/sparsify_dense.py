@@ -89,7 +89,7 @@ def _exact_dense(state, query, key, value, scale: float, first: str | None, spec
     with _sdpa_first(first) if first else contextlib.nullcontext():
         out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
                               softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
-    return out.to(dtype).transpose(1, 2).contiguous()
+    return (out if out.dtype == dtype else out.to(dtype)).transpose(1, 2).contiguous()
 
 
 def dense_first(state, mode: str, length: int) -> str | None:
@@ -143,6 +143,9 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     return dense_first(state, mode, length) or backends[0 if j is None else j]
 
 
+_BACKENDS: dict = {}  # SDPBackend name -> the enum member (looked up once)
+
+
 class _SdpaFirst:
     """SDPA's backend priority with one backend first (the rest in their current order, so MATH
     still runs whatever the others cannot), restored on exit. Only the order changes, not which
@@ -152,9 +155,11 @@ class _SdpaFirst:
     __slots__ = ("ctx", "prev", "want")
 
     def __init__(self, backend: str):
-        from torch.nn.attention import SDPBackend
+        if backend not in _BACKENDS:
+            from torch.nn.attention import SDPBackend
 
-        self.want, self.prev, self.ctx = getattr(SDPBackend, backend), None, None
+            _BACKENDS[backend] = getattr(SDPBackend, backend)
+        self.want, self.prev, self.ctx = _BACKENDS[backend], None, None
 
     def __enter__(self):
         get = getattr(torch._C, "_get_sdp_priority_order", None)
@@ -166,14 +171,17 @@ class _SdpaFirst:
             rest = [getattr(SDPBackend, b) for b in SDPA_BACKENDS if getattr(SDPBackend, b) != self.want]
             self.ctx = sdpa_kernel([self.want, *rest], set_priority=True)
             return self.ctx.__enter__()
-        self.prev = get()
-        torch._C._set_sdp_priority_order([int(self.want)] + [b for b in self.prev if b != int(self.want)])
+        prev, want = get(), int(self.want)
+        if prev[0] != want:  # already first: nothing to set, nor to restore (a layer per decode step asks)
+            self.prev = prev
+            torch._C._set_sdp_priority_order([want] + [b for b in prev if b != want])
         return self
 
     def __exit__(self, *exc):
         if self.ctx is not None:
             return self.ctx.__exit__(*exc)
-        torch._C._set_sdp_priority_order(self.prev)
+        if self.prev is not None:
+            torch._C._set_sdp_priority_order(self.prev)
         return False
 
 
