@@ -107,27 +107,34 @@ def forward_ms(model, ids, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _replay_ms(warm, record, device, reps: int, warmup: int) -> float:
+    """Median ms of replaying a CUDA graph of ``record()``, after ``warm()`` ran ``warmup`` times
+    (at least once) on a side stream, as capture needs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            warm()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record()
+    times = []
+    for i in range(warmup + reps):
+        with _Clock(device) as c:
+            graph.replay()
+        if i >= warmup:
+            times.append(c.ms)
+    del graph
+    return statistics.median(times)
+
+
 def graph_ms(model, ids, reps: int, warmup: int) -> float:
     """Median ms of the same forward (no KV cache) captured in a CUDA graph and replayed: device
     time without Python's launch cost (which bounds a small model's eager forward)."""
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 1)):
-                model(ids, logits_to_keep=1, use_cache=False)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model(ids, logits_to_keep=1, use_cache=False)
-        times = []
-        for i in range(warmup + reps):
-            with _Clock(ids.device) as c:
-                graph.replay()
-            if i >= warmup:
-                times.append(c.ms)
-    del graph
-    return statistics.median(times)
+        forward = lambda: model(ids, logits_to_keep=1, use_cache=False)
+        return _replay_ms(forward, forward, ids.device, reps, warmup)
 
 
 def decode_ms(model, ids, steps: int, warmup: int) -> dict:
@@ -153,30 +160,17 @@ def decode_ms(model, ids, steps: int, warmup: int) -> dict:
 
 def decode_graph_ms(model, ids, reps: int, warmup: int) -> float:
     """Median ms of one decode step against the cache of the prompt ``ids`` [1, N], captured in a CUDA
-    graph and replayed. Every replay recomputes the same step (position N): the capture appends to
-    its own copy of the cache, so the prompt's cache is left as it was."""
+    graph and replayed. Every replay recomputes the same step (position N): warm-ups and the capture
+    append to copies of the cache, so the prompt's cache is left as it was."""
     import copy
 
     with torch.no_grad():
         out = model(ids, logits_to_keep=1, use_cache=True)
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 1)):
-                model(input_ids=nxt, past_key_values=copy.deepcopy(cache), use_cache=True)
-        torch.cuda.current_stream().wait_stream(side)
-        step, graph = copy.deepcopy(cache), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model(input_ids=nxt, past_key_values=step, use_cache=True)
-        times = []
-        for i in range(warmup + reps):
-            with _Clock(ids.device) as c:
-                graph.replay()
-            if i >= warmup:
-                times.append(c.ms)
-    del graph, step, cache
-    return statistics.median(times)
+        step = copy.deepcopy(cache)
+        return _replay_ms(lambda: model(input_ids=nxt, past_key_values=copy.deepcopy(cache), use_cache=True),
+                          lambda: model(input_ids=nxt, past_key_values=step, use_cache=True),
+                          ids.device, reps, warmup)
 
 
 def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
