@@ -11,15 +11,15 @@ sparsity the kernel counted. Times (``--timings``): ``eager``, medians over ``--
 rounds of bench_ms (one launch per call, host cost included); ``graph``, the median of replaying
 each call captured as a CUDA graph (device time: what a deployment replaying graphs pays; a call
 that cannot be captured is left out, said on stderr). Decode (``--phases ...,decode``):
-bench/breakeven_decode.py, one decode step of ``--decode-batch`` rows per ``--decode-lengths``
-cached length and ``--decode-decisions`` (head: decode.py, group: decode_group.py, the kernel sparsify
+bench/breakeven_decode.py, one decode step of ``--decode-batch`` rows (one set of rows per batch:
+``--decode-batch 1,16``) per ``--decode-lengths`` cached length and ``--decode-decisions`` (head: decode.py, group: decode_group.py, the kernel sparsify
 runs for that decision). The file (formats/dispatch.py: rows per phase and timing with dense_ms,
 dense_backend, points and break_even) is what ``sparsecal export RUN --out DIR --break-even FILE``
 reads (``--dispatch-timing graph|eager``).
 
     sparsecal bench break-even --run RUN --out FILE [--lengths 1024,2048] [--methods bsfa,blasst]
         [--sparsities 0,0.25,0.5,0.75,0.9] [--rounds 3] [--phases prefill,decode] [--timings graph,eager]
-        [--decode-lengths ...] [--decode-batch 16] [--decode-decisions head,group] [--decode-sparsities ...]
+        [--decode-lengths ...] [--decode-batch 1,16] [--decode-decisions head,group] [--decode-sparsities ...]
     TRITON_INTERPRET=1 sparsecal bench break-even --run RUN --out FILE --quick   # CPU: decode rows, tiny
 
 Shape legend: H query heads, Hkv KV heads, N tokens, D head dim.
@@ -54,7 +54,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--phases", default="prefill,decode", help="prefill and/or decode rows")
     ap.add_argument("--timings", default="graph,eager", help="graph (CUDA-graph replays) and/or eager")
     ap.add_argument("--decode-lengths", default=None, help="cached lengths of the decode rows [default: --lengths]")
-    ap.add_argument("--decode-batch", type=int, default=16, help="decode rows per step")
+    ap.add_argument("--decode-batch", default=None, help="decode rows per step, one set of decode rows per batch "
+                    "(e.g. 1,16) [default: 16; --quick: 1]")
     ap.add_argument("--decode-decisions", default="head", help="head and/or group (sparsify's decode_decision)")
     ap.add_argument("--decode-sparsities", default=SPARSITIES, help="decode operating points")
     ap.add_argument("--quick", action="store_true", help="the CPU under TRITON_INTERPRET=1: decode rows, tiny")
@@ -64,8 +65,11 @@ def parse(argv) -> argparse.Namespace:
                                              for x in (args.lengths, args.decode_lengths))
         args.sparsities, args.decode_sparsities = (sorted({float(y) for y in x.split(",") if y.strip()})
                                                    for x in (args.sparsities, args.decode_sparsities))
+        args.decode_batch = (sorted({int(y) for y in args.decode_batch.split(",") if y.strip()})
+                             if args.decode_batch is not None else [1 if args.quick else 16])
     except ValueError:
-        raise UserError("--lengths and --sparsities take comma-separated numbers (e.g. 1024,2048 and 0,0.5).") from None
+        raise UserError("--lengths, --decode-batch and --sparsities take comma-separated numbers (e.g. 1024,2048, "
+                        "1,16 and 0,0.5).") from None
     for name in ("methods", "phases", "timings", "decode_decisions"):
         setattr(args, name, [m.strip() for m in getattr(args, name).split(",") if m.strip()])
     bad = ([m for m in args.methods if m not in D.METHODS] + [p for p in args.phases if p not in D.PHASES]
@@ -73,11 +77,12 @@ def parse(argv) -> argparse.Namespace:
            + [s for s in args.sparsities + args.decode_sparsities if not 0 <= s < 1])
     lens = [x for x in (args.lengths, args.decode_lengths) if x is not None]
     if (bad or not args.methods or not args.phases or not args.timings or not args.decode_decisions
-            or not args.sparsities or not args.decode_sparsities or args.rounds < 1 or args.decode_batch < 1
+            or not args.sparsities or not args.decode_sparsities or args.rounds < 1 or not args.decode_batch
+            or min(args.decode_batch) < 1
             or any(not x or min(x) < 1 for x in lens)):
         raise UserError(f"--methods takes {','.join(D.METHODS)}, --phases {','.join(D.PHASES)}, --timings "
                         f"{','.join(D.TIMINGS)}, --decode-decisions {','.join(D.DECISIONS)}, --sparsities values in "
-                        f"[0, 1), --lengths positive integers, --rounds and --decode-batch >= 1 "
+                        f"[0, 1), --lengths positive integers, --rounds and each --decode-batch >= 1 "
                         f"(got {bad or 'an empty list'}).")
     return args
 
@@ -173,8 +178,8 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int, timings=
 
 
 def measure(args, geo: dict, lengths, decode_lengths) -> list[dict]:
-    """Every row's timings (break_even_rows' input): prefill per length, decode per cached length
-    (``--quick``: decode only, batch 1, tiny lengths, on the CPU)."""
+    """Every row's timings (break_even_rows' input): prefill per length, decode per batch and cached
+    length (``--quick``: decode only, tiny lengths, on the CPU; batch 1 unless given)."""
     import torch
 
     from sparsecal.bench.breakeven_decode import measure_decode_length
@@ -185,12 +190,12 @@ def measure(args, geo: dict, lengths, decode_lengths) -> list[dict]:
             measured += measure_length(n, geo, args.methods, args.sparsities, args.rounds, args.timings)
             torch.cuda.empty_cache()
     if "decode" in args.phases:
-        for n in decode_lengths:
-            measured += measure_decode_length(n, geo, args.methods, args.decode_decisions, args.decode_sparsities,
-                                              args.rounds, 1 if args.quick else args.decode_batch, args.timings,
-                                              args.quick)
-            if not args.quick:
-                torch.cuda.empty_cache()
+        for batch in args.decode_batch:
+            for n in decode_lengths:
+                measured += measure_decode_length(n, geo, args.methods, args.decode_decisions, args.decode_sparsities,
+                                                  args.rounds, batch, args.timings, args.quick)
+                if not args.quick:
+                    torch.cuda.empty_cache()
     return measured
 
 

@@ -202,10 +202,12 @@ def export(
     per_layer: bool = typer.Option(False, "--per-layer", help="Add each layer's own BLASST factor to blasst.json."),
     min_layer_sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Leave a layer dense when it skips less "
                                              "than this at every length at the exported factor (0: never)."),
-    break_even: Optional[Path] = typer.Option(None, "--break-even", help="A break-even file of the serving GPU "
-                                              "(`sparsecal bench break-even --run RUN --out FILE`): blasst.json gets "
-                                              "a dispatch record, sparse only where a layer's calibrated sparsity "
-                                              "reaches the break-even, the best SDPA path elsewhere."),
+    break_even: Optional[list[Path]] = typer.Option(None, "--break-even", help="A break-even file of the serving GPU "
+                                                    "(`sparsecal bench break-even --run RUN --out FILE`): blasst.json "
+                                                    "gets a dispatch record, sparse only where a layer's calibrated "
+                                                    "sparsity reaches the break-even, the best SDPA path elsewhere "
+                                                    "(repeatable: the files' rows merged, e.g. decode rows of "
+                                                    "several batches)."),
     dispatch_margin: float = typer.Option(0.0, min=0.0, max=1.0, help="With --break-even: run sparse only where the "
                                           "calibrated sparsity >= break-even + this margin."),
     dispatch_timing: str = typer.Option("graph", "--dispatch-timing", help="With --break-even: the break-even "
@@ -229,7 +231,7 @@ def export(
 
     check_export(break_even, max_length, target, dispatch_timing)
     export_command(run, out, target, max_length, force, formats=parse_formats(format), patch_config=patch_config,
-                   per_layer=per_layer, min_layer_sparsity=min_layer_sparsity, break_even=break_even,
+                   per_layer=per_layer, min_layer_sparsity=min_layer_sparsity, break_even=break_even or None,
                    margin=dispatch_margin, serve_lengths=serve_lengths, length_weights=length_weights,
                    timing=dispatch_timing)
 

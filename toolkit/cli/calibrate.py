@@ -176,8 +176,8 @@ def export_command(run: Path, out: Path, target, max_length, force: bool = False
 
 def print_dispatch(rec: dict) -> None:
     """Per method its break-even per calibrated length (* taken from the nearest measured length),
-    then per config how many layers run sparse there and which."""
-    from sparsecal.formats.dispatch import layer_ranges
+    then per config how many layers run sparse there and which (decode: per mode and measured batch)."""
+    from sparsecal.formats.dispatch import decode_views, layer_ranges
 
     src = rec["break_even_file"]
     out = Console(width=max(110, Console().width))
@@ -198,18 +198,20 @@ def print_dispatch(rec: dict) -> None:
             layers = [i for i, row in enumerate(e["sparse"]) if row[j]]
             cells.append(f"{len(layers)}/{len(e['sparse'])}: {layer_ranges(layers)}")
         t.add_row(f"{e['method']} {e['config']}", *cells)
-        dec = e.get("decode")
-        for mode, g in (dec or {}).get("modes", {}).items():
-            be = " ".join("never" if x is None else f"{x:.3f}" for x in dec["break_even"])
-            t.add_row(f"  decode {mode} (break-even {be})",
-                      *[f"{sum(r[j] for r in g['sparse'])}/{len(g['sparse'])}: "
-                        f"{layer_ranges([i for i, r in enumerate(g['sparse']) if r[j]])}" for j in range(len(rec["lengths"]))])
+        views = decode_views(e["decode"]) if e.get("decode") else []
+        for mode in (views[0][1]["modes"] if views else {}):
+            for b, v in views:  # one row per measured decode batch
+                g, be = v["modes"][mode]["sparse"], " ".join("never" if x is None else f"{x:.3f}" for x in v["break_even"])
+                t.add_row(f"  decode {mode}{f' B={b}' if b else ''} (break-even {be})",
+                          *[f"{sum(r[j] for r in g)}/{len(g)}: {layer_ranges([i for i, r in enumerate(g) if r[j]])}"
+                            for j in range(len(rec["lengths"]))])
     out.print(t)
     timing = rec.get("timing") or {"prefill": "eager", "decode": None}
-    batch = next((c["decode"].get("batch") for c in rec["configs"] if c.get("decode")), None)
+    batches = sorted({b for c in rec["configs"] if c.get("decode") for b, _ in decode_views(c["decode"]) if b})
     out.print(f"timings: prefill {timing['prefill']}, decode "
               + (f"{timing['decode']} ({rec.get('decode_decision')} decision"
-                 + (f", batch {batch}: a decode of another batch may break even elsewhere)" if batch else ")")
+                 + (f", batch{'es' if len(batches) > 1 else ''} {', '.join(map(str, batches))}: a decode step of "
+                    "batch B follows the largest measured batch <= B, the smallest below them)" if batches else ")")
                  if timing["decode"] else "not dispatched (no decode rows in the break-even file)"))
     if not rec["configs"]:
         out.print("no config has break-even rows: every exported layer runs sparse (no dispatch).")

@@ -70,14 +70,15 @@ def check_capture(ctx, req) -> None:
     check_placement(req.device_map, req.max_memory, req.device, ctx.params.get("gpus") or 1)
 
 
-def check_export(break_even: Path | None, max_length: int | None, target: float | None,
-                 timing: str = "graph") -> None:
-    """``sparsecal export``: the files it reads exist and the numbers are in range, before the run is read."""
+def check_export(break_even, max_length: int | None, target: float | None, timing: str = "graph") -> None:
+    """``sparsecal export``: the files it reads exist (``break_even``: a path, several, or None) and
+    the numbers are in range, before the run is read."""
     if target is not None and not 0.0 < target < 1.0:
         raise UserError(f"--target {target:g} is not a sparsity; give one of the fitted targets, in (0, 1).")
     if max_length is not None and max_length < 1:
         raise UserError(f"--max-length {max_length} is not a positive token count; give at least 1.")
-    existing_file(break_even, "--break-even", "the file `sparsecal bench break-even --run RUN --out FILE` wrote")
+    for path in break_even if isinstance(break_even, (list, tuple)) else [break_even]:
+        existing_file(path, "--break-even", "the file `sparsecal bench break-even --run RUN --out FILE` wrote")
     if timing not in ("graph", "eager"):
         raise UserError(f"--dispatch-timing takes graph or eager, got {timing!r}.")
 

@@ -3,22 +3,26 @@ layers run them (docs/formats.md "Break-even file" and "Dispatch record").
 
 **Break-even file** (``sparsecal bench break-even``; kind ``sparsecal-break-even``): per (phase
 prefill | decode, timing graph | eager, decode decision head | group, method, head_dim, group =
-H / Hkv, length) the best SDPA backend's time of one layer's attention (prefill: causal, B = 1;
+H / Hkv, length, decode batch) the best SDPA backend's time of one layer's attention (prefill: causal, B = 1;
 decode: one new token per row against ``batch`` rows of cached keys) (``dense_ms``,
 ``dense_backend``), the sparse kernel's time at measured (kernel-counted) sparsities (``points``)
 and ``break_even``: the smallest sparsity from which on the sparse kernel is no slower than that
 dense path (JSON null = never in the measured range). ``graph``: CUDA-graph replays (device time,
 what a serving engine replaying decode graphs pays); ``eager``: one launch per call (host cost
-included). Rows written before phases and timings existed are prefill, eager.
+included). Rows written before phases and timings existed are prefill, eager. Several files (decode
+rows of several batches measured apart) merge row-wise (``merge_break_even``), one row per key.
 
 **Rule** (pure, here): a layer runs sparse at a length bucket iff its calibrated sparsity of that
 phase there >= the phase's break-even there + margin. Break-even between measured lengths is
 interpolated linearly in log(length) (never at either end: never); outside the measured range the
 nearest measured length's value is used and flagged ``extrapolated``. A prefill of N tokens, or a
 decode step against N cached tokens, uses the bucket of the largest calibrated length <= N; below
-the shortest calibrated length it runs dense.
+the shortest calibrated length it runs dense. Decode break-evens are kept per measured batch
+(``decode.by_batch``): a decode step of batch B follows the entry of the largest measured batch <= B
+(below every measured batch: the smallest).
 
-Shape legend: L model layers, NL calibrated lengths (the buckets), NM measured lengths.
+Shape legend: L model layers, NL calibrated lengths (the buckets), NM measured lengths, NB measured
+decode batches.
 """
 from __future__ import annotations
 
@@ -46,10 +50,11 @@ REMEDY = "measure it again with `sparsecal bench break-even --run RUN --out FILE
 RULE = ("a layer runs its sparse prefill at a length bucket iff its calibrated prefill sparsity there >= "
         "break_even + margin; a prefill of N tokens uses the bucket of the largest calibrated length <= N (dense "
         "below the shortest); elsewhere the best SDPA path runs")
-DECODE_RULE = ("a decode step against N cached tokens runs a layer's sparse decode kernel iff the layer's calibrated "
-               "decode sparsity (of sparsify's decode mode) at the bucket of the largest calibrated length <= N "
-               ">= decode break_even + margin (dense below the shortest); elsewhere dense's own decode path (SDPA, "
-               "decode dense_backend first); a config without a decode entry does not dispatch decode")
+DECODE_RULE = ("a decode step of batch B against N cached tokens runs a layer's sparse decode kernel iff the layer's "
+               "calibrated decode sparsity (of sparsify's decode mode) at the bucket of the largest calibrated length "
+               "<= N >= the decode break_even + margin of the largest measured batch <= B (the smallest below every "
+               "measured batch; dense below the shortest length); elsewhere dense's own decode path (SDPA, decode "
+               "dense_backend first); a config without a decode entry does not dispatch decode")
 
 
 def break_even(points, dense_ms: float) -> float:
@@ -79,9 +84,9 @@ def _mem_be(x) -> float:
 
 
 def row_key(r: dict) -> tuple:
-    """(phase, timing, decision or "", method, head_dim, group, length): one row per key."""
+    """(phase, timing, decision or "", method, head_dim, group, length, decode batch or 0): one row per key."""
     return (r.get("phase", "prefill"), r.get("timing", "eager"), r.get("decision") or "", r["method"],
-            r["head_dim"], r["group"], r["length"])
+            r["head_dim"], r["group"], r["length"], r.get("batch") or 0)
 
 
 def break_even_rows(measured) -> list[dict]:
@@ -158,7 +163,8 @@ def _row_ok(r) -> bool:
 
 def check_break_even(path, doc) -> None:
     """Geometry of positive integers, rows of known methods with positive times, sparsities in
-    [0, 1], one row per (method, head_dim, group, length), and each break_even what its points give."""
+    [0, 1], one row per key (row_key: decode rows of several batches side by side), and each
+    break_even what its points give."""
     geo = doc.get("geometry") if isinstance(doc, dict) else None
     if not isinstance(geo, dict) or not all(_pos_int(geo.get(k)) for k in GEOMETRY_KEYS):
         raise UserError(f"{path}: geometry must give {', '.join(GEOMETRY_KEYS)} as positive integers; {REMEDY}.")
@@ -183,10 +189,50 @@ def check_break_even(path, doc) -> None:
 
 
 def rows_for(doc: dict, method: str, head_dim: int, group: int, phase: str = "prefill", timing: str = "eager",
-             decision: str | None = None) -> list[dict]:
-    """The rows of one method at one head_dim and group, phase, timing (and decode decision), by length."""
+             decision: str | None = None, batch: int | None = None) -> list[dict]:
+    """The rows of one method at one head_dim and group, phase, timing (and decode decision; and
+    decode ``batch`` where given), by length."""
     want = (phase, timing, decision or "", method, head_dim, group)
-    return sorted((r for r in doc["rows"] if row_key(r)[:6] == want), key=lambda r: r["length"])
+    return sorted((r for r in doc["rows"] if row_key(r)[:6] == want and batch in (None, r.get("batch"))),
+                  key=lambda r: r["length"])
+
+
+def decode_batches(doc: dict, method: str, head_dim: int, group: int, timing: str, decision: str) -> list[int]:
+    """The batches the file has decode rows of for one method, head_dim, group, timing and decision, ascending."""
+    return sorted({r["batch"] for r in rows_for(doc, method, head_dim, group, "decode", timing, decision)})
+
+
+def merge_break_even(docs: list[tuple[str, dict]]) -> dict:
+    """Several checked break-even files (``[(name, doc)]``) as one: their rows side by side (e.g. the
+    decode rows of batch 1 from one file, of batch 16 from another), the first file's provenance and
+    run, ``files`` [{"name", "gpu", "commit", "date"}] per file. Refused in one line: files of
+    another GPU or geometry, and two files with a row of the same key (row_key)."""
+    (first, doc), seen = docs[0], {}
+    for name, d in docs:
+        if d.get("gpu") != doc.get("gpu") or any(d["geometry"].get(k) != doc["geometry"].get(k) for k in GEOMETRY_KEYS):
+            raise UserError(f"{name} was measured on {d.get('gpu')} at {_geo_text(d)}, {first} on {doc.get('gpu')} at "
+                            f"{_geo_text(doc)}: give break-even files of one GPU and one model geometry.")
+        for r in d["rows"]:
+            if row_key(r) in seen:
+                raise UserError(f"{seen[row_key(r)]} and {name} both hold a row for {_key_text(r)}: give each row in one "
+                                "file only (measure further decode batches alone with `sparsecal bench break-even "
+                                "--phases decode --decode-batch B`).")
+            seen[row_key(r)] = name
+    files = [{"name": n, "gpu": d.get("gpu"), "commit": (d.get("provenance") or {}).get("commit"),
+              "date": (d.get("provenance") or {}).get("date")} for n, d in docs]
+    out = dict(doc, rows=sorted((r for _, d in docs for r in d["rows"]), key=row_key), files=files)
+    check_break_even(" + ".join(n for n, _ in docs), out)
+    return out
+
+
+def _geo_text(doc: dict) -> str:
+    return " ".join(f"{k} {doc['geometry'].get(k)}" for k in GEOMETRY_KEYS)
+
+
+def _key_text(r: dict) -> str:
+    """A row's key in words: 'decode graph head blasst head_dim 128 group 4 length 32768 batch 16'."""
+    p, t, dec, m, d, g, n, b = row_key(r)
+    return " ".join(x for x in (p, t, dec, m, f"head_dim {d} group {g} length {n}", b and f"batch {b}") if x)
 
 
 def timing_for(doc: dict, phase: str, want: str, head_dim: int, group: int, decision: str | None = None) -> str | None:
@@ -259,6 +305,49 @@ def _grid(s: np.ndarray) -> list:
     return [[None if math.isnan(x) else float(x) for x in row] for row in s]
 
 
+def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, group: int, timing: str,
+                  decision: str, margin: float) -> dict | None:
+    """A config's ``decode`` entry: per decode mode its calibrated sparsity (the same at every batch)
+    and per measured batch of the decode rows (``by_batch``, keyed by str(batch)) the break-even,
+    extrapolation flag and fastest dense backend per length and per mode the sparse flags [L, NL].
+    None: no decode rows for the method or no decode sparsity for the config."""
+    batches = decode_batches(be_doc, c["method"], head_dim, group, timing, decision)
+    if not batches or not c.get("decode"):
+        return None
+    sparsity = {m: np.asarray(d["sparsity"], float) for m, d in c["decode"].items()}
+    by_batch = {}
+    for b in batches:
+        be, ext, backends = break_even_at(rows_for(be_doc, c["method"], head_dim, group, "decode", timing, decision,
+                                                   b), lengths)
+        by_batch[str(b)] = {"break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
+                            "dense_backend": backends,
+                            "sparse": {m: plan(s, be, margin).tolist() for m, s in sparsity.items()}}
+    return {"decision": decision, "batches": batches,
+            "modes": {m: {"source": d["source"], "sparsity": _grid(sparsity[m])} for m, d in c["decode"].items()},
+            "by_batch": by_batch}
+
+
+def _file_info(be_doc: dict, name: str, head_dim: int, group: int, t_pre: str | None, t_dec: str | None,
+               decision: str) -> dict:
+    """The record's ``break_even_file``: name(s), GPU, commit(s), date(s), geometry, the measured
+    prefill lengths per method and decode lengths per method and batch, provenance (the first
+    file's) and ``files`` (one per merged file)."""
+    files = be_doc.get("files") or []
+    prov = be_doc.get("provenance") or {}
+
+    def joined(key):
+        got = list(dict.fromkeys(f[key] for f in files if f.get(key)))
+        return ", ".join(got) if len(got) > 1 else (got[0] if got else prov.get(key))
+
+    pre = {m: sorted({r["length"] for r in rows_for(be_doc, m, head_dim, group, "prefill", t_pre)}) for m in METHODS}
+    dec = {m: {str(b): [r["length"] for r in rows_for(be_doc, m, head_dim, group, "decode", t_dec, decision, b)]
+               for b in decode_batches(be_doc, m, head_dim, group, t_dec, decision)} for m in METHODS} if t_dec else {}
+    out = {"name": name, "gpu": be_doc.get("gpu"), "commit": joined("commit"), "date": joined("date"),
+           "geometry": be_doc["geometry"], "measured_lengths": {m: v for m, v in pre.items() if v},
+           "decode_measured_lengths": {m: v for m, v in dec.items() if v}, "provenance": prov}
+    return out | ({"files": files} if files else {})
+
+
 def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_dim: int, group: int,
                     margin: float = 0.0, timing: str = "graph", decision: str = "head") -> tuple[dict, list[str]]:
     """The export's ``dispatch`` record and the methods the break-even file lacks prefill rows for
@@ -267,7 +356,8 @@ def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_
     configs: [{"method", "config", "value" (k or target), "source", "sparsity" [L, NL] (NaN: not
     sparse in the export), optional "decode" {decode mode: {"source", "sparsity" [L, NL]}}}];
     lengths: the calibrated lengths [NL], ascending. ``timing``: the rows used (graph | eager; the
-    other where the file has only that, recorded in ``timing``); decode rows of ``decision``."""
+    other where the file has only that, recorded in ``timing``); decode rows of ``decision``, of
+    every batch the file measured (``_decode_entry``)."""
     lengths = [int(n) for n in lengths]
     t_pre = timing_for(be_doc, "prefill", timing, head_dim, group)
     t_dec = timing_for(be_doc, "decode", timing, head_dim, group, decision)
@@ -282,31 +372,30 @@ def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_
         entry = {"method": c["method"], "config": c["config"], "value": c["value"], "source": c["source"],
                  "break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
                  "dense_backend": backends, "sparsity": _grid(s), "sparse": plan(s, be, margin).tolist()}
-        drows = rows_for(be_doc, c["method"], head_dim, group, "decode", t_dec, decision) if t_dec else []
-        if drows and c.get("decode"):
-            be, ext, backends = break_even_at(drows, lengths)
-            modes = {m: {"source": d["source"], "sparsity": _grid(np.asarray(d["sparsity"], float)),
-                         "sparse": plan(np.asarray(d["sparsity"], float), be, margin).tolist()}
-                     for m, d in c["decode"].items()}
-            entry["decode"] = {"decision": decision, "batch": int(drows[0]["batch"]),
-                               "break_even": [_json_be(x) for x in be],
-                               "extrapolated": [bool(x) for x in ext], "dense_backend": backends, "modes": modes}
+        dec = _decode_entry(c, be_doc, lengths, head_dim, group, t_dec, decision, margin) if t_dec else None
+        if dec is not None:
+            entry["decode"] = dec
         out.append(entry)
-    prov = be_doc.get("provenance") or {}
-
-    def measured(phase, t, dec=None):
-        got = {m: sorted({r["length"] for r in rows_for(be_doc, m, head_dim, group, phase, t, dec)}) for m in METHODS}
-        return {m: v for m, v in got.items() if v}
-
     rec = {"rule": RULE, "decode_rule": DECODE_RULE, "margin": float(margin), "lengths": lengths,
            "timing": {"prefill": t_pre, "decode": t_dec}, "decode_decision": decision,
-           "break_even_file": {"name": name, "gpu": be_doc.get("gpu"), "commit": prov.get("commit"),
-                               "date": prov.get("date"), "geometry": be_doc["geometry"],
-                               "measured_lengths": measured("prefill", t_pre),
-                               "decode_measured_lengths": measured("decode", t_dec, decision) if t_dec else {},
-                               "provenance": prov},
-           "configs": out}
+           "break_even_file": _file_info(be_doc, name, head_dim, group, t_pre, t_dec, decision), "configs": out}
     return rec, sorted(set(missing))
+
+
+def decode_views(dec: dict) -> list[tuple[int | None, dict]]:
+    """A checked decode entry as [(batch, entry of one batch)], ascending in batch; each entry in the
+    single-batch layout {"decision", "batch", "break_even", "extrapolated", "dense_backend", "modes"
+    {mode: {"source", "sparsity", "sparse"}}}. A record written before ``by_batch`` is its own one
+    entry (batch: its ``batch``, or None where it does not say)."""
+    if "by_batch" not in dec:
+        return [(dec.get("batch"), dec)]
+    out = []
+    for b in dec["batches"]:
+        e = dec["by_batch"][str(b)]
+        out.append((b, {"decision": dec["decision"], "batch": b, "break_even": e["break_even"],
+                        "extrapolated": e["extrapolated"], "dense_backend": e["dense_backend"],
+                        "modes": {m: dict(g, sparse=e["sparse"][m]) for m, g in dec["modes"].items()}}))
+    return out
 
 
 def _grid_ok(grid, n_layers: int, n_len: int, cell) -> bool:
@@ -327,13 +416,32 @@ def _grids_ok(e, n_layers: int, n_len: int) -> bool:
             and _grid_ok(e.get("sparse"), n_layers, n_len, lambda x: isinstance(x, bool)))
 
 
-def _decode_ok(d, n_layers: int, n_len: int) -> bool:
-    if d is None:
-        return True
+def _one_batch_ok(d, n_layers: int, n_len: int) -> bool:
+    """A decode entry of one batch (decode_views' layout, and records written before ``by_batch``)."""
     modes = d.get("modes") if isinstance(d, dict) else None
     return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len) and isinstance(modes, dict) and bool(modes)
             and ("batch" not in d or _pos_int(d["batch"]))  # the decode rows' batch (older records lack it)
             and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
+
+
+def _batches_ok(d: dict) -> bool:
+    """``batches`` ascending positive integers, ``by_batch`` one entry per batch with flags per mode."""
+    bs, by, modes = d.get("batches"), d.get("by_batch"), d.get("modes")
+    return (isinstance(bs, list) and bool(bs) and all(map(_pos_int, bs)) and bs == sorted(set(bs))
+            and isinstance(by, dict) and set(by) == {str(b) for b in bs} and isinstance(modes, dict)
+            and all(isinstance(g, dict) for g in modes.values())
+            and all(isinstance(e, dict) and isinstance(e.get("sparse"), dict) and set(e["sparse"]) == set(modes)
+                    for e in by.values()))
+
+
+def _decode_ok(d, n_layers: int, n_len: int) -> bool:
+    if d is None:
+        return True
+    if not isinstance(d, dict):
+        return False
+    if "by_batch" not in d:
+        return _one_batch_ok(d, n_layers, n_len)
+    return _batches_ok(d) and all(_one_batch_ok(v, n_layers, n_len) for _, v in decode_views(d))
 
 
 def _entry_ok(e, n_layers: int, n_len: int) -> bool:
@@ -350,8 +458,8 @@ def _flags_follow(grids: dict, break_even_values, margin: float, n_layers: int) 
 def check_dispatch(path, rec, num_layers: int) -> None:
     """blasst.json's optional ``dispatch`` record: ascending positive lengths, per config the
     break-even per length, a sparsity and a sparse flag per layer and length (and the same per decode
-    mode under its decode break-even), the flags being exactly ``plan`` of the sparsities (an
-    edited flag is refused)."""
+    mode under the decode break-even of each measured batch), the flags being exactly ``plan`` of the
+    sparsities (an edited flag is refused)."""
     bad = f"{path}: dispatch "
     if not isinstance(rec, dict):
         raise UserError(f"{bad}is not an object; export it again with `sparsecal export --break-even FILE`.")
@@ -365,9 +473,10 @@ def check_dispatch(path, rec, num_layers: int) -> None:
         if not _entry_ok(e, num_layers, len(lens)) or (e.get("decode") is not None and timing["decode"] is None):
             raise UserError(f"{bad}configs[{i}] does not hold a break-even, sparsity and sparse flag per layer "
                             f"({num_layers}) and length ({len(lens)}) (decode: per mode); export it again.")
-        dec = e.get("decode") or {"modes": {}}
+        views = [v for _, v in decode_views(e["decode"])] if e.get("decode") else []
         if not (_flags_follow(e, e["break_even"], rec["margin"], num_layers)
-                and all(_flags_follow(g, dec["break_even"], rec["margin"], num_layers) for g in dec["modes"].values())):
+                and all(_flags_follow(g, v["break_even"], rec["margin"], num_layers)
+                        for v in views for g in v["modes"].values())):
             raise UserError(f"{bad}configs[{i}] ({e['config']}): the sparse flags are not the rule applied to its "
                             "sparsities; the file was edited: export it again.")
 

@@ -1,7 +1,8 @@
 """``sparsecal export --break-even FILE``: the export's ``dispatch`` record (formats.dispatch) from
 the calibrated prefill and decode sparsity per operating point, layer and calibrated length, and
 the break-even sparsities measured on a GPU (``sparsecal bench break-even``; ``--dispatch-timing``
-graph | eager picks the rows).
+graph | eager picks the rows; ``--break-even`` given several times merges the files row-wise, e.g.
+decode rows of batch 1 and of batch 16 measured apart).
 
 Calibrated sparsity = what the kernels would skip (skipped / reachable tiles, heads pooled):
 
@@ -53,12 +54,26 @@ def model_group(model: dict) -> tuple[int, int]:
                         "sparsecal): capture it again to dispatch on a break-even file.") from None
 
 
+def _paths(path) -> list[Path]:
+    return [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
+
+
+def be_name(path) -> str:
+    """The break-even file's name in the record: 'a.json', or 'a.json + b.json' for merged files."""
+    return " + ".join(p.name for p in _paths(path))
+
+
 def load_for_run(path, manifest: dict) -> dict:
-    """The break-even file, checked against the run's model (head_dim, group) and tiles."""
-    doc = D.load_break_even(path)
+    """The break-even file, or several merged row-wise (formats.dispatch.merge_break_even: e.g. the
+    decode rows of each batch from its own file), each checked against the run's model (head_dim,
+    group) and tiles."""
     head_dim, group = model_group(manifest["model"])
-    D.check_model(path, doc, head_dim, group, manifest["config"]["block_m"], manifest["config"]["block_n"])
-    return doc
+    docs = []
+    for p in _paths(path):
+        doc = D.load_break_even(p)
+        D.check_model(p, doc, head_dim, group, manifest["config"]["block_m"], manifest["config"]["block_n"])
+        docs.append((p.name if p.name not in [n for n, _ in docs] else str(p), doc))
+    return docs[0][1] if len(docs) == 1 else D.merge_break_even(docs)
 
 
 def bsfa_sparsity(root: Path, fit: dict, sparse_layers, num_layers: int) -> dict[int, np.ndarray]:
@@ -199,11 +214,11 @@ def dispatch(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsf
     if timing not in D.TIMINGS:
         raise UserError(f"--dispatch-timing takes {' or '.join(D.TIMINGS)}, got {timing!r}.")
     head_dim, group = model_group(fit["model"])
-    name = Path(be_path).name
+    name = be_name(be_path)
     rec, missing = D.dispatch_record(configs(root, fit, doc, cal, layers, bsfa_layers), fit["lengths"], be_doc,
                                      name, head_dim, group, margin, timing)
     for m in missing:
-        warn and warn(f"{be_path} has no {m} rows at head_dim {head_dim} group {group}: the {m} configs are left "
+        warn and warn(f"{name} has no {m} rows at head_dim {head_dim} group {group}: the {m} configs are left "
                       "out of the dispatch record (they run sparse at every length, as without dispatch).")
     for phase, got in rec["timing"].items():
         if got is not None and got != timing:
@@ -211,11 +226,14 @@ def dispatch(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsf
     if rec["timing"]["decode"] is None:
         warn and warn(f"{name} has no decode rows at head_dim {head_dim} group {group}: decode is not dispatched "
                       "(measure them with `sparsecal bench break-even --phases prefill,decode`).")
-    for key, what in (("measured_lengths", "prefill"), ("decode_measured_lengths", "decode")):
-        for method, lens in rec["break_even_file"][key].items():
-            out = [n for n in rec["lengths"] if n < lens[0] or n > lens[-1]]
-            if out:
-                warn and warn(f"{method} {what} break-even at {', '.join(map(str, out))} tokens is that of the nearest "
-                              f"measured length ({lens[0]}-{lens[-1]} measured in {name}); measure those lengths with "
-                              "`sparsecal bench break-even --lengths ...`.")
+    src = rec["break_even_file"]
+    measured = [(f"{m} prefill", lens) for m, lens in src["measured_lengths"].items()]
+    measured += [(f"{m} decode batch {b}", lens) for m, by in src["decode_measured_lengths"].items()
+                 for b, lens in by.items()]
+    for what, lens in measured:
+        out = [n for n in rec["lengths"] if n < lens[0] or n > lens[-1]]
+        if out:
+            warn and warn(f"{what} break-even at {', '.join(map(str, out))} tokens is that of the nearest "
+                          f"measured length ({lens[0]}-{lens[-1]} measured in {name}); measure those lengths with "
+                          "`sparsecal bench break-even --lengths ...`.")
     return rec

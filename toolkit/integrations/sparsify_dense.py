@@ -32,8 +32,10 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     dense prefill tries first (the reference ``dense`` included), the most frequent fastest dense
     backend over the record's operating points (ties: formats.dispatch.SDPA_BACKENDS order), so a
     dense layer is the same computation whichever method or point runs it; ``decode``: the same over
-    the configs' decode entries (None: the record has none, decode's dense path stays the kernels
-    with skipping off). None: no record."""
+    the configs' decode entries, every measured batch of each (None: the record has none, decode's
+    dense path stays the kernels with skipping off). None: no record."""
+    from sparsecal.formats.dispatch import decode_views
+
     from sparsecal.formats.exports import BLASST_JSON, load_blasst
 
     folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
@@ -48,7 +50,7 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     if not rec:
         return None
     n = len(rec["lengths"])
-    dec = [c["decode"]["dense_backend"] for c in rec["configs"] if c.get("decode")]
+    dec = [v["dense_backend"] for c in rec["configs"] if c.get("decode") for _, v in decode_views(c["decode"])]
     return {"lengths": list(rec["lengths"]), "backends": _vote([c["dense_backend"] for c in rec["configs"]], n),
             "decode": _vote(dec, n) if dec else None}
 
@@ -75,7 +77,20 @@ def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
     if entry is None:
         return None
     return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"],
-            "sparsity": entry["sparsity"], "decode": entry.get("decode")}
+            "sparsity": entry["sparsity"], "decode": _decode_batches(entry.get("decode"))}
+
+
+def _decode_batches(dec: dict | None) -> dict | None:
+    """A config's decode entry as the plan holds it: {"decision", "modes" (its decode modes),
+    "batches" [NB] ascending measured batches ([] for a record that does not say), "entries" [NB or
+    1] the single-batch entries (formats.dispatch.decode_views)}; None without one."""
+    if not dec:
+        return None
+    from sparsecal.formats.dispatch import decode_views
+
+    views = decode_views(dec)
+    return {"decision": dec["decision"], "modes": set(views[0][1]["modes"]),
+            "batches": [b for b, _ in views if b is not None], "entries": [v for _, v in views]}
 
 
 def _exact_dense(state, query, key, value, scale: float, first: str | None, spec, window, kwargs):
@@ -117,21 +132,37 @@ def decode_plan(state) -> dict | None:
     return dec
 
 
+def decode_entry(state, dec: dict, batch: int | None) -> dict:
+    """The entry of the largest measured batch <= ``batch`` (below every measured batch, or no
+    batch given: the smallest); a ``batch`` outside the measured ones is said once on stderr (the
+    break-even moves with the batch). Python ints only: no tensor is read."""
+    import bisect
+
+    got = dec["batches"]
+    if not got or not batch:
+        return dec["entries"][0]
+    if (batch < got[0] or batch > got[-1]) and not state.said_batch:
+        import sys
+
+        which = got[0] if batch < got[0] else got[-1]
+        print(f"note: the decode dispatch was measured at batch{'es' if len(got) > 1 else ''} "
+              f"{', '.join(map(str, got))}, this decode runs batch {batch}: it follows batch {which}'s break-even "
+              f"(measure it: sparsecal bench break-even --phases decode --decode-batch {batch}).", file=sys.stderr)
+        state.said_batch = True
+    return dec["entries"][max(bisect.bisect_right(got, batch) - 1, 0)]
+
+
 def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | None = None) -> str | None:
     """The SDPA backend to try first when the dispatch plan runs this prefill, or this decode step
-    against ``length`` cached tokens, dense (the bucket's fastest; below the shortest calibrated
-    length, the shortest's), None when it runs sparse or there is no plan for it (decode: no
-    decode entry for the state's decision and decode mode). A decode step of another ``batch`` than
-    the one its break-even was measured at is said once (the break-even moves with the batch)."""
+    of ``batch`` rows against ``length`` cached tokens, dense (the bucket's fastest; below the
+    shortest calibrated length, the shortest's), None when it runs sparse or there is no plan for it
+    (decode: no decode entry for the state's decision and decode mode). A decode step follows the
+    entry of the largest measured batch <= ``batch`` (decode_entry)."""
     plan = state.plan if mode == "prefill" else decode_plan(state)
     if plan is None:
         return None
-    if mode == "decode" and batch and plan.get("batch") not in (None, batch) and not state.said_batch:
-        import sys
-
-        print(f"note: the decode dispatch was measured at batch {plan['batch']}, this decode runs batch {batch}; "
-              f"its break-even may differ (sparsecal bench break-even --decode-batch {batch}).", file=sys.stderr)
-        state.said_batch = True
+    if mode == "decode":
+        plan = decode_entry(state, plan, batch)
     from sparsecal.formats.dispatch import bucket
 
     lengths = state.plan["lengths"]
