@@ -1,7 +1,9 @@
 """Decode dispatch (issue 28 part 3), on the CPU: break-even rows per phase and timing (old files
-load as prefill, eager), the record's decode entries (round trip, one-line refusals when damaged),
-sparsify following the decode plan on a tiny random Llama (reference backend), the export from a
-file with and without decode rows, and the break-even bench's --quick decode path (interpreter)."""
+load as prefill, eager), the record's decode entries per measured batch (round trip, one-line
+refusals when damaged; records written before batches still load), sparsify following the decode
+plan of the batch it runs on a tiny random Llama (reference backend), the export from a file with
+and without decode rows and from several files merged, and the break-even bench's --quick decode
+path (interpreter) at one and two batches."""
 import json
 
 import numpy as np
@@ -24,17 +26,18 @@ runner = CliRunner()
 PTS = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]  # break-even 0.5 against 6 ms
 
 
-def _be_doc(decode=True, timing="graph"):
-    """Prefill (eager) and decode (``timing``, head decision) rows at head_dim 64, group 2: break-even
-    0.5 everywhere; FLASH the faster dense backend of decode, cuDNN of prefill."""
+def _be_doc(decode=True, timing="graph", batches=None):
+    """Prefill (eager) and decode (``timing``, head decision) rows at head_dim 64, group 2: prefill
+    break-even 0.5; decode per batch {batch: FLASH's dense ms} (default {1: 6.0}: break-even 0.5;
+    1.5 ms: never, faster than every point); FLASH the faster dense backend of decode, cuDNN of prefill."""
     measured = [{"method": m, "head_dim": 64, "group": 2, "length": n, "points": PTS,
                  "dense": {"CUDNN_ATTENTION": 6.0, "FLASH_ATTENTION": 7.0}}
                 for m in D.METHODS for n in DISPATCH_LENGTHS]
     if decode:
-        measured += [{"phase": "decode", "timing": timing, "decision": "head", "batch": 1, "method": m,
+        measured += [{"phase": "decode", "timing": timing, "decision": "head", "batch": b, "method": m,
                       "head_dim": 64, "group": 2, "length": n, "points": PTS,
-                      "dense": {"CUDNN_ATTENTION": 7.0, "FLASH_ATTENTION": 6.0}}
-                     for m in D.METHODS for n in DISPATCH_LENGTHS]
+                      "dense": {"CUDNN_ATTENTION": ms + 1.0, "FLASH_ATTENTION": ms}}
+                     for b, ms in (batches or {1: 6.0}).items() for m in D.METHODS for n in DISPATCH_LENGTHS]
     geo = {"block_m": 128, "block_n": 64, "heads": 4, "kv_heads": 2, "head_dim": 64}
     return D.break_even_file(measured, geo, {"gpu": "test", "commit": "c0ffee1"})
 
@@ -49,7 +52,21 @@ def _record(decode_layer1, be_doc=None, decode_layer0=0.9):
     return D.dispatch_record(cfgs, DISPATCH_LENGTHS, be_doc or _be_doc(), "be.json", 64, 2)[0]
 
 
-def _export(out, decode_layer1, decode_layer0=0.9):
+def _old_layout(rec, batch=True):
+    """A record as written before decode batches: each decode entry its one batch's entry
+    (``batch``: False drops the batch, as records before it)."""
+    rec = json.loads(json.dumps(rec))
+    for c in rec["configs"]:
+        if c.get("decode"):
+            ((b, view),) = D.decode_views(c["decode"])
+            c["decode"] = view if batch else {k: v for k, v in view.items() if k != "batch"}
+    return rec
+
+
+def _export(out, decode_layer1, decode_layer0=0.9, batches=None, old=False):
+    """A 2-layer export whose record is _record's (``batches`` as _be_doc's; ``old``: the layout
+    before decode batches)."""
+    rec = _record(decode_layer1, _be_doc(batches=batches) if batches else None, decode_layer0)
     out.mkdir()
     write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": [0, 1],
                                                                            "ignored_layers": {}})
@@ -57,7 +74,7 @@ def _export(out, decode_layer1, decode_layer0=0.9):
                                                                                 "decode": None},
                        "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
                        "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": [0, 1],
-                       "ignored_layers": {}, "dispatch": _record(decode_layer1, None, decode_layer0)})
+                       "ignored_layers": {}, "dispatch": _old_layout(rec) if old else rec})
     return out
 
 
@@ -84,18 +101,22 @@ def test_record_with_decode_round_trips_and_refuses_damage():
     D.check_dispatch("blasst.json", rec, 2)
     bsfa, blasst = rec["configs"]
     assert rec["timing"] == {"prefill": "eager", "decode": "graph"} and "decode" not in blasst
-    assert bsfa["decode"]["modes"]["topk"]["sparse"] == [[True, True], [False, True]]
-    assert bsfa["decode"]["dense_backend"] == ["FLASH_ATTENTION"] * 2 and bsfa["dense_backend"] == ["CUDNN_ATTENTION"] * 2
-    assert bsfa["decode"]["batch"] == 1  # the decode rows' batch
+    assert bsfa["decode"]["batches"] == [1] and set(bsfa["decode"]["by_batch"]) == {"1"}  # the decode rows' batch
+    one = bsfa["decode"]["by_batch"]["1"]
+    assert one["sparse"]["topk"] == [[True, True], [False, True]] and one["break_even"] == [0.5, 0.5]
+    assert bsfa["decode"]["modes"]["topk"]["sparsity"] == [[0.9, 0.9], [0.1, 0.7]]
+    assert one["dense_backend"] == ["FLASH_ATTENTION"] * 2 and bsfa["dense_backend"] == ["CUDNN_ATTENTION"] * 2
     edited = json.loads(json.dumps(rec))
-    edited["configs"][0]["decode"]["modes"]["topk"]["sparse"][1][0] = True
+    edited["configs"][0]["decode"]["by_batch"]["1"]["sparse"]["topk"][1][0] = True
     with pytest.raises(UserError, match="configs\\[0\\] \\(k=1\\): the sparse flags .* edited") as e:
         D.check_dispatch("blasst.json", edited, 2)
     assert "\n" not in str(e.value)
     for damage in (lambda r: r["configs"][0]["decode"]["modes"]["topk"]["sparsity"].pop(),
                    lambda r: r["configs"][0]["decode"].update(decision="both"),
-                   lambda r: r["configs"][0]["decode"]["break_even"].append(0.5),
-                   lambda r: r["configs"][0]["decode"].update(batch=0),
+                   lambda r: r["configs"][0]["decode"]["by_batch"]["1"]["break_even"].append(0.5),
+                   lambda r: r["configs"][0]["decode"].update(batches=[0]),
+                   lambda r: r["configs"][0]["decode"].update(batches=[1, 16]),  # no entry for batch 16
+                   lambda r: r["configs"][0]["decode"]["by_batch"]["1"]["sparse"].pop("topk"),
                    lambda r: r["timing"].update(decode=None)):
         broken = json.loads(json.dumps(rec))
         damage(broken)
@@ -113,12 +134,12 @@ def tiny_model(tmp_path, seed):
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
 
 
-def _prefill_then_step(model, seed, n=300):
-    """A prefill of n tokens (bucket 256: every layer's prefill dense by the plan), then one decode
-    step against n + 1 keys: (its logits, its counts)."""
+def _prefill_then_step(model, seed, n=300, batch=1):
+    """A prefill of ``batch`` rows of n tokens (bucket 256: every layer's prefill dense by the plan),
+    then one decode step against n + 1 keys: (its logits, its counts)."""
     from transformers import DynamicCache
 
-    ids = torch.randint(0, 300, (1, n + 1), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 300, (batch, n + 1), generator=torch.Generator().manual_seed(seed))
     cache = DynamicCache()
     with torch.no_grad():
         model(ids[:, :n], past_key_values=cache, use_cache=True)
@@ -155,6 +176,80 @@ def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed, capsys):
     sparsecal.densify(tiny_model)
 
 
+TWO_BATCHES = {1: 1.5, 16: 6.0}  # decode break-even: never at batch 1, 0.5 at batch 16
+
+
+def test_a_record_of_two_batches():
+    """Decode rows of batches 1 and 16 side by side in one file (the batch is part of the row key);
+    the record keeps per batch the break-even, backends and sparse flags, the sparsity once."""
+    doc = _be_doc(batches=TWO_BATCHES)
+    assert sorted({r["batch"] for r in doc["rows"] if r["phase"] == "decode"}) == [1, 16]
+    assert len(D.rows_for(doc, "bsfa", 64, 2, "decode", "graph", "head")) == 4
+    assert [r["batch"] for r in D.rows_for(doc, "bsfa", 64, 2, "decode", "graph", "head", 16)] == [16, 16]
+    rec = json.loads(json.dumps(_record((0.1, 0.7), doc)))
+    D.check_dispatch("blasst.json", rec, 2)
+    dec = rec["configs"][0]["decode"]
+    assert dec["batches"] == [1, 16] and set(dec["by_batch"]) == {"1", "16"}
+    assert dec["by_batch"]["1"]["break_even"] == [None, None] and dec["by_batch"]["16"]["break_even"] == [0.5, 0.5]
+    assert dec["by_batch"]["1"]["sparse"]["topk"] == [[False, False], [False, False]]
+    assert dec["by_batch"]["16"]["sparse"]["topk"] == [[True, True], [False, True]]
+    assert [b for b, _ in D.decode_views(dec)] == [1, 16]
+    assert rec["break_even_file"]["decode_measured_lengths"]["bsfa"] == {"1": DISPATCH_LENGTHS, "16": DISPATCH_LENGTHS}
+    for damage in (lambda d: d["by_batch"]["1"]["sparse"]["topk"][0].__setitem__(0, True),  # an edited flag
+                   lambda d: d.update(batches=[16, 1]), lambda d: d["by_batch"].pop("16")):
+        broken = json.loads(json.dumps(rec))
+        damage(broken["configs"][0]["decode"])
+        with pytest.raises(UserError, match="blasst.json: dispatch configs\\[0\\]") as e:
+            D.check_dispatch("blasst.json", broken, 2)
+        assert "\n" not in str(e.value)
+
+
+def test_a_decode_step_follows_the_entry_of_its_batch(tiny_model, tmp_path, seed, capsys):
+    """Batch 1 decodes dense (its rows never pay), batch 16 sparse on layer 0 (its rows break even at
+    0.5); batch 4 follows batch 1's entry, batch 20 batch 16's, and only the latter is said (once)."""
+    reach = 301 // 64 + 1
+    sparsecal.sparsify(tiny_model, _export(tmp_path / "e", (0.1, 0.7), batches=TWO_BATCHES), method="bsfa", k=1,
+                       decode="topk")
+    for batch, sparse in ((1, False), (16, True), (4, False), (20, True), (24, True)):
+        _, st = _prefill_then_step(tiny_model, seed, batch=batch)
+        if sparse:  # layer 0 through the top-1 kernel (top-1 + the last block kept per row and head); layer 1 dense
+            assert (st["reachable"][0] == reach * batch).all() and (st["skipped"][0] == (reach - 2) * batch).all()
+        else:
+            assert st["reachable"][0].sum() == 0, batch
+        assert st["reachable"][1].sum() == 0 and st["skipped"][1].sum() == 0
+    err = capsys.readouterr().err
+    assert err.count("measured at batches 1, 16, this decode runs batch 20: it follows batch 16's") == 1, err
+    assert "runs batch 4" not in err and "runs batch 24" not in err
+    sparsecal.densify(tiny_model)
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_record_written_before_batches_loads_and_behaves_as_before(tiny_model, tmp_path, seed, capsys, batch):
+    """The single-batch layout (``batch`` the decode rows' batch, or none in still older records):
+    loaded, checked (an edited flag refused) and followed at every batch; another batch is said once
+    where the record says its own."""
+    rec = _old_layout(_record((0.1, 0.7)), batch)
+    D.check_dispatch("blasst.json", json.loads(json.dumps(rec)), 2)
+    edited = json.loads(json.dumps(rec))
+    edited["configs"][0]["decode"]["modes"]["topk"]["sparse"][1][0] = True
+    with pytest.raises(UserError, match="the sparse flags .* edited"):
+        D.check_dispatch("blasst.json", edited, 2)
+    out = _export(tmp_path / "e", (0.1, 0.7), old=True)
+    if not batch:
+        doc = json.loads((out / "blasst.json").read_text())
+        doc["dispatch"] = rec
+        (out / "blasst.json").write_text(json.dumps(doc))
+    assert ("batch" in load_blasst(out)["dispatch"]["configs"][0]["decode"]) == batch
+    sparsecal.sparsify(tiny_model, out, method="bsfa", k=1, decode="topk")
+    reach = 301 // 64 + 1
+    for b in (1, 2):
+        _, st = _prefill_then_step(tiny_model, seed, batch=b)
+        assert (st["reachable"][0] == reach * b).all() and (st["skipped"][0] == (reach - 2) * b).all()
+        assert st["reachable"][1].sum() == 0
+    assert capsys.readouterr().err.count("measured at batch 1, this decode runs batch 2") == (1 if batch else 0)
+    sparsecal.densify(tiny_model)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bed") / "run"
@@ -163,18 +258,21 @@ def run(tmp_path_factory):
     return root
 
 
-def _file(run, tmp_path, decode: bool, old: bool = False):
+def _file(run, tmp_path, decode: bool, old: bool = False, prefill: bool = True, batch: int = 16,
+          dense: float = 6.0, name: str = "be.json"):
+    """tmp_path / name: prefill rows (break-even 0.5) unless not ``prefill``, decode rows of ``batch``
+    (both timings, FLASH ``dense`` ms: 6 gives 0.5, 1.5 never) where ``decode``."""
     geo, lengths, info = B.geometry(run)
     measured = [{"method": m, "head_dim": 64, "group": 1, "length": n, "points": PTS, "dense": {"FLASH_ATTENTION": 6.0}}
-                for m in D.METHODS for n in lengths]
-    measured += [{"phase": "decode", "timing": t, "decision": "head", "batch": 16, "method": m, "head_dim": 64,
-                  "group": 1, "length": n, "points": PTS, "dense": {"FLASH_ATTENTION": 6.0}}
+                for m in D.METHODS for n in lengths] if prefill else []
+    measured += [{"phase": "decode", "timing": t, "decision": "head", "batch": batch, "method": m, "head_dim": 64,
+                  "group": 1, "length": n, "points": PTS, "dense": {"FLASH_ATTENTION": dense}}
                  for m in D.METHODS for n in lengths for t in D.TIMINGS] if decode else []
     doc = B.to_file(measured, geo, info)
     if old:  # a file written before phases and timings existed
         doc["rows"] = [{k: v for k, v in r.items() if k not in ("phase", "timing")} for r in doc["rows"]]
-    (tmp_path / "be.json").write_text(json.dumps(doc))
-    return tmp_path / "be.json"
+    (tmp_path / name).write_text(json.dumps(doc))
+    return tmp_path / name
 
 
 def test_export_with_and_without_decode_rows(run, tmp_path):
@@ -202,6 +300,40 @@ def test_export_with_and_without_decode_rows(run, tmp_path):
     assert res.exit_code == 2 and "--dispatch-timing takes graph or eager" in res.output
 
 
+def test_export_merges_the_files_of_two_batches_and_refuses_a_row_twice(run, tmp_path):
+    """--break-even twice: prefill and batch-16 decode rows from one file, batch-1 decode rows from
+    another; the record holds both batches (as from one file holding both), the table a row per
+    batch. Two files with a row of the same key: refused in one line, exit 2, nothing written."""
+    a = _file(run, tmp_path, decode=True)
+    b = _file(run, tmp_path, decode=True, prefill=False, batch=1, dense=1.5, name="b1.json")
+    res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "m"), "--break-even", str(a),
+                              "--break-even", str(b)])
+    assert res.exit_code == 0, res.output
+    rec = load_blasst(tmp_path / "m")["dispatch"]
+    src = rec["break_even_file"]
+    assert src["name"] == "be.json + b1.json" and [f["name"] for f in src["files"]] == ["be.json", "b1.json"]
+    for c in rec["configs"]:
+        dec = c["decode"]
+        assert dec["batches"] == [1, 16] and dec["by_batch"]["1"]["break_even"] == [None, None]
+        assert dec["by_batch"]["16"]["break_even"] == [0.5, 0.5]
+        assert not any(x for g in dec["by_batch"]["1"]["sparse"].values() for row in g for x in row)
+    said = " ".join(res.output.split())
+    assert "decode topk B=1 (break-even never never)" in said and "decode topk B=16 (break-even 0.500 0.500)" in said
+    assert "batches 1, 16: a decode step of batch B follows the largest measured batch <= B" in said
+    one = json.loads(a.read_text())  # the same rows in one file
+    one["rows"] = sorted(one["rows"] + json.loads(b.read_text())["rows"], key=D.row_key)
+    (tmp_path / "both.json").write_text(json.dumps(one))
+    res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "o"), "--break-even", str(tmp_path / "both.json")])
+    assert res.exit_code == 0, res.output
+    assert [c["decode"] for c in load_blasst(tmp_path / "o")["dispatch"]["configs"]] == [c["decode"] for c in rec["configs"]]
+    res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "x"), "--break-even", str(a),
+                              "--break-even", str(tmp_path / "both.json")])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert lines[0].startswith("error: be.json and both.json both hold a row for decode eager head") and "batch 16" in lines[0]
+    assert not (tmp_path / "x").exists()
+
+
 @INTERPRETER_WARNINGS
 def test_bench_quick_decode_rows(run, tmp_path):
     out = tmp_path / "be.json"
@@ -213,3 +345,18 @@ def test_bench_quick_decode_rows(run, tmp_path):
     assert len(row["points"]) == 2
     assert row["points"][0]["sparsity"] == 0.0 and 0.0 < row["points"][1]["sparsity"] <= 1.0
     assert doc["request"]["quick"] and row["dense_backend"] in D.SDPA_BACKENDS
+
+
+@INTERPRETER_WARNINGS
+def test_bench_quick_decode_rows_of_two_batches(run, tmp_path):
+    """--decode-batch 1,2: one set of decode rows per batch in one file; a bad batch list is refused."""
+    out = tmp_path / "be.json"
+    B.main(["--run", str(run), "--out", str(out), "--quick", "--decode-lengths", "130", "--methods", "blasst",
+            "--decode-sparsities", "0", "--rounds", "1", "--decode-batch", "2,1"])
+    doc = D.load_break_even(out)
+    assert [(r["batch"], r["length"]) for r in doc["rows"]] == [(1, 130), (2, 130)]
+    assert doc["request"]["decode_batch"] == [1, 2]
+    for bad in ("0,1", "1,x", ","):
+        with pytest.raises(UserError, match="decode-batch") as e:
+            B.parse(["--run", str(run), "--out", str(out), "--decode-batch", bad])
+        assert "\n" not in str(e.value)
