@@ -87,6 +87,27 @@ def test_break_even_file_refusals(tmp_path):
         D.break_even_rows([_measured(dense={"x": 1.0}) | {"dense": {}}])
 
 
+def test_merged_files_keep_every_row_and_refuse_a_key_twice():
+    """merge_break_even: rows of two files side by side (decode rows of two batches at one key but
+    the batch), the files listed; a row twice, another GPU or another geometry refused in one line."""
+    def dec(batch):
+        return dict(_measured(), phase="decode", timing="graph", decision="head", batch=batch)
+
+    a = D.break_even_file([_measured(), dec(16)], GEO, {"gpu": "H100", "commit": "a1", "date": "d1"})
+    b = D.break_even_file([dec(1)], GEO, {"gpu": "H100", "commit": "b2", "date": "d2"})
+    merged = D.merge_break_even([("a.json", a), ("b.json", b)])
+    assert [(r["phase"], r.get("batch")) for r in merged["rows"]] == [("decode", 1), ("decode", 16), ("prefill", None)]
+    assert [(f["name"], f["commit"]) for f in merged["files"]] == [("a.json", "a1"), ("b.json", "b2")]
+    assert D.decode_batches(merged, "bsfa", 64, 3, "graph", "head") == [1, 16]
+    for other, needle in ((a, "a.json and b.json both hold a row for decode graph head bsfa head_dim 64 group 3 "
+                              "length 1024 batch 16"),
+                          (dict(b, gpu="A100"), "b.json was measured on A100"),
+                          (dict(b, geometry=dict(GEO, block_n=128)), "block_n 128")):
+        with pytest.raises(UserError, match=needle) as e:
+            D.merge_break_even([("a.json", a), ("b.json", other)])
+        assert "\n" not in str(e.value)
+
+
 def test_check_model_names_the_mismatch():
     doc = D.break_even_file([_measured()], GEO, {})
     D.check_model("be.json", doc, 64, 3, 128, 64)
