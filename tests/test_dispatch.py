@@ -99,8 +99,8 @@ def test_merged_files_keep_every_row_and_refuse_a_key_twice():
     assert [(r["phase"], r.get("batch")) for r in merged["rows"]] == [("decode", 1), ("decode", 16), ("prefill", None)]
     assert [(f["name"], f["commit"]) for f in merged["files"]] == [("a.json", "a1"), ("b.json", "b2")]
     assert D.decode_batches(merged, "bsfa", 64, 3, "graph", "head") == [1, 16]
-    for other, needle in ((a, "a.json and b.json both hold a row for decode graph head bsfa head_dim 64 group 3 "
-                              "length 1024 batch 16"),
+    for other, needle in ((a, ("a.json and b.json both hold a row for decode graph head bsfa head_dim 64 group 3 "
+                               "length 1024 batch 16")),
                           (dict(b, gpu="A100"), "b.json was measured on A100"),
                           (dict(b, geometry=dict(GEO, block_n=128)), "block_n 128")):
         with pytest.raises(UserError, match=needle) as e:

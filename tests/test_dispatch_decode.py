@@ -58,7 +58,7 @@ def _old_layout(rec, batch=True):
     rec = json.loads(json.dumps(rec))
     for c in rec["configs"]:
         if c.get("decode"):
-            ((b, view),) = D.decode_views(c["decode"])
+            ((_, view),) = D.decode_views(c["decode"])
             c["decode"] = view if batch else {k: v for k, v in view.items() if k != "batch"}
     return rec
 
@@ -323,14 +323,17 @@ def test_export_merges_the_files_of_two_batches_and_refuses_a_row_twice(run, tmp
     one = json.loads(a.read_text())  # the same rows in one file
     one["rows"] = sorted(one["rows"] + json.loads(b.read_text())["rows"], key=D.row_key)
     (tmp_path / "both.json").write_text(json.dumps(one))
-    res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "o"), "--break-even", str(tmp_path / "both.json")])
+    res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "o"), "--break-even",
+                              str(tmp_path / "both.json")])
     assert res.exit_code == 0, res.output
-    assert [c["decode"] for c in load_blasst(tmp_path / "o")["dispatch"]["configs"]] == [c["decode"] for c in rec["configs"]]
+    got = load_blasst(tmp_path / "o")["dispatch"]["configs"]
+    assert [c["decode"] for c in got] == [c["decode"] for c in rec["configs"]]
     res = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "x"), "--break-even", str(a),
                               "--break-even", str(tmp_path / "both.json")])
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
-    assert lines[0].startswith("error: be.json and both.json both hold a row for decode eager head") and "batch 16" in lines[0]
+    assert lines[0].startswith("error: be.json and both.json both hold a row for decode eager head")
+    assert "batch 16" in lines[0]
     assert not (tmp_path / "x").exists()
 
 

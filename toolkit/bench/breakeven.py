@@ -12,10 +12,11 @@ rounds of bench_ms (one launch per call, host cost included); ``graph``, the med
 each call captured as a CUDA graph (device time: what a deployment replaying graphs pays; a call
 that cannot be captured is left out, said on stderr). Decode (``--phases ...,decode``):
 bench/breakeven_decode.py, one decode step of ``--decode-batch`` rows (one set of rows per batch:
-``--decode-batch 1,16``) per ``--decode-lengths`` cached length and ``--decode-decisions`` (head: decode.py, group: decode_group.py, the kernel sparsify
-runs for that decision). The file (formats/dispatch.py: rows per phase and timing with dense_ms,
-dense_backend, points and break_even) is what ``sparsecal export RUN --out DIR --break-even FILE``
-reads (``--dispatch-timing graph|eager``).
+``--decode-batch 1,16``) per ``--decode-lengths`` cached length and ``--decode-decisions`` (head:
+decode.py, group: decode_group.py, the kernel sparsify runs for that decision). The file
+(formats/dispatch.py: rows per phase, timing and decode batch with dense_ms, dense_backend, points
+and break_even) is what ``sparsecal export RUN --out DIR --break-even FILE`` reads
+(``--dispatch-timing graph|eager``; ``--break-even`` repeatable: files merged row-wise).
 
     sparsecal bench break-even --run RUN --out FILE [--lengths 1024,2048] [--methods bsfa,blasst]
         [--sparsities 0,0.25,0.5,0.75,0.9] [--rounds 3] [--phases prefill,decode] [--timings graph,eager]

@@ -201,7 +201,8 @@ def print_dispatch(rec: dict) -> None:
         views = decode_views(e["decode"]) if e.get("decode") else []
         for mode in (views[0][1]["modes"] if views else {}):
             for b, v in views:  # one row per measured decode batch
-                g, be = v["modes"][mode]["sparse"], " ".join("never" if x is None else f"{x:.3f}" for x in v["break_even"])
+                g = v["modes"][mode]["sparse"]
+                be = " ".join("never" if x is None else f"{x:.3f}" for x in v["break_even"])
                 t.add_row(f"  decode {mode}{f' B={b}' if b else ''} (break-even {be})",
                           *[f"{sum(r[j] for r in g)}/{len(g)}: {layer_ranges([i for i, r in enumerate(g) if r[j]])}"
                             for j in range(len(rec["lengths"]))])

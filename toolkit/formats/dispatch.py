@@ -214,8 +214,8 @@ def merge_break_even(docs: list[tuple[str, dict]]) -> dict:
                             f"{_geo_text(doc)}: give break-even files of one GPU and one model geometry.")
         for r in d["rows"]:
             if row_key(r) in seen:
-                raise UserError(f"{seen[row_key(r)]} and {name} both hold a row for {_key_text(r)}: give each row in one "
-                                "file only (measure further decode batches alone with `sparsecal bench break-even "
+                raise UserError(f"{seen[row_key(r)]} and {name} both hold a row for {_key_text(r)}: give each row "
+                                "in one file only (measure further decode batches alone with `sparsecal bench break-even "
                                 "--phases decode --decode-batch B`).")
             seen[row_key(r)] = name
     files = [{"name": n, "gpu": d.get("gpu"), "commit": (d.get("provenance") or {}).get("commit"),

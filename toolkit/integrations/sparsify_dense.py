@@ -35,7 +35,6 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     the configs' decode entries, every measured batch of each (None: the record has none, decode's
     dense path stays the kernels with skipping off). None: no record."""
     from sparsecal.formats.dispatch import decode_views
-
     from sparsecal.formats.exports import BLASST_JSON, load_blasst
 
     folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
