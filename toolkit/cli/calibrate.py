@@ -202,7 +202,8 @@ def print_dispatch(rec: dict) -> None:
         for mode in (views[0][1]["modes"] if views else {}):
             for b, v in views:  # one row per measured decode batch
                 g = v["modes"][mode]["sparse"]
-                be = " ".join("never" if x is None else f"{x:.3f}" for x in v["break_even"])
+                be = " ".join(("never" if x is None else f"{x:.3f}") + ("*" if ext else "")
+                              for x, ext in zip(v["break_even"], v["extrapolated"]))
                 t.add_row(f"  decode {mode}{f' B={b}' if b else ''} (break-even {be})",
                           *[f"{sum(r[j] for r in g)}/{len(g)}: {layer_ranges([i for i, r in enumerate(g) if r[j]])}"
                             for j in range(len(rec["lengths"]))])
