@@ -39,9 +39,10 @@ runs PyTorch SDPA (kernels/layer_dense.py) with the break-even file's fastest ba
 (the others in PyTorch's order as fall-backs) and counts nothing. ``dense`` with dispatch on (the
 default) under a record runs every prefill layer that way. Decode steps follow the record's decode
 entry where it has one for the operating point, sparsify's ``decode_decision`` and decode mode
-(sparsify_dense.decode_plan): a step against N cached tokens runs a layer sparse only where the
-decode plan says so at N's bucket, else what ``dense`` runs at decode (SDPA with the record's decode
-backend first; counts nothing). Without decode entries decode runs as without dispatch.
+(sparsify_dense.decode_plan): a step of batch B against N cached tokens runs a layer sparse only
+where the decode plan of the largest measured batch <= B (the smallest below them all) says so at
+N's bucket, else what ``dense`` runs at decode (SDPA with the record's decode backend first; counts
+nothing). Without decode entries decode runs as without dispatch.
 """
 from __future__ import annotations
 
