@@ -63,7 +63,7 @@ def test_profiled_capture_records_phases_and_the_same_statistics(tmp_path, seed,
         assert p["write_overlapped"] is True  # written on the background thread
         in_wall = [k for k in PHASES if k not in ("serialize", "disk")]
         assert sum(p[k] for k in in_wall) <= p["wall"] + 1e-3  # parts of the sample's wall time
-        assert p["wall"] == pytest.approx(r["seconds"], abs=1e-3)
+        assert p["wall"] >= r["seconds"] - 1e-3  # seconds: the previous sample's overlap counted once
     assert "kern " in res.output and "d2h " in res.output  # each sample's progress line
     if triton:
         return  # the statistics of both backends are the kernel tests' business

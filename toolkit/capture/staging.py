@@ -128,12 +128,14 @@ class SampleWriter:
         stats = dict(staged.result())
         raw_host = {k: stats.pop(k) for k in self.raw_keys if k in stats}
         ready = time.perf_counter()
-        secs = ready - max(started, self.last_ready)
+        secs = ready - max(started, self.last_ready)  # throughput: time two samples overlap counted once
         self.last_ready = ready
         record = dict(record, seconds=round(secs, 3))
         if profile is not None:
             from sparsecal.capture.profile import finish
 
-            profile = finish(profile, {}, secs, self.pool is not None)
+            # the sample's own wall clock, from its forward: its phases lie inside it even where the
+            # previous sample's statistics reached the host after this forward began
+            profile = finish(profile, {}, ready - started, self.pool is not None)
         folder = self.store.write_sample(record, stats, raw_host or None, profile=profile)
         return json.loads((folder / "sample.json").read_text()) if profile is not None else record
