@@ -3,7 +3,7 @@ from the evaluation and benchmark result files of RUN/results/ and `--results DI
 toolkit/formats/results.py). Until such files exist the page says which commands make them.
 Controls: the result directory and the split (seen / held-out task families) where there are
 several, methods and lengths shown, and, where `sparsecal eval --time` timed the points themselves,
-whether the x axis is each point's own TTFT or TPOT speedup."""
+whether the x axis is each point's own TTFT or TPOT speedup, eager or replayed as a CUDA graph."""
 from __future__ import annotations
 
 import polars as pl
@@ -14,7 +14,8 @@ from sparsecal.formats import results
 from sparsecal.formats.errors import UserError
 
 # the x axis when the points carry their own timings: prefill (TTFT) or decode (TPOT) speedup
-SPEEDS = {"TTFT (prefill)": "speedup_ttft", "TPOT (decode)": "speedup_tpot"}
+SPEEDS = {"TTFT (prefill)": "speedup_ttft", "TPOT (decode)": "speedup_tpot",
+          "TTFT, CUDA graph (device time)": "speedup_ttft_graph", "TPOT, CUDA graph (device time)": "speedup_tpot_graph"}
 
 
 def _load(dirs) -> tuple[pl.DataFrame, list[str]]:
@@ -60,8 +61,9 @@ def render() -> None:
     methods = ui.choose_many("Methods", sorted(set(pts["method"])), key="cu_methods", where=c1)
     lengths = ui.choose_many("Lengths", sorted(set(pts["length"])), key="cu_lengths", where=c2, fmt=ui.fmt_len)
     shown = pts.filter(pl.col("method").is_in(methods) & pl.col("length").is_in(lengths))
-    if shown["speedup_tpot"].is_not_null().any():  # timed by `sparsecal eval --time`: each point's own speed
-        of = ui.choose("Speedup of", list(SPEEDS), key="cu_speed")
+    timed = [k for k, c in SPEEDS.items() if shown[c].is_not_null().any()]
+    if "TPOT (decode)" in timed:  # timed by `sparsecal eval --time`: each point's own speed
+        of = ui.choose("Speedup of", timed, key="cu_speed")
         shown = shown.with_columns(pl.col(SPEEDS[of]).alias("speedup"))
     ui.plot(charts_run.accuracy_speedup(shown), key="cu_chart")
     st.dataframe(shown, hide_index=True)

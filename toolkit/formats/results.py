@@ -26,6 +26,8 @@ Row columns (the ones marked * are required, plus at least one of the two measur
                          float  the point's own time-to-first-token and time-per-output-token
                                 speedup against the best SDPA, timed on the evaluated configuration
                                 (`sparsecal eval --time`; optional; ``speedup`` is the TTFT one)
+    speedup_ttft_graph, speedup_tpot_graph
+                         float  the same replayed as CUDA graphs (device time; optional)
     task                 str    evaluation task (optional; accuracies are averaged over tasks)
     metric               str    what accuracy measures, e.g. "accuracy", "top1", "kl" (optional)
 
@@ -51,7 +53,7 @@ KEYS = ("method", "config", "length")
 POINT = KEYS + ("origin", "split")  # a chart point: one directory's rows of one split
 MEASURES = ("accuracy_rel_dense", "speedup")
 OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "speedup_ttft",
-            "speedup_tpot")
+            "speedup_tpot", "speedup_ttft_graph", "speedup_tpot_graph")
 KINDS = ("sparsecal-eval", "sparsecal-bench")
 PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
              "into DIR/curves.parquet) and `sparsecal bench --smollm2` on a GPU (speedup rows, "
