@@ -233,3 +233,18 @@ def test_topk_argument_errors(seed):
             fn(q, k, v, 0.125, 32, 16, topk=-1)
     with pytest.raises(ValueError, match="dense"):
         sparse_decode_triton(q, k, v, 0.125, 32, 16, topk=2, dense=True)
+
+
+def test_scan_orders_from_slices_are_the_geometry_orders():
+    """decode.in_scan_order / from_scan_order (slices, no index uploaded) put a row's key blocks in
+    exactly formats.geometry.scan_order's order and back, for every order, row and candidate count."""
+    from sparsecal.formats.geometry import ORDERS, scan_order
+    from sparsecal.kernels.sparse.decode import from_scan_order, in_scan_order
+
+    for kb in range(1, 12):
+        x = torch.arange(kb)
+        for a in range(0, kb + 1):
+            for order in ORDERS:
+                seq = in_scan_order(x, order, a)
+                assert seq.tolist() == scan_order(order, a, kb), (order, a, kb)
+                assert torch.equal(from_scan_order(seq, order, a), x)

@@ -301,15 +301,10 @@ def print_rescales(out: Console, fit_dir: Path) -> None:
     (and the median shortfall) after the first block and after the first local blocks; one line
     for a run captured before these statistics."""
     from sparsecal.analysis.stabilization import order_summary
-    from sparsecal.analysis.tables import read_table
-    from sparsecal.formats.errors import UserError
     from sparsecal.formats.run import RESCALE_MISSING
 
     title = "Running-max stabilization per scan order (all lengths, layers, heads)"
-    try:
-        rescale, hist = read_table(fit_dir, "stab_rescale"), read_table(fit_dir, "stab_shortfall_hist")
-    except UserError:
-        rescale = hist = None
+    rescale, hist = _fit_tables(fit_dir, "stab_rescale", "stab_shortfall_hist")
     if rescale is None or not rescale.height:
         out.print(f"{title}: {RESCALE_MISSING}", soft_wrap=True, markup=False)
         return
@@ -323,19 +318,26 @@ def print_rescales(out: Console, fit_dir: Path) -> None:
     out.print(t)
 
 
+def _fit_tables(fit_dir: Path, *names: str) -> list:
+    """The fit's tables ``names``, or Nones where any is missing or unreadable (a run fitted before
+    they existed: the caller says which command makes them)."""
+    from sparsecal.analysis.tables import read_table
+    from sparsecal.formats.errors import UserError
+
+    try:
+        return [read_table(fit_dir, n) for n in names]
+    except UserError:
+        return [None] * len(names)
+
+
 def print_joint(out: Console, fit_dir: Path) -> None:
     """VFA's frozen max (max(Q-init, sink + diagonal max)) minus the true row max per layer band:
     the median and the shares of rows more than 1 / 5 nats below it (p > 1 in the frozen phase)
     and more than 5 above; one line for a run captured before the statistic."""
     from sparsecal.analysis.stabilization import joint_bands
-    from sparsecal.analysis.tables import read_table
-    from sparsecal.formats.errors import UserError
     from sparsecal.formats.run import JOINT_MISSING
 
-    try:
-        joint, hist = read_table(fit_dir, "joint"), read_table(fit_dir, "joint_hist")
-    except UserError:
-        joint = hist = None
+    joint, hist = _fit_tables(fit_dir, "joint", "joint_hist")
     if joint is None or not joint.height:
         out.print(f"VFA frozen max: {JOINT_MISSING}", soft_wrap=True, markup=False)
         return
