@@ -128,3 +128,32 @@ def test_skip_nothing_calls_are_dense_calls(tiny):
     use_method(model, Method("dense"), root / "calls", "tiny")
     assert call_args(model._sparsecal_state, 0, "prefill", N, "cpu") == {"dense": True}
     use_method(model, Method("sdpa"), root / "calls", "tiny")
+
+
+@pytest.mark.parametrize("label", ["window:3", "window_sink:3"])
+def test_window_runs_dense_s_path_exactly_where_it_skips_nothing(tiny, seed, label):
+    """Prefill and decode: the window takes dense's own call (``_window_covers``) at exactly the lengths
+    where its reference skips no tile. On an H100 the window decode kernel with nothing skipped differs
+    from dense's in rounding (batch 32, 9/3 heads, D 64), so a covered decode must not reach it: the
+    issue-27 evaluation's window rows at 1K read KL 0 but answer log-likelihoods off dense's."""
+    from sparsecal.integrations.sparsify import _window_covers
+    from sparsecal.kernels.sparse.reference import sparse_attention, sparse_decode
+
+    model, _, root = tiny
+    exp = _export(root / f"cover-{label.replace(':', '')}")
+    use_method(model, parse_methods(label)[0], exp, "tiny")
+    st = model._sparsecal_state
+    g = torch.Generator().manual_seed(seed)
+    edge = st.block_n * (st.window + st.sink)  # the last length the decode row covers
+    seen = set()
+    for n in (edge - 1, edge, edge + 1, edge + st.block_n, edge + st.block_m + 1, 2 * edge + 5):
+        q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+        kw = {"window": st.window, "sink": st.sink}
+        _, pre = sparse_attention(q, k, v, 0.25, st.block_m, st.block_n, **kw)
+        _, dec = sparse_decode(q[:, :, -1:], k, v, 0.25, st.block_m, st.block_n, **kw)
+        for mode, counts in (("prefill", pre), ("decode", dec)):
+            nothing = int(counts.skipped.sum()) == 0
+            assert _window_covers(st, mode, n) == nothing, (label, mode, n)
+            seen.add((mode, nothing))
+    assert seen == {(m, x) for m in ("prefill", "decode") for x in (True, False)}  # both sides, both modes
+    use_method(model, Method("sdpa"), exp, "tiny")

@@ -457,12 +457,14 @@ def _runs_sparse(state: _State, layer: int, spec, window: int | None, length: in
 
 
 def _window_covers(state: _State, mode: str, length: int) -> bool:
-    """The window baseline skips nothing in this prefill (every query block's candidate key blocks
-    fit its budget), so it runs what ``dense`` runs (dense_first) instead of the window kernel."""
-    if state.method != "window" or mode != "prefill":
+    """The window baseline skips nothing in this call (prefill: every query block's candidate key
+    blocks fit its budget; decode: the row L - 1's), so it runs what ``dense`` runs (dense_first)
+    instead of the window kernels, which with nothing skipped differ from dense's in rounding (H100,
+    batch 32, 9/3 heads, D 64: data/bench/NOTES.md)."""
+    if state.method != "window":
         return False
-    last_block_start = (length - 1) // state.block_m * state.block_m  # its candidates are the most
-    return last_block_start // state.block_n <= state.window + state.sink  # the sink keeps one more
+    last = (length - 1) // state.block_m * state.block_m if mode == "prefill" else length - 1
+    return last // state.block_n <= state.window + state.sink  # the sink keeps one more
 
 
 def _use_triton(state: _State, query, mode: str) -> bool:
