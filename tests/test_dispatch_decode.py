@@ -26,17 +26,18 @@ runner = CliRunner()
 PTS = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]  # break-even 0.5 against 6 ms
 
 
-def _be_doc(decode=True, timing="graph", batches=None):
+def _be_doc(decode=True, timing="graph", batches=None, cudnn_decode=False):
     """Prefill (eager) and decode (``timing``, head decision) rows at head_dim 64, group 2: prefill
     break-even 0.5; decode per batch {batch: FLASH's dense ms} (default {1: 6.0}: break-even 0.5;
-    1.5 ms: never, faster than every point); FLASH the faster dense backend of decode, cuDNN of prefill."""
+    1.5 ms: never, faster than every point); FLASH the faster dense backend of decode (``cudnn_decode``:
+    cuDNN, 1 ms faster), cuDNN of prefill."""
     measured = [{"method": m, "head_dim": 64, "group": 2, "length": n, "points": PTS,
                  "dense": {"CUDNN_ATTENTION": 6.0, "FLASH_ATTENTION": 7.0}}
                 for m in D.METHODS for n in DISPATCH_LENGTHS]
     if decode:
         measured += [{"phase": "decode", "timing": timing, "decision": "head", "batch": b, "method": m,
                       "head_dim": 64, "group": 2, "length": n, "points": PTS,
-                      "dense": {"CUDNN_ATTENTION": ms + 1.0, "FLASH_ATTENTION": ms}}
+                      "dense": {"CUDNN_ATTENTION": ms + (-1.0 if cudnn_decode else 1.0), "FLASH_ATTENTION": ms}}
                      for b, ms in (batches or {1: 6.0}).items() for m in D.METHODS for n in DISPATCH_LENGTHS]
     geo = {"block_m": 128, "block_n": 64, "heads": 4, "kv_heads": 2, "head_dim": 64}
     return D.break_even_file(measured, geo, {"gpu": "test", "commit": "c0ffee1"})
@@ -63,10 +64,11 @@ def _old_layout(rec, batch=True):
     return rec
 
 
-def _export(out, decode_layer1, decode_layer0=0.9, batches=None, old=False):
-    """A 2-layer export whose record is _record's (``batches`` as _be_doc's; ``old``: the layout
-    before decode batches)."""
-    rec = _record(decode_layer1, _be_doc(batches=batches) if batches else None, decode_layer0)
+def _export(out, decode_layer1, decode_layer0=0.9, batches=None, old=False, cudnn_decode=False):
+    """A 2-layer export whose record is _record's (``batches``, ``cudnn_decode`` as _be_doc's; ``old``:
+    the layout before decode batches)."""
+    be = _be_doc(batches=batches, cudnn_decode=cudnn_decode) if batches or cudnn_decode else None
+    rec = _record(decode_layer1, be, decode_layer0)
     out.mkdir()
     write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": [0, 1],
                                                                            "ignored_layers": {}})
@@ -173,6 +175,26 @@ def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed, capsys):
     sparsecal.sparsify(tiny_model, tmp_path / "d", method="bsfa", k=1, decode="topk", decode_decision="group")
     _, st = _prefill_then_step(tiny_model, seed)
     assert (st["reachable"] == reach).all() and (st["skipped"] > 0).all()
+    sparsecal.densify(tiny_model)
+
+
+def test_a_dispatched_dense_decode_never_runs_cudnn_first(tiny_model, tmp_path, seed):
+    """cuDNN's SDPA decode is not reproducible run to run (H100, data/bench/NOTES.md): where the
+    record picked it for decode, a dense decode step under dispatch tries Flash first, for ``dense``
+    and for a method the plan runs dense alike; prefill keeps the record's cuDNN."""
+    from sparsecal.integrations.sparsify import dense_first, dispatched_dense
+
+    exp = _export(tmp_path / "e", (0.1, 0.1), 0.2, cudnn_decode=True)
+    sparsecal.sparsify(tiny_model, exp, method="dense")
+    state = tiny_model._sparsecal_state
+    assert state.dense_backends["decode"][0] == "CUDNN_ATTENTION"  # the record as measured
+    assert dense_first(state, "decode", 301) == "FLASH_ATTENTION" and dense_first(state, "prefill", 301) == "CUDNN_ATTENTION"
+    want, _ = _prefill_then_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_model, exp, method="bsfa", k=1, decode="topk")
+    state = tiny_model._sparsecal_state
+    assert [dispatched_dense(state, layer, "decode", 301, 1) for layer in (0, 1)] == ["FLASH_ATTENTION"] * 2
+    got, st = _prefill_then_step(tiny_model, seed)
+    assert torch.equal(got, want) and st["skipped"].sum() == 0
     sparsecal.densify(tiny_model)
 
 

@@ -44,6 +44,10 @@ TIMINGS = ("graph", "eager")
 DECISIONS = ("head", "group")  # decode skip decision (kernels.sparse.reference.DECISIONS)
 DECODE_MODES = ("sparse", "topk", "thresholds")  # sparsify's decode modes that skip (integrations.sparsify.DECODES)
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# cuDNN's SDPA decode is not reproducible run to run: on an H100 (torch 2.11) the same evaluation's
+# dispatched decode rows differ between two runs with it on and never with it off (data/bench/NOTES.md,
+# "determinism"); a dispatched dense decode step is the floor every +dispatch row is compared with
+DECODE_REPRODUCIBLE = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 NEVER = math.inf  # break-even in memory when the sparse kernel never pays (JSON null)
 GEOMETRY_KEYS = ("block_m", "block_n", "heads", "kv_heads", "head_dim")
 REMEDY = "measure it again with `sparsecal bench break-even --run RUN --out FILE`"
@@ -55,6 +59,12 @@ DECODE_RULE = ("a decode step of batch B against N cached tokens runs a layer's 
                "<= N >= the decode break_even + margin of the largest measured batch <= B (the smallest below every "
                "measured batch; dense below the shortest length); elsewhere dense's own decode path (SDPA, decode "
                "dense_backend first); a config without a decode entry does not dispatch decode")
+
+
+def decode_backend(backend: str) -> str:
+    """The SDPA backend a dispatched dense decode step tries first: the record's pick, or Flash where
+    that is one whose decode is not reproducible (cuDNN: DECODE_REPRODUCIBLE)."""
+    return backend if backend in DECODE_REPRODUCIBLE else "FLASH_ATTENTION"
 
 
 def break_even(points, dense_ms: float) -> float:

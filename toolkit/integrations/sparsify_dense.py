@@ -110,16 +110,17 @@ def dense_first(state, mode: str, length: int) -> str | None:
     """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
     window that covers every candidate, BSFA's dense decode), it runs what ``dense`` runs: under a
     dispatch record the bucket's SDPA backend of that phase (this is returned; below the shortest
-    length, the shortest's), else the kernels with skipping off (None). Decode: only under a record
-    with decode entries."""
+    length, the shortest's; decode: Flash where the record picked cuDNN, formats.dispatch.decode_backend),
+    else the kernels with skipping off (None). Decode: only under a record with decode entries."""
     backends = None if state.dense_backends is None else (
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
     if backends is None:
         return None
-    from sparsecal.formats.dispatch import bucket
+    from sparsecal.formats.dispatch import bucket, decode_backend
 
     j = bucket(state.dense_backends["lengths"], length)
-    return backends[0 if j is None else j]
+    pick = backends[0 if j is None else j]
+    return decode_backend(pick) if mode == "decode" else pick
 
 
 def decode_plan(state) -> dict | None:
@@ -169,8 +170,11 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     j = bucket(lengths, length)
     if j is not None and sparse[layer][j]:
         return None
-    backends = plan["backends"] if mode == "prefill" else plan["dense_backend"]
-    return dense_first(state, mode, length) or backends[0 if j is None else j]
+    if mode == "prefill":
+        return dense_first(state, mode, length) or plan["backends"][0 if j is None else j]
+    from sparsecal.formats.dispatch import decode_backend
+
+    return dense_first(state, mode, length) or decode_backend(plan["dense_backend"][0 if j is None else j])
 
 
 _BACKENDS: dict = {}  # SDPBackend name -> the enum member (looked up once)
