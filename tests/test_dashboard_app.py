@@ -215,7 +215,7 @@ def test_curves_out_of_the_box_from_the_committed_evaluation(monkeypatch):
     from sparsecal.dashboard.data import shipped_result_dirs
 
     shipped = shipped_result_dirs()
-    assert [d.name for d in shipped] == ["smollm2-1k-8k-h100", "smollm2-1k-8k-h100-issue27"]
+    assert [d.name for d in shipped] == ["smollm2-1k-8k-h100", "smollm2-1k-8k-h100-issue27", "smollm2-1k-8k-h100-s35"]
     at = _page(_app(monkeypatch, FIXTURE, results=None), "curves")
     _ok(at, 1)
     table = at.dataframe[0].value

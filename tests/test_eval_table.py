@@ -26,3 +26,24 @@ def test_markdown_table_of_the_committed_evaluation():
     # without timings the speed cells are empty, the rest unchanged
     bare = markdown_table(summary).splitlines()
     assert bare[3].rsplit("|", 3)[0] == lines[3].rsplit("|", 3)[0] and bare[3].endswith("| - / - | - / - |")
+
+
+S35 = EVAL.parents[1] / "smollm2-1k-8k-h100-s35" / "data"
+
+
+def test_zero_skip_prefills_of_the_committed_evaluation_are_dense_bit_for_bit():
+    """Issue 27: in the committed evaluation every prompt whose prefill skipped no tile reads KL 0 and
+    top-1 1.000 against ``dense`` (the kernels' methods), and a ``+dispatch`` one the prompt NLL of
+    ``dense+dispatch`` exactly (both run the record's SDPA backend there); vfa / vsa run the fp32
+    reference, ``dense:fp32`` is the rounding floor."""
+    rows = pl.read_parquet(S35 / "rows.parquet")
+    zero = rows.filter((pl.col("prefill_skipped") == 0) & ~pl.col("label").is_in(["dense:fp32", "vfa"])
+                       & ~pl.col("label").str.starts_with("vsa"))
+    plain = zero.filter(~pl.col("label").str.ends_with("+dispatch"))
+    assert plain.height > 3000 and set(plain["label"].unique()) >= {"bsfa:16", "blasst:0.5", "window_sink:32"}
+    assert (plain["kl"] == 0).all() and (plain["top1"] == 1).all()
+    floor = rows.filter(pl.col("label") == "dense+dispatch").select("sample_id", pl.col("nll").alias("floor"))
+    disp = zero.filter(pl.col("label").str.ends_with("+dispatch")).join(floor, on="sample_id")
+    assert disp.height > 3000 and (disp["nll"] == disp["floor"]).all()
+    # and a prefill that skips is not: the test could fail
+    assert (rows.filter((pl.col("label") == "bsfa:16") & (pl.col("prefill_skipped") > 0))["kl"] > 0).all()
