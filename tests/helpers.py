@@ -19,7 +19,7 @@ from sparsecal.formats import dispatch as D
 from sparsecal.formats.exports import write_blasst
 from sparsecal.formats.geometry import block_counts, cdiv
 from sparsecal.integrations.exports import write_bsfa
-from sparsecal.kernels.capture.reduce_reference import reduce_tiles
+from sparsecal.kernels.capture.reduce_reference import group_gap, reduce_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "data" / "fixture"                       # the committed fixture run (scripts/make-fixture)
@@ -236,7 +236,9 @@ def assert_reduced_match(a, r, n, cfg, ties):
         torch.testing.assert_close(a[f"{pre}top_mass"].double().cumsum(-1), b[f"{pre}top_mass"].double().cumsum(-1),
                                    atol=1e-4, rtol=1e-4)
     edges = cfg.gap_edges()
-    for prefix, gap in (("", r.gap), ("decode_", r.dec_gap), ("diag_", r.gap), ("decode_diag_", r.dec_gap)):
+    group = group_gap(r.dec_gap, r.group)
+    for prefix, gap in (("", r.gap), ("decode_", r.dec_gap), ("diag_", r.gap), ("decode_diag_", r.dec_gap),
+                        ("decode_group_", group)):
         slack = hist_slack(gap, edges)
         ca, cb = a[f"{prefix}gap_count"], b[f"{prefix}gap_count"]
         assert torch.equal(ca.sum(-1), cb.sum(-1)) and int((ca - cb).abs().sum()) <= 2 * slack

@@ -50,7 +50,7 @@ from sparsecal.kernels.capture.common import (
 )
 from sparsecal.kernels.capture.decode_rows import decode_forward
 from sparsecal.kernels.capture.reduce import capture_reduce
-from sparsecal.kernels.capture.reduce_reference import decode_bsfa_reduce
+from sparsecal.kernels.capture.reduce_reference import decode_bsfa_reduce, group_gap_hist
 from sparsecal.kernels.capture.reference import TileStats, pad_blocks, signed_absmax_keys
 from sparsecal.kernels.capture.tilestats import HistLayout, tile_stats_kernel
 from sparsecal.kernels.jit import (
@@ -260,18 +260,19 @@ def instrumented_attention_triton(q, k, v, scale: float, cfg: StatsConfig, scrat
     stats = TileStats(res.bmax, pick(res.gap, cfg), res.mass, pick(res.tstar_step, cfg),
                       pick(res.tstar_where, cfg), pick(res.tstar_norm, cfg), res.qinit_err,
                       pick(dec_gap, cfg), dec_mass, rows, pick(res.rescales, cfg), pick(res.shortfall, cfg),
-                      dec_bmax=dec_bmax, joint_err=res.joint_err)
+                      dec_bmax=dec_bmax, joint_err=res.joint_err, group=q.shape[1] // k.shape[1])
     return res.out, stats
 
 
-def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig) -> dict:
+def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig, group: int = 1) -> dict:
     """kernels/capture/reduce_reference.py's reduce_tiles output (same keys, shapes, dtypes) from the fused passes;
-    decode = decode_forward(..., fused=True)'s result. No host sync (BSFA in reduce)."""
+    decode = decode_forward(..., fused=True)'s result; ``group`` G = H / Hkv. No host sync (BSFA in reduce)."""
     dev = res.bmax.device
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
     out = capture_reduce(res.bmax, res.mass, cand, cfg, edge_args(cfg, dev))
     out.update(decode_bsfa_reduce(decode[4], decode[2], n, cfg))
     out.update(hist_keys(res.part, decode[3], cfg))
+    out.update(group_gap_hist(pick(decode[1], cfg), decode[2], decode[0], group, edge_args(cfg, dev)[0], cfg.block_n))
     if cfg.raw:
         out["raw_bmax"] = res.bmax.half()
         out["raw_gap"] = pick(res.gap, cfg).half()
@@ -290,4 +291,4 @@ def instrumented_capture_triton(q, k, v, scale: float, cfg: StatsConfig, scratch
     decode = decode_forward(q, k, res.lse, scale, cfg, launch, fused=True, softcap=softcap)
     if mark is not None:
         mark()
-    return res.out, fused_reduce(res, decode, q.shape[2], cfg)
+    return res.out, fused_reduce(res, decode, q.shape[2], cfg, q.shape[1] // k.shape[1])

@@ -32,6 +32,12 @@ Output keys
     diag_gap_mass      [H, O, NG] f64  BSFA rule always computes, which a consumer's rule may skip
     decode_diag_gap_count [H, O, NG] i64  each decode row's own last reachable block (j = r // BN)
     decode_diag_gap_mass  [H, O, NG] f64  per gap bin, and its mass
+    decode_group_gap_count [H, O, NG] i64 the decode rows' candidate tiles per bin of the group gap
+    decode_group_gap_mass  [H, O, NG] f64 (head h: the max of the gaps of its KV group's G heads,
+                                       group_gap; the group decision skips a tile for all G heads iff
+                                       that is below ln lambda) and head h's mass in them: the same
+                                       counts on every head of a group, so sums over heads and bins
+                                       read as decode_gap_count's (the group's V-skip share)
     tstar_where        [H, O, 3]  i64  rows whose running max stabilizes at sink/diagonal/middle
     tstar_hist         [H, O, NT] i64  rows per normalized-t* bin on [0, 1]
     qinit_count        [H, NQ]    i64  rows per Q-init error bin
@@ -176,6 +182,34 @@ def _gap_hist(gap, mass, cmask, edges, prefix):
     }
 
 
+def group_gap(gap: torch.Tensor, group: int) -> torch.Tensor:
+    """gap [H, ...] -> [H, ...]: each head's value replaced by the max over its KV group's ``group``
+    adjacent heads (reference.group_skip's rule: every head below ln lambda iff the max is)."""
+    if group == 1:
+        return gap
+    h, rest = gap.shape[0], gap.shape[1:]
+    g = gap.reshape(h // group, group, *rest).amax(dim=1, keepdim=True)
+    return g.expand(h // group, group, *rest).reshape(gap.shape)
+
+
+def group_gap_hist(dec_gap, dec_mass, dec_rows, group: int, edges: torch.Tensor, block_n: int) -> dict:
+    """decode_group_gap_count / decode_group_gap_mass [H, O, NG] (module docstring) from dec_gap
+    [H, O, R, Kb], dec_mass [H, R, Kb], dec_rows [R] and the gap edges [NG - 1] (f64, on the tiles'
+    device). Histogram's bins (bucketize, right=True); no host synchronisation: the tiles that are no
+    candidate (j >= r // BN) go to a spare bin that is dropped, not through a boolean index."""
+    h, o, r, kb = dec_gap.shape
+    nb = edges.numel() + 1
+    cand = torch.arange(kb, device=dec_gap.device) < (dec_rows // block_n).unsqueeze(1)  # [R, Kb]
+    idx = torch.bucketize(group_gap(dec_gap, group).double(), edges, right=True)
+    idx = torch.where(cand, idx, nb).reshape(h * o, r * kb)
+    count = torch.zeros((h * o, nb + 1), dtype=torch.int64, device=idx.device)
+    count.scatter_add_(1, idx, torch.ones_like(idx))
+    w = dec_mass.double().unsqueeze(1).expand(h, o, r, kb).reshape(h * o, r * kb)
+    mass = torch.zeros((h * o, nb + 1), dtype=torch.float64, device=idx.device).scatter_add_(1, idx, w)
+    return {"decode_group_gap_count": count[:, :nb].reshape(h, o, nb),
+            "decode_group_gap_mass": mass[:, :nb].reshape(h, o, nb)}
+
+
 def rescale_reduce(rescales: torch.Tensor, shortfall: torch.Tensor, cfg: StatsConfig) -> dict[str, torch.Tensor]:
     """rescales [H, O, N] int, shortfall [H, O, 2, N] -> rescale_count [H, O, NR], rescale_excess
     [H, O], shortfall_count [H, O, 2, NS] (module docstring). Shortfall bins are
@@ -226,6 +260,8 @@ def reduce_tiles(t: TileStats, n: int, cfg: StatsConfig) -> dict[str, torch.Tens
     if t.joint_err is not None:  # every capture path fills it; a TileStats built without it has none
         out["joint_count"] = histogram(t.joint_err, torch.from_numpy(cfg.qinit_edges()))
     out.update(rescale_reduce(t.rescales, t.shortfall, cfg))
+    edges = torch.from_numpy(cfg.gap_edges()).to(t.dec_gap.device)
+    out.update(group_gap_hist(t.dec_gap, t.dec_mass, t.dec_rows, t.group, edges, cfg.block_n))
     if cfg.raw:
         out["raw_bmax"] = t.bmax.half()
         out["raw_gap"] = t.gap.half()

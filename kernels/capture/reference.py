@@ -53,6 +53,8 @@ class TileStats:
                               max over the sink block 0 and the diagonal blocks A_i .. R_i - 1) -
                               row max (>= the Q-init error and >= minus the sink_local "local"
                               shortfall; < 0 exactly when a middle candidate holds a larger score)
+    group       G = H / Hkv, the query heads of a KV group (adjacent heads): the decode group gap
+                histograms (reduce_reference.group_gap_hist) take each group's max
     """
 
     bmax: torch.Tensor
@@ -69,6 +71,7 @@ class TileStats:
     shortfall: torch.Tensor
     dec_bmax: torch.Tensor | None = None
     joint_err: torch.Tensor | None = None
+    group: int = 1
 
 
 def pad_blocks(x: torch.Tensor, bn: int) -> torch.Tensor:
@@ -222,7 +225,7 @@ def instrumented_attention(q, k, v, scale: float, cfg: StatsConfig, *, softcap: 
 
     dec_rows, dec_gap, dec_mass, dec_bmax = decode_tiles(qs, kp, n, group, cfg, softcap=softcap)
     stats = TileStats(bmax, gap, mass, tstar_step, tstar_where, tstar_norm, qinit_err,
-                      dec_gap, dec_mass, dec_rows, rescales, shortfall, dec_bmax, joint_err)
+                      dec_gap, dec_mass, dec_rows, rescales, shortfall, dec_bmax, joint_err, group)
     return out.to(q.dtype).unsqueeze(0), stats
 
 

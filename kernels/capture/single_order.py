@@ -6,7 +6,8 @@ pass 1  forward_stats._fwd_stats_kernel: output, log-sum-exp, bmax, the order's 
         forward;
 pass 2  mass._mass_kernel: the block mass from the final log-sum-exp (QK^T only);
 decode  decode_rows.decode_forward: the last rows' gaps and their histograms, and their row block
-        maxima, reduced by reduce_reference.decode_bsfa_reduce (torch.topk);
+        maxima, reduced by reduce_reference.decode_bsfa_reduce (torch.topk) and, over each KV
+        group's max gap, reduce_reference.group_gap_hist;
 reduce  reduce._capture_reduce_kernel: BSFA kept/skipped, the order's gap histograms (candidate
         and diagonal tiles) and the row histograms (t* where, normalized t*, q-init, joint,
         rescales, shortfalls), after reduce.bsfa_thresholds' torch.topk.
@@ -22,12 +23,12 @@ from __future__ import annotations
 import torch
 
 from sparsecal.formats.stats_config import StatsConfig
-from sparsecal.kernels.capture.common import edge_args, hist_keys, tile_offsets
+from sparsecal.kernels.capture.common import edge_args, hist_keys, pick, tile_offsets
 from sparsecal.kernels.capture.decode_rows import decode_forward
 from sparsecal.kernels.capture.forward_stats import instrumented_forward_triton
 from sparsecal.kernels.capture.mass import block_mass_triton
 from sparsecal.kernels.capture.reduce import capture_reduce
-from sparsecal.kernels.capture.reduce_reference import decode_bsfa_reduce
+from sparsecal.kernels.capture.reduce_reference import decode_bsfa_reduce, group_gap_hist
 from sparsecal.kernels.capture.tilestats import HistLayout
 
 
@@ -63,6 +64,8 @@ def single_order_reductions(q, k, fwd: tuple, mass: torch.Tensor, scale: float, 
     decode = decode_forward(q, k, lse, scale, cfg, launch, fused=True, softcap=softcap)
     red.update(decode_bsfa_reduce(decode[4], decode[2], n, cfg))
     red.update(hist_keys(part, decode[3], cfg))
+    red.update(group_gap_hist(pick(decode[1], cfg), decode[2], decode[0], h // k.shape[1], edge_args(cfg, dev)[0],
+                              cfg.block_n))
     if cfg.raw:
         red["raw_bmax"] = bmax.half()
         red["raw_gap"] = gap.unsqueeze(1).half()

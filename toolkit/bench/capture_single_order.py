@@ -56,7 +56,7 @@ def one_order(r: TileStats, o: int) -> TileStats:
     cut = lambda t: t[:, o:o + 1]  # noqa: E731
     return TileStats(r.bmax, cut(r.gap), r.mass, cut(r.tstar_step), cut(r.tstar_where), cut(r.tstar_norm),
                      r.qinit_err, cut(r.dec_gap), r.dec_mass, r.dec_rows, cut(r.rescales), cut(r.shortfall),
-                     dec_bmax=r.dec_bmax, joint_err=r.joint_err)
+                     dec_bmax=r.dec_bmax, joint_err=r.joint_err, group=r.group)
 
 
 FLOAT_TOL = 1e-3

@@ -51,6 +51,7 @@ FIT_KIND = "sparsecal-fit"
 # Mostly-zero histograms: stored as (index, value) pairs on disk, dense in memory.
 SPARSE_KEYS = frozenset({"gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
                          "diag_gap_count", "diag_gap_mass", "decode_diag_gap_count", "decode_diag_gap_mass",
+                         "decode_group_gap_count", "decode_group_gap_mass",
                          "tstar_where", "tstar_hist", "qinit_count", "joint_count", "rescale_count",
                          "shortfall_count"})
 # Running-max rescale / shortfall statistics (every row of prefill, per scan order): new in this
@@ -64,6 +65,9 @@ DIAG_GAP_KEYS = ("diag_gap_count", "diag_gap_mass", "decode_diag_gap_count", "de
 # VFA's joint stabilization statistic max(Q-init, sink + diagonal max) - row max per prefill row, on the
 # q-init bins: samples captured before it lack the key; fit leaves it out of the tables and says so.
 JOINT_KEYS = ("joint_count",)
+# The decode rows' gap histograms under the group decision (each head over its KV group's max gap):
+# samples captured before them lack these keys; fit reports the group skip share only where present.
+GROUP_GAP_KEYS = ("decode_group_gap_count", "decode_group_gap_mass")
 JOINT_MISSING = "VFA's joint statistic is not in this run (captured before joint_count existed; re-capture)"
 
 
