@@ -15,6 +15,8 @@
       blasst_layers.parquet         per-layer a (the spread across layers)
       blasst_heads.parquet          per layer x head sparsity at the calibrated lambda
       blasst_curves.parquet         sparsity(lambda) and retained mass(lambda) per length
+      blasst_decode_group.parquet   decode under the group decision: its skip share at the head law, its own
+                                    lambda_best and a/L (analysis/blasst_group.py; empty before the statistic)
       stab_where / stab_tstar / qinit / qinit_hist .parquet   stabilization (VFA)
       joint / joint_hist .parquet   VFA's frozen max - true max (empty for a run captured before it)
       stab_rescale(_hist) / stab_shortfall(_hist) .parquet   running-max rescales and shortfall per order
@@ -32,19 +34,19 @@ from pathlib import Path
 import numpy as np
 
 from sparsecal.analysis import blasst_fit as B
+from sparsecal.analysis import blasst_group, bsfa, bsfa_decode, stabilization
 from sparsecal.analysis import blasst_laws as BL
-from sparsecal.analysis import bsfa, bsfa_decode, stabilization
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
-from sparsecal.formats.run import FIT_DIR, FIT_KIND, JOINT_KEYS, captured_layers
+from sparsecal.formats.run import FIT_DIR, FIT_KIND, GROUP_GAP_KEYS, JOINT_KEYS, captured_layers
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.version import SCHEMA_VERSION
 
 CAL_KEYS = ("bsfa_threshold", "gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass",
             "tstar_where", "tstar_hist", "qinit_count", "candidates", "reachable")
 EVAL_KEYS = CAL_KEYS + ("bsfa_top_bmax", "bsfa_skipped_mass")
-OPTIONAL_KEYS = stabilization.RESCALE_KEYS + JOINT_KEYS  # statistics older captures lack
+OPTIONAL_KEYS = stabilization.RESCALE_KEYS + JOINT_KEYS + GROUP_GAP_KEYS  # statistics older captures lack
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _State:
     rescale: stabilization.RescaleSums = field(default_factory=stabilization.RescaleSums)
     bsfa_eval: dict = field(default_factory=dict)                           # length -> [per-sample dict]
     dec: bsfa_decode.DecodeStep | None = None                               # BSFA decode thresholds, retained mass
+    group: dict = field(default_factory=dict)                               # length -> HistSum, decode group gaps
 
 
 def check_request(req: FitRequest, cfg: StatsConfig) -> list[int]:
@@ -107,6 +110,16 @@ def _add_hists(st: _State, arrays: dict, length: int, into: list[dict], held: bo
             one = B.HistSum.empty_like(c)
             one.add(c, m, reach[mode], npos[mode])
             st.held[mode].append((length, one))
+
+
+def _add_group(st: _State, arrays: dict, length: int) -> None:
+    """Add one calibration sample's decode group gap histograms (absent before the statistic)."""
+    if "decode_group_gap_count" not in arrays:
+        return
+    g = arrays["decode_group_gap_count"].astype(np.float64)
+    st.group.setdefault(length, B.HistSum.empty_like(g)).add(
+        g, arrays["decode_group_gap_mass"].astype(np.float64), float(decode_reachable(length, st.cfg)),
+        float(min(st.cfg.decode_rows, length)))
 
 
 def _add_stab(st: _State, arrays: dict, length: int) -> None:
@@ -146,6 +159,7 @@ def fit_run(store, req: FitRequest, progress=None, warn=print) -> dict:
         st.thr.add(a["bsfa_threshold"][..., kidx])
         st.dec.add_sample(store, rec)
         _add_hists(st, a, rec["length"], [st.train, st.pooled], held=False)
+        _add_group(st, a, rec["length"])
         _add_stab(st, a, rec["length"])
         done += 1
         progress and progress(done, total, rec)
@@ -238,6 +252,7 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
         "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges()),
         "joint": stabilization.joint_rows(st.joint, cfg.qinit_edges()),
         "joint_hist": stabilization.qinit_hist_rows(st.joint, cfg.qinit_edges()),
+        "blasst_decode_group": blasst_group.group_rows(cals, st.group, edges, req.order),
         **st.dec.frames(ks, label),
         **stabilization.rescale_frames(st.rescale, cfg.orders, cfg.shortfall_edges()),
     }
@@ -252,6 +267,7 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
            "split": {"train": [r["id"] for r in split.train], "test": [r["id"] for r in split.test]},
            "blasst": [dict(_cal_doc(c, evals[id(c)]), **BL.doc_extra(c, laws[id(c)], evals[id(c)]))
                       for _, c in cals if c.order == req.order],
+           "blasst_decode_group": blasst_group.group_doc(frames["blasst_decode_group"]),
            "warnings": warnings, "tables": sorted(frames)}
     tables.write_json(out / "fit.json", doc)
     return doc

@@ -16,7 +16,8 @@ Per sample of length n, every (layer, head):
   counts with half of each bin below 0 moved into the bin at 0 (the joint statistic is never below
   the Q-init error; no extra random draw, so the other arrays stay what they were);
 - BSFA retained-mass arrays (each reachable tile of a position weighs 1 / reachable) and the decode
-  rows' BSFA arrays (row r its own block, A_r = r // BN iid N(0, 1) candidate maxima); with
+  rows' BSFA arrays (row r its own block, A_r = r // BN iid N(0, 1) candidate maxima); the decode
+  group gap histograms: every head one KV group whose gap is head 0's + ln 1.5 (``_group_hists``); with
   ``exact_bsfa`` every position's candidate maxima are 0, -1, -2, ... in every sample, so fitted
   thresholds keep exactly min(k, A) and measured density equals predicted (prefill and decode).
 
@@ -107,7 +108,26 @@ def synthetic_stats(rng, n: int, cfg: StatsConfig, layers: int, heads: int, a: f
         "input_ids": torch.from_numpy(rng.integers(0, 1000, n)).int(),
     })
     out["joint_count"] = _joint_from_qinit(out["qinit_count"].numpy(), cfg)
+    out.update(_group_hists(out["decode_gap_count"].numpy(), out["decode_gap_mass"].numpy(), cfg))
     return out
+
+
+GROUP_SHIFT = math.log(1.5)  # synthetic group gap = the first head's gap + ln 1.5 (capped at 0)
+
+
+def _group_hists(count: np.ndarray, mass: np.ndarray, cfg: StatsConfig) -> dict:
+    """decode_group_gap_count / _mass [L, H, O, NG]: every head in one KV group whose gap is head 0's
+    plus GROUP_SHIFT (whole bins, the overflow into the last bin, gap >= 0): the group skips at lambda
+    what head 0 skips at lambda / 1.5. No random draw (the other arrays stay what they were)."""
+    k = round(GROUP_SHIFT / cfg.gap_step)
+    out = {}
+    for key, h in (("count", count), ("mass", mass)):
+        g = np.zeros_like(h[:, :1])
+        g[..., k:] = h[:, :1, ..., :-k]
+        g[..., -1] += h[:, :1, ..., -k:].sum(-1)
+        out[f"decode_group_gap_{key}"] = torch.from_numpy(np.repeat(g, h.shape[1], 1))
+    return {"decode_group_gap_count": out["decode_group_gap_count"].int(),
+            "decode_group_gap_mass": out["decode_group_gap_mass"].float()}
 
 
 def _joint_from_qinit(qinit: np.ndarray, cfg: StatsConfig) -> torch.Tensor:

@@ -51,6 +51,7 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
     _print_held_out(out, fit_dir, doc)
     print_rescales(out, fit_dir)
     print_joint(out, fit_dir)
+    print_decode_group(out, fit_dir)
 
 
 def _fmt(x) -> str:
@@ -348,4 +349,24 @@ def print_joint(out: Console, fit_dir: Path) -> None:
     for r in joint_bands(joint, hist):
         t.add_row(r["layers"], f"{r['rows']:,}", f"{r['median']:.3g}", f"{r['share_below_1']:.4f}",
                   f"{r['share_below_5']:.4f}", f"{r['share_above_5']:.4f}")
+    out.print(t)
+
+
+def print_decode_group(out: Console, fit_dir: Path) -> None:
+    """BLASST decode under the group decision (a KV group skips a tile only when all its heads do:
+    the V loads saved): its skip share at the head law's lambda and the a/L it needs for the target;
+    one line for a run captured before the statistic."""
+    (grp,) = _fit_tables(fit_dir, "blasst_decode_group")
+    title = "BLASST decode, group decision"
+    if grp is None or not grp.height:
+        out.print(f"{title}: not in this run (captured before decode_group_gap_count existed; re-capture)",
+                  soft_wrap=True, markup=False)
+        return
+    t = Table(title=f"{title} (the KV group skips a tile only when every head would: the V loads saved)",
+              caption="group share: of the reachable decode tiles, at the head law's lambda = a_head / L")
+    for col in ("target", "tokens", "head lambda", "group share", "group lambda_best", "a_head", "a_group"):
+        t.add_column(col, justify="right")
+    for r in grp.sort(["target", "length"]).iter_rows(named=True):
+        t.add_row(f"{r['target']:g}", str(r["length"]), _fmt(r["lambda_head"]), f"{r['group_sparsity_at_head_lambda']:.3f}",
+                  _fmt(r["lambda_group_best"]), _fmt(r["a_head"]), _fmt(r["a_group"]))
     out.print(t)
