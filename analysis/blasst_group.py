@@ -44,13 +44,20 @@ def group_rows(cals: list, sums: dict[int, HistSum], edges, order: str) -> list[
 
 
 def group_doc(rows: list[dict]) -> list[dict]:
-    """fit.json's ``blasst_decode_group``: per target the head and group a/L factors and the group's
-    skip share at the head law per length."""
+    """fit.json's ``blasst_decode_group``: per target the head and group a/L factors, the group's
+    skip share at the head law per length, and ``validity`` (as a decode law's: the lengths where the
+    group reached the target, min_length and max_length their ends; None where none did)."""
     out: dict = {}
     for r in rows:
         d = out.setdefault(r["target"], {"target": r["target"], "order": r["order"], "a_head": r["a_head"],
                                          "a_group": None if math.isnan(r["a_group"]) else r["a_group"],
-                                         "group_sparsity_at_head_lambda": {}})
+                                         "group_sparsity_at_head_lambda": {}, "validated_lengths": []})
         d["group_sparsity_at_head_lambda"][str(r["length"])] = r["group_sparsity_at_head_lambda"]
+        if not math.isnan(r["lambda_group_best"]):
+            d["validated_lengths"].append(int(r["length"]))
+    for d in out.values():
+        lens = sorted(d.pop("validated_lengths"))
+        d["validity"] = ({"law": "a/L", "validated_lengths": lens, "min_length": lens[0], "max_length": lens[-1]}
+                         if lens and d["a_group"] is not None else None)
     return list(out.values())
 

@@ -87,3 +87,58 @@ def test_the_known_group_law_of_a_synthetic_run(tmp_path, seed):
     (entry,) = doc["blasst_decode_group"]
     assert math.isclose(entry["a_group"] / entry["a_head"], math.exp(0.40), rel_tol=0.02)
     assert (g["group_sparsity_at_head_lambda"] < 0.5).all()
+
+
+def test_the_group_law_travels_from_fit_to_export_to_sparsify(tmp_path, seed):
+    """blasst.json carries the target's ``decode_group`` (factor and validated lengths); sparsify's
+    group decision runs decode at that law, the head decision at the per-head one; an eval method
+    ``blasst:T:group`` runs it, and is refused for an export without the group law; a damaged
+    ``decode_group`` is refused in one line."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import sparsecal
+    from sparsecal.evaluation.inputs import check_methods, load_export
+    from sparsecal.evaluation.methods import parse_methods
+    from sparsecal.formats.errors import UserError
+    from sparsecal.formats.exports import load_blasst
+    from sparsecal.integrations.sparsify import call_args
+
+    store, doc, grp, _ = _fit(tmp_path, seed, kv_heads=1)
+    out = cli("export", store.root, "--out", tmp_path / "exp")
+    assert out.exit_code == 0, out.output
+    blasst = load_blasst(tmp_path / "exp")
+    (entry,) = doc["blasst_decode_group"]
+    law = blasst["decode_group"]
+    assert law["threshold_scale_factor"] == entry["a_group"] and law["validity"] == entry["validity"]
+    assert blasst["targets"][0]["decode_group"] == law and blasst["threshold_scale_factor"]["decode"] == entry["a_head"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", attn_implementation="sdpa").eval()
+    n = law["validity"]["min_length"]
+    for decision, a in (("head", entry["a_head"]), ("group", entry["a_group"])):
+        sparsecal.sparsify(model, tmp_path / "exp", method="blasst", target=TARGET, decode_decision=decision,
+                           dispatch=False)
+        got = call_args(model._sparsecal_state, 0, "decode", n, "cpu")
+        assert math.isclose(got["log_lambda"], math.log(a / n), rel_tol=1e-12), decision
+    ids = torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    st = model.sparsecal_stats  # a decode step under the group law: every head of the group skips alike
+    assert st["reachable"].sum() > 0 and torch.equal(st["skipped"], st["skipped"][:, :1].expand_as(st["skipped"]))
+    sparsecal.densify(model)
+    (m,) = parse_methods(f"blasst:{TARGET:g}:group")
+    assert m.label == f"blasst:{TARGET:g}:group" and m.sparsify_kwargs["decode_decision"] == "group"
+    info = load_export(tmp_path / "exp", {"id": blasst["model"], "num_layers": 2, "num_heads": 4})
+    check_methods([m], info)
+    path = tmp_path / "exp" / "blasst.json"
+    raw = json.loads(path.read_text())
+    for e in [raw] + raw["targets"]:
+        e.pop("decode_group")
+    path.write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="no decode law of the group decision"):
+        check_methods([m], load_export(tmp_path / "exp", {"id": blasst["model"], "num_layers": 2, "num_heads": 4}))
+    raw["decode_group"] = dict(law, threshold_scale_factor=-1.0)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="decode_group must hold a finite positive"):
+        load_blasst(tmp_path / "exp")

@@ -43,6 +43,7 @@ class ExportInfo:
     run: str | None = None           # calibration run recorded in the export
     bsfa_decode: bool = False        # BSFA thresholds calibrated on decode rows are in the export
     dispatch: dict | None = None     # blasst.json's dispatch record: its break-even file (name, GPU, commit)
+    group_targets: tuple = ()        # BLASST targets with a decode law of the group decision (decode_group)
 
     @property
     def nmax(self) -> int | None:
@@ -64,7 +65,7 @@ def _digest(path: Path) -> str:
 
 def load_export(path: Path, model: dict) -> ExportInfo:
     """Read the export directory and check it against the model (``model_info`` dict)."""
-    from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
+    from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, blasst_group_law, load_blasst
     from sparsecal.integrations.exports import load_bsfa
 
     path = Path(path)
@@ -95,6 +96,7 @@ def load_export(path: Path, model: dict) -> ExportInfo:
             raise UserError(f"export {path}: {BLASST_JSON} and the BSFA thresholds have different block sizes; "
                             "export them again from one run.")
         info.targets = targets
+        info.group_targets = tuple(t for t in targets if blasst_group_law(doc, t) is not None)
         if doc.get("dispatch"):
             src = doc["dispatch"]["break_even_file"]
             info.dispatch = {k: src.get(k) for k in ("name", "gpu", "commit", "date")}
@@ -120,6 +122,10 @@ def check_methods(methods: list[Method], info: ExportInfo) -> None:
             have = ", ".join(f"{t:g}" for t in info.targets) or "none: the export has no blasst.json"
             raise UserError(f"method {m.label}: target {m.value:g} is not in export {info.path} (targets {have}); "
                             "fit it with `sparsecal fit RUN --targets ...` and export again.")
+        if m.decode == "group" and not any(abs(m.value - t) < 1e-9 for t in info.group_targets):
+            raise UserError(f"method {m.label}: export {info.path} has no decode law of the group decision for "
+                            f"target {m.value:g} (blasst.json decode_group: a run captured before the group "
+                            f"statistic); capture, fit and export again, or use blasst:{m.value:g}.")
 
 
 def check_lengths(lengths: list[int], methods: list[Method], info: ExportInfo, reuse_last: bool) -> None:

@@ -33,14 +33,16 @@ def plan_lines(methods, export_dir, lengths, extrapolate: bool) -> list[str]:
     """One line per BLASST method, phase and requested length outside its law's validated lengths
     (read from the export's blasst.json before the model loads). Decode steps run at the prompt
     length and beyond, so a prompt at the longest validated length decodes past it."""
-    from sparsecal.formats.exports import BLASST_JSON, blasst_law_regime, blasst_validity, load_blasst
+    from sparsecal.formats.exports import BLASST_JSON, blasst_group_law, blasst_law_regime, blasst_validity, load_blasst
 
     if not (Path(export_dir) / BLASST_JSON).is_file():
         return []
     doc, out = load_blasst(Path(export_dir)), []
     for m in (m for m in methods if m.name == "blasst"):
-        for mode in ("prefill", "decode") if m.decode_mode == "sparse" else ("prefill",):
+        for mode in ("prefill", "decode") if m.decode_mode in ("sparse", "group") else ("prefill",):
             v = blasst_validity(doc, mode, m.value)
+            if mode == "decode" and m.decode_mode == "group":  # the group decision's own law
+                v = (blasst_group_law(doc, m.value) or {}).get("validity", v)
             past = [n for n in lengths if blasst_law_regime(n + (mode == "decode"), v) == "extrapolated"]
             if v and past:
                 out.append(f"{m.label} {mode} at {', '.join(map(str, past))} tokens: past the law's validated lengths "

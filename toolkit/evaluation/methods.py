@@ -13,7 +13,8 @@
     DECODE := how decode steps run: bsfa "dense" (default, the BSFA paper's) | "topk" (the k
               highest tile maxima of the row) | "thresholds" (thresholds calibrated on decode
               rows); the others "sparse" (default) | "dense" (prefill-only: sparse prefill,
-              dense decode)
+              dense decode); blasst also "group" (sparse decode with the group decision: a KV
+              group skips a tile only when all its heads would, at the export's group law)
 
 ``vfa`` is exact attention with the running max initialised from the Q-init estimate and the sink
 and local blocks, then frozen (kernels/sparse/vfa.py; it skips nothing, its rows show what the
@@ -39,7 +40,7 @@ DENSE_CONFIG = "dense"
 FP32 = "fp32"
 _PARAM = {"bsfa": "k", "blasst": "target", "window": "blocks", "window_sink": "blocks", "blasst_sl": "target",
           "vsa": "target"}
-DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense"), "window": ("sparse", "dense"),
+DECODES = {"bsfa": ("dense", "topk", "thresholds"), "blasst": ("sparse", "dense", "group"), "window": ("sparse", "dense"),
            **{m: ("sparse", "dense") for m in ("window_sink", "blasst_sl", "vsa", "vfa")}}
 _TARGETS = ("blasst", "blasst_sl", "vsa")  # methods whose VALUE is a target sparsity
 _BARE = {"dense": None, "sdpa": None, "dense:fp32": FP32, "vfa": None, "vfa:sparse": None, "vfa:dense": "dense"}
@@ -97,6 +98,9 @@ class Method:
                     "dispatch": self.dispatch}
         if self.name == "vfa":
             return {"method": "vfa", "decode": self.decode_mode, "dispatch": self.dispatch}
+        if self.decode_mode == "group":  # sparse decode, one decision per KV group and tile
+            return {"method": self.name, _PARAM[self.name]: self.value, "decode": "sparse", "dispatch": self.dispatch,
+                    "decode_decision": "group"}
         return {"method": self.name, _PARAM[self.name]: self.value, "decode": self.decode_mode,
                 "dispatch": self.dispatch}
 

@@ -348,6 +348,20 @@ def _check_entry(path, entry, where: str, longest: int = LONGEST_LENGTH) -> None
         if f is not None:
             check_factor_range(path, f"{where}.threshold_scale_factor.{mode}", f, longest)
     check_validity(path, entry.get("validity"), where)
+    check_decode_group(path, entry.get("decode_group"), where, longest)
+
+
+def check_decode_group(path, group, where: str, longest: int = LONGEST_LENGTH) -> None:
+    """Optional ``decode_group`` (the decode law of the group decision): threshold_scale_factor a
+    finite positive factor below ``longest`` and validity as a decode law's (check_validity)."""
+    if group is None:
+        return
+    f = group.get("threshold_scale_factor") if isinstance(group, dict) else None
+    if not _number(f) or f <= 0 or not isinstance(group.get("validity"), dict):
+        raise UserError(f"{path}: {where}.decode_group must hold a finite positive threshold_scale_factor and its "
+                        "validity; export it again.")
+    check_factor_range(path, f"{where}.decode_group.threshold_scale_factor", f, longest)
+    check_validity(path, {"decode": group["validity"]}, f"{where}.decode_group")
 
 
 def _positive_int(x) -> bool:
@@ -466,6 +480,12 @@ def blasst_validity(doc: dict, mode: str = "prefill", target: float | None = Non
     lens = sorted({int(p["length"]) for p in entry.get("per_length", []) if isinstance(p, dict)
                    and p.get("mode", mode) == mode and p.get("in_fit") and _positive_int(p.get("length"))})
     return {"law": "a/L", "validated_lengths": lens, "min_length": lens[0], "max_length": lens[-1]} if lens else None
+
+
+def blasst_group_law(doc: dict, target: float | None = None) -> dict | None:
+    """A target's decode law under the group decision from a validated blasst.json (its entry's
+    ``decode_group``: {"threshold_scale_factor", "validity", ...}), None in an export without one."""
+    return _blasst_entry(doc, target).get("decode_group")
 
 
 def blasst_min_length(doc: dict, mode: str = "prefill", target: float | None = None) -> int | None:

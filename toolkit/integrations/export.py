@@ -125,6 +125,17 @@ def _validity(cal: dict) -> dict | None:
             "dense_below": blasst_dense_below(cal["a"], lens[0])} if lens else None
 
 
+def _group_entry(fit: dict, target: float) -> dict:
+    """``decode_group`` of a target's entry: the decode law of the group decision (fit.json's
+    blasst_decode_group: its factor, validated lengths, and the group's share at the head law), or
+    nothing where the fit has none (a run captured before the group statistic, or out of reach)."""
+    for g in fit.get("blasst_decode_group") or []:
+        if abs(g["target"] - target) < 1e-9 and g.get("a_group") is not None and g.get("validity"):
+            return {"decode_group": {"threshold_scale_factor": g["a_group"], "validity": g["validity"],
+                                     "group_sparsity_at_head_lambda": g["group_sparsity_at_head_lambda"]}}
+    return {}
+
+
 def _fit_entry(c: dict) -> dict:
     """blasst.json ``fit[mode]``: the deployed law's quality, the alternatives and held-out means."""
     out = {"law": c["law"], "power_law": c["power_law"], "fixed_lambda": c["fixed_lambda"],
@@ -163,6 +174,7 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
             "fit": {m: _fit_entry(c) for m, c in by_mode.items()},
             "validity": {m: _validity(c) for m, c in by_mode.items() if _validity(c)},
             "per_length": [dict(p, mode=m) for m, c in by_mode.items() for p in c["per_length"]],
+            **_group_entry(fit, t),
         })
     main = next(e for e in entries if abs(e["target_sparsity"] - target) < 1e-9)
     cfg, model = fit["config"], fit["model"]
@@ -171,6 +183,7 @@ def blasst_doc(fit: dict, target: float | None) -> dict:
             "skip a tile when max over its rows of (rowmax - running max) < ln(lambda)",
             "length_policy": LENGTH_POLICY, "validity": main["validity"],
             "scan_order": fit["request"]["order"], "fit": main["fit"], "per_length": main["per_length"],
+            **({"decode_group": main["decode_group"]} if "decode_group" in main else {}),
             "targets": entries, "model": model["id"], "num_layers": model["num_layers"],
             "num_heads": model["num_heads"], **({"head_dim": model["head_dim"]} if model.get("head_dim") else {}),
             "q_block_size": cfg["block_m"], "k_block_size": cfg["block_n"],

@@ -84,6 +84,7 @@ class _State:
     layer_factors: dict = field(default_factory=dict)  # mode -> [a per model layer] (BLASST --per-layer)
     min_lengths: dict = field(default_factory=dict)  # mode -> shortest validated length (BLASST; dense below)
     validity: dict = field(default_factory=dict)     # mode -> the law's validity entry (BLASST; sparsify_laws)
+    group_law: dict | None = None                    # BLASST: the export's decode law of the group decision
     extrapolate: bool = False                        # BLASST past max_length: a/L (True) or dense (False)
     law: dict = field(default_factory=dict)          # the last forward's {"mode", "length", "law"} (sparsify_laws)
     order: str = "forward"
@@ -235,13 +236,14 @@ def _load_method(export_dir, method: str, k, target, blocks, expect: dict, backe
     doc = load_blasst(export_dir, expect)
     t = doc["target_sparsity"] if target is None else target
     factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
-    from sparsecal.formats.exports import blasst_min_length  # runtime policy: dense below the validated lengths
+    from sparsecal.formats.exports import blasst_group_law, blasst_min_length  # dense below the validated lengths
     from sparsecal.integrations.sparsify_laws import law_validity  # and past them unless extrapolate
 
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
                   layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
                   min_lengths={m: blasst_min_length(doc, m, t) for m in factors if factors[m] is not None},
                   validity=law_validity(doc, t, [m for m in factors if factors[m] is not None]),
+                  group_law=blasst_group_law(doc, t),
                   order=doc.get("scan_order", "forward"), backend=backend,
                   layers=None if doc.get("sparse_layers") is None else frozenset(doc["sparse_layers"]),
                   export_model=doc["model"])
@@ -283,7 +285,7 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     geo = _geometry(model.config)
     state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
                        dispatch, extrapolate)
-    state.decision = _decision(decode_decision)
+    state.decision = _decision(decode_decision, state)
     if model_id is None:
         check_identity(state.export_model, model.config, export_dir)
     state.previous = model.config._attn_implementation
@@ -361,16 +363,19 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
               "extrapolate": extrapolate}
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
-    state.decision = _decision(decode_decision)
+    state.decision = _decision(decode_decision, state)
     _REGISTERED[METHODS[method]] = state
     return state
 
 
-def _decision(decision: str) -> str:
+def _decision(decision: str, state: _State) -> str:
+    """The decode decision, checked; "group" on BLASST also takes the export's group law (sparsify_laws)."""
+    from sparsecal.integrations.sparsify_laws import use_group_law
     from sparsecal.kernels.sparse.reference import DECISIONS
 
     if decision not in DECISIONS:
         raise UserError(f"unknown decode decision '{decision}'; use one of {', '.join(DECISIONS)}.")
+    use_group_law(state, decision)
     return decision
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from sparsecal.formats.exports import LAW_REGIMES, blasst_law_regime, blasst_validity
 
-__all__ = ["LAW_REGIMES", "law_max_length", "law_regime", "law_validity", "note_law", "worst_regime"]
+__all__ = ["LAW_REGIMES", "law_max_length", "law_regime", "law_validity", "note_law", "use_group_law", "worst_regime"]
 
 
 def law_validity(doc: dict, target: float, modes) -> dict:
@@ -58,3 +58,25 @@ def worst_regime(regimes) -> str | None:
     "below" if any was, else "interpolated" if any was, else None: a flag never hides extrapolation."""
     seen = set(regimes)
     return next((r for r in ("extrapolated", "below", "interpolated") if r in seen), None)
+
+
+def use_group_law(state, decision: str) -> None:
+    """``decode_decision="group"`` on BLASST: the export's group law (blasst.json ``decode_group``, the
+    factor and validated lengths fitted on the capture's group gap histograms: analysis/blasst_group.py)
+    replaces the per-head decode law, so the group decision reaches the target sparsity. Without one
+    (an export of a run captured before the statistic) the per-head law stays, under which the group
+    skips less than the target, and that is said once on stderr."""
+    if decision != "group" or state.method != "blasst" or state.vfa or state.factors.get("decode") is None:
+        return
+    law = state.group_law
+    if law is None:
+        import sys
+
+        print("note: this export has no decode law for the group decision (blasst.json decode_group); the group "
+              "decision follows the per-head law and skips less than its target: capture and fit again to "
+              "calibrate it.", file=sys.stderr)
+        return
+    state.factors["decode"] = float(law["threshold_scale_factor"])
+    state.layer_factors.pop("decode", None)  # per-layer factors are the per-head law's
+    state.min_lengths["decode"] = int(law["validity"]["min_length"])
+    state.validity["decode"] = law["validity"]
