@@ -235,9 +235,10 @@ def _load_method(export_dir, method: str, k, target, blocks, expect: dict, backe
                       layers=frozenset(exp.sparse_layers), export_model=exp.model)
     doc = load_blasst(export_dir, expect)
     t = doc["target_sparsity"] if target is None else target
-    factors = {mode: _factor(doc, t, mode) for mode in ("prefill", "decode")}
     from sparsecal.formats.exports import blasst_group_law, blasst_min_length  # dense below the validated lengths
-    from sparsecal.integrations.sparsify_laws import law_validity  # and past them unless extrapolate
+    from sparsecal.integrations.sparsify_laws import law_validity, mode_factor  # and past them unless extrapolate
+
+    factors = {mode: mode_factor(doc, t, mode) for mode in ("prefill", "decode")}
 
     return _State("blasst", doc["q_block_size"], doc["k_block_size"], factors=factors,
                   layer_factors={m: _layer_factors(doc, t, m) for m in factors if factors[m] is not None},
@@ -318,17 +319,6 @@ def _layer_factors(doc: dict, target: float, mode: str) -> list | None:
     if not any(e.get("per_layer") for e in [doc, *doc.get("targets", [])]):
         return None
     return blasst_layer_factors(doc, mode, target)
-
-
-def _factor(doc: dict, target: float, mode: str) -> float | None:
-    from sparsecal.formats.exports import blasst_lambda
-
-    try:
-        return blasst_lambda(doc, 1, target, mode)
-    except UserError:
-        if mode == "decode":
-            return None  # no decode calibration: decode runs dense
-        raise
 
 
 def densify(model):

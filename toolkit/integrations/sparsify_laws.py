@@ -19,9 +19,22 @@ window) or the export names no validated lengths (the law is then applied at eve
 """
 from __future__ import annotations
 
-from sparsecal.formats.exports import LAW_REGIMES, blasst_law_regime, blasst_validity
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.exports import LAW_REGIMES, blasst_lambda, blasst_law_regime, blasst_validity
 
-__all__ = ["LAW_REGIMES", "law_max_length", "law_regime", "law_validity", "note_law", "use_group_law", "worst_regime"]
+__all__ = ["LAW_REGIMES", "law_max_length", "law_regime", "law_validity", "mode_factor", "note_law", "use_group_law",
+           "worst_regime"]
+
+
+def mode_factor(doc: dict, target: float, mode: str) -> float | None:
+    """A target's factor a (lambda = a / L) of one phase from a validated blasst.json; decode: None
+    where the export has no decode calibration (decode then runs dense)."""
+    try:
+        return blasst_lambda(doc, 1, target, mode)
+    except UserError:
+        if mode == "decode":
+            return None
+        raise
 
 
 def law_validity(doc: dict, target: float, modes) -> dict:
