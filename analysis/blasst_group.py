@@ -19,27 +19,30 @@ from sparsecal.analysis.blasst import skipped
 from sparsecal.analysis.blasst_fit import HistSum, calibrate
 
 
-def group_rows(cals: list, sums: dict[int, HistSum], edges, order: str) -> list[dict]:
+def group_rows(cals: list, sums: dict[int, HistSum], head: dict[int, HistSum], edges, order: str) -> list[dict]:
     """Rows of the blasst_decode_group table (module docstring). ``cals``: (order index, Calibration)
     of the fit; only the decode ones in ``order`` with a head law are used. ``sums``: length ->
     HistSum of decode_group_gap_count / _mass over the calibration samples (empty: a run captured
-    before the statistic: no rows)."""
+    before the statistic: no rows); ``head``: the same of decode_gap_count (the per-head decision's
+    share at the same lambda, for comparison)."""
     if not sums:
         return []
     rows = []
-    for o, head in cals:
-        if head.mode != "decode" or head.order != order or head.law is None:
+    for o, head_cal in cals:
+        if head_cal.mode != "decode" or head_cal.order != order or head_cal.law is None:
             continue
-        grp = calibrate(sums, edges, "decode", o, order, head.target)
+        grp = calibrate(sums, edges, "decode", o, order, head_cal.target)
         a_group = grp.law.a if grp.law is not None else math.nan
         for n, x_group in zip(grp.lengths, grp.log_lambda):
             s = sums[n]
-            lam = float(head.law.predict(n))
+            lam = float(head_cal.law.predict(n))
             share = float(skipped(s.count[:, :, o].sum((0, 1)), edges, math.log(lam)) / (s.reach * s.heads()))
-            rows.append({"mode": "decode", "order": order, "target": head.target, "length": n,
-                         "lambda_head": lam, "group_sparsity_at_head_lambda": share,
+            h = head[n]
+            own = float(skipped(h.count[:, :, o].sum((0, 1)), edges, math.log(lam)) / (h.reach * h.heads()))
+            rows.append({"mode": "decode", "order": order, "target": head_cal.target, "length": n,
+                         "lambda_head": lam, "head_sparsity_at_head_lambda": own, "group_sparsity_at_head_lambda": share,
                          "lambda_group_best": math.exp(x_group) if not math.isnan(x_group) else math.nan,
-                         "a_head": head.law.a, "a_group": a_group, "samples": s.samples})
+                         "a_head": head_cal.law.a, "a_group": a_group, "samples": s.samples})
     return rows
 
 

@@ -252,7 +252,7 @@ def _write(store, req, st: _State, split, thr, ks, cals, warnings) -> dict:
         "qinit_hist": stabilization.qinit_hist_rows(st.qinit, cfg.qinit_edges()),
         "joint": stabilization.joint_rows(st.joint, cfg.qinit_edges()),
         "joint_hist": stabilization.qinit_hist_rows(st.joint, cfg.qinit_edges()),
-        "blasst_decode_group": blasst_group.group_rows(cals, st.group, edges, req.order),
+        "blasst_decode_group": blasst_group.group_rows(cals, st.group, st.train["decode"], edges, req.order),
         **st.dec.frames(ks, label),
         **stabilization.rescale_frames(st.rescale, cfg.orders, cfg.shortfall_edges()),
     }

@@ -218,6 +218,30 @@ def table5(ev: pl.DataFrame, target: float) -> go.Figure:
 
 
 # ---- Stabilization -----------------------------------------------------------------------------
+def group_decode(g: pl.DataFrame, target: float) -> go.Figure:
+    """BLASST decode under the group decision, per length: at the per-head law's lambda the share of
+    decode tiles the per-head decision skips and the share every head of a KV group skips (the V
+    tiles the group kernel does not load), bars; the target as a line. ``g``: blasst_decode_group rows
+    of one order and target."""
+    title = f"Decode: per-head against group decision at the per-head law (target {target:g})"
+    if not g.height:
+        return empty_figure(title, "no group statistic in this run (captured before it; capture again)")
+    g = g.sort("length")
+    x = [f"{n:,}" for n in g["length"]]
+    fig = go.Figure()
+    for i, (col, name) in enumerate((("head_sparsity_at_head_lambda", "per-head decision"),
+                                     ("group_sparsity_at_head_lambda", "group decision (V tiles skipped)"))):
+        fig.add_trace(go.Bar(x=x, y=g[col], name=name, marker={"color": color(i)},
+                             customdata=np.stack([g["lambda_head"], g["lambda_group_best"]], -1),
+                             hovertemplate=(f"{name}<br>%{{x}} tokens<br>sparsity %{{y:.3f}} at λ %{{customdata[0]:.3g}}"
+                                            "<br>the group reaches the target at λ %{customdata[1]:.3g}<extra></extra>")))
+    fig.add_hline(y=target, line={"dash": "dot", "color": "black"}, annotation_text=f"target {target:g}")
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title="prompt length (tokens)", type="category")
+    fig.update_yaxes(title="decode sparsity (of reachable tiles)", rangemode="tozero")
+    return finish(fig, title)
+
+
 def where_shares(df: pl.DataFrame) -> go.Figure:
     """Share of rows whose running max settles at the sink block, the diagonal blocks or in the
     middle, per scan order (stacked). ``df``: stab_where rows (any layers, heads; summed)."""

@@ -64,6 +64,8 @@ TABLE_COLUMNS = {
                       "lambda_law", "lambda_power", "residual_law"),
     "blasst_fit": ("mode", "order", "target", "law", "a", "b", "r2"),
     "blasst_eval": ("mode", "order", "target", "length", "method", "lambda", "achieved", "retained_mass"),
+    "blasst_decode_group": ("order", "target", "length", "lambda_head", "head_sparsity_at_head_lambda",
+                            "group_sparsity_at_head_lambda", "lambda_group_best", "a_head", "a_group"),
     "stab_where": ("order", "length", "layer", "head", "sink", "diagonal", "middle"),
     "stab_tstar": ("order", "length", "layer", "bin_lo", "bin_hi", "rows"),
     "qinit": ("length", "layer", "head", "rows", "q05", "q25", "q50", "q75", "q95"),

@@ -46,6 +46,24 @@ def _law_charts(root, curves, lam, mode, order, target) -> None:
             ev = _sel(data.table(root, "blasst_eval"), mode, order, target)
             ui.plot(charts_fit.table5(ev, target), key="bl_table5")
     st.caption(_deployed_note(fits, target))
+    if mode == "decode":
+        _group(root, order, target)
+
+
+def _group(root, order, target) -> None:
+    """The decode group decision beside the per-head one (fit's blasst_decode_group)."""
+    try:
+        g = _sel(data.table(root, "blasst_decode_group"), "decode", order, target)
+    except data.Missing:
+        st.info("This fit has no group-decision table; run `sparsecal fit` again (a run captured before "
+                "decode_group_gap_count has no group statistic).")
+        return
+    ui.plot(charts_fit.group_decode(g, target), key="bl_group")
+    if g.height and g["a_group"].is_not_nan().all():
+        r = g.row(0, named=True)
+        st.caption(f"A KV group skips a tile only when all its heads would. Its own law reaches the target at "
+                   f"a = {r['a_group']:.4g} (the per-head law: a = {r['a_head']:.4g}); the export's decode_group "
+                   "carries it and `sparsify(..., decode_decision=\"group\")` applies it.")
 
 
 def _deployed_note(fits: pl.DataFrame, target: float) -> str:

@@ -320,3 +320,24 @@ def test_the_app_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_blasst_decode_group_decision(monkeypatch, tmp_path, seed):
+    """A run with the decode group statistic (a synthetic run: the group gap is head 0's + ln 1.5): in
+    decode mode the BLASST page adds the per-head against group chart, the group below the head's bars,
+    and names both laws; the committed fixture (captured before the statistic) says how to get it."""
+    from sparsecal.analysis.fit import FitRequest, fit_run
+    from sparsecal.bench.synthetic import write_synthetic_run
+
+    store = write_synthetic_run(tmp_path / "run", [1024, 2048], 2, layers=1, heads=2, seed=seed)
+    fit_run(store, FitRequest(targets=[0.5], holdout=0.0), warn=lambda line: None)
+    at = _page(_app(monkeypatch, store.root), "blasst")
+    _set(at, "selectbox", "bl_mode", "decode", 5)
+    spec = json.loads(at.get("plotly_chart")[3].proto.spec)
+    assert spec["layout"]["title"]["text"].startswith("Decode: per-head against group decision")
+    head, group = (np.frombuffer(base64.b64decode(tr["y"]["bdata"]), dtype=tr["y"]["dtype"]) if isinstance(tr["y"], dict)
+                   else np.asarray(tr["y"], float) for tr in spec["data"][:2])
+    assert (group < head).all() and any("a = " in c.value and "decode_group" in c.value for c in at.caption)
+    at = _page(_app(monkeypatch, FIXTURE), "blasst")
+    _set(at, "selectbox", "bl_mode", "decode", 4)
+    assert any("group-decision table" in i.value for i in at.info)

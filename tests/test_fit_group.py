@@ -53,6 +53,7 @@ def test_the_group_skips_less_and_needs_a_larger_lambda(tmp_path, seed):
         total = len(recs) * decode_reachable(row["length"], cfg) * layers * heads
         share = {k: float(skipped(c, edges, math.log(row["lambda_head"])) / total) for k, c in hist.items()}
         assert math.isclose(row["group_sparsity_at_head_lambda"], share["decode_group_gap_count"], abs_tol=1e-12)
+        assert math.isclose(row["head_sparsity_at_head_lambda"], share["decode_gap_count"], abs_tol=1e-12)
         assert share["decode_group_gap_count"] <= share["decode_gap_count"] + 1e-12
         less |= share["decode_group_gap_count"] < 0.9 * share["decode_gap_count"]
         got = float(skipped(hist["decode_group_gap_count"], edges, math.log(row["lambda_group_best"])) / total)
