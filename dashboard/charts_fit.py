@@ -210,14 +210,18 @@ def table5(ev: pl.DataFrame, target: float) -> go.Figure:
                              hovertemplate=(f"{method}<br>%{{x}} tokens<br>sparsity %{{y:.3f}}<br>retained mass "
                                             "%{customdata[0]:.4f}<br>lambda %{customdata[1]:.3g} (%{customdata[2]} samples)"
                                             "<extra></extra>")))
+    return _bars_to_target(fig, target, "achieved sparsity", title)
+
+
+def _bars_to_target(fig: go.Figure, target: float, y_title: str, title: str) -> go.Figure:
+    """Grouped bars per prompt length (categories) against the target sparsity (a dotted line)."""
     fig.add_hline(y=target, line={"dash": "dot", "color": "black"}, annotation_text=f"target {target:g}")
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="prompt length (tokens)", type="category")
-    fig.update_yaxes(title="achieved sparsity", rangemode="tozero")
+    fig.update_yaxes(title=y_title, rangemode="tozero")
     return finish(fig, title)
 
 
-# ---- Stabilization -----------------------------------------------------------------------------
 def group_decode(g: pl.DataFrame, target: float) -> go.Figure:
     """BLASST decode under the group decision, per length: at the per-head law's lambda the share of
     decode tiles the per-head decision skips and the share every head of a KV group skips (the V
@@ -235,13 +239,10 @@ def group_decode(g: pl.DataFrame, target: float) -> go.Figure:
                              customdata=np.stack([g["lambda_head"], g["lambda_group_best"]], -1),
                              hovertemplate=(f"{name}<br>%{{x}} tokens<br>sparsity %{{y:.3f}} at λ %{{customdata[0]:.3g}}"
                                             "<br>the group reaches the target at λ %{customdata[1]:.3g}<extra></extra>")))
-    fig.add_hline(y=target, line={"dash": "dot", "color": "black"}, annotation_text=f"target {target:g}")
-    fig.update_layout(barmode="group")
-    fig.update_xaxes(title="prompt length (tokens)", type="category")
-    fig.update_yaxes(title="decode sparsity (of reachable tiles)", rangemode="tozero")
-    return finish(fig, title)
+    return _bars_to_target(fig, target, "decode sparsity (of reachable tiles)", title)
 
 
+# ---- Stabilization -----------------------------------------------------------------------------
 def where_shares(df: pl.DataFrame) -> go.Figure:
     """Share of rows whose running max settles at the sink block, the diagonal blocks or in the
     middle, per scan order (stacked). ``df``: stab_where rows (any layers, heads; summed)."""
