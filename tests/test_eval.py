@@ -352,6 +352,8 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     man = json.loads((out / "data" / "manifest.json").read_text())
     assert man["calibration"]["tasks"] == sorted(set(TASKS) - {"text_stdlib"}) and man["request"]["methods"] == "dense,dense:fp32,blasst:0.5"
     assert set(man["export"]["files"]) == {"thresholds.safetensors", "thresholds.bsfa.pt", "blasst.json"}
+    (run,) = man["runs"]  # which code on which machine made the rows
+    assert run["phase"] == "rows" and run["device"] == "cpu" and run["world"] == 1 and run["versions"]["torch"]
     # the dashboard reads the result file; the per-sample tables stay out of its way
     pts = results.curves([results.read_result_file(p) for p in results.result_files([out])])
     assert sorted(pts["config"]) == ["dense", "fp32 attention", "target=0.5"]
@@ -362,6 +364,7 @@ def test_eval_real_model_end_to_end(tmp_path, one_thread):
     res = _eval(*args)
     assert res.exit_code == 0 and "0 rows to compute" in res.output, res.output
     assert (out / "data" / "rows.parquet").read_bytes() == before
+    assert len(json.loads((out / "data" / "manifest.json").read_text())["runs"]) == 1  # nothing run: none noted
     assert not (out / "data" / ".rows.parquet.tmp-1").exists()
     assert_user_error(_eval(exp, "--out", out, "--methods", "dense,blasst:0.7"), "different request", "methods")
     # bench join later: the recorded options are reused, curves.parquet carries speedups and provenance
@@ -395,8 +398,11 @@ def test_merge_shards_of_one_evaluation(tmp_path):
                             "score": score, "correct": score == 1.0, "kl": 0.0, "top1": 1.0, "nll": 1.0,
                             "sparsity": 0.0, "decode_sparsity": 0.0, "prefill_s": 0.1, "decode_s": 0.1,
                             "held_out_task": True, "answer_logprob": -1.0})
+    EvalStore.open(tmp_path / "text").note_run("rows", device="cpu")
     merged = merge_shards(tmp_path / "all", [tmp_path / "niah_single", tmp_path / "text"])
     assert merged.manifest["request"]["samples"] == {"niah_single@512": 3, "text@512": 2} and len(merged.rows) == 10
+    (run,) = merged.manifest["runs"]  # each shard's runs, named by their shard
+    assert run["shard"] == str(tmp_path / "text") and run["phase"] == "rows" and "commit" in run
     finish(EvalStore.open(tmp_path / "all"))
     doc = json.loads((tmp_path / "all" / "results.json").read_text())
     row = next(r for r in doc["rows"] if r["label"] == "bsfa:4")

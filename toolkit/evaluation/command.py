@@ -364,6 +364,8 @@ def _run(job: EvalJob, ranks) -> None:
 
     with gpu_lock(device, exclusive=False, say=console.print):  # the timing phase waits for every holder
         model = load_for_rank(ranks, plan.ms, req.dtype, req.device, req.device_map, req.max_memory, console)
+        if ranks.main:  # which code on which machine makes these rows (rank 0 writes the manifest)
+            store.note_run("rows", world=ranks.world, device=req.device, batch=req.batch)
         rows = _rows(model, tok, store, plan, mine, req.batch)
         if ranks.several:
             for group in rows:
@@ -444,6 +446,7 @@ def timing_phase(job: EvalJob, store) -> None:
         others = [other_gpu_processes(req.device)]
         console.print(f"[bold]timing phase[/] on {req.device}: {len(lengths)} lengths, {opts.rounds} round-robin rounds")
         model = load_model(plan.ms, req.dtype, req.device)
+        store.note_run("timing", device=req.device)
         records = run_timing(model, plan.methods, lengths, plan.export.path, plan.info["id"], store.rows, ids, opts,
                              say=lambda line: console.print(line, soft_wrap=True),
                              extrapolate=(store.manifest.get("request") or {}).get("extrapolate", False))

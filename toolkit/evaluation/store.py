@@ -112,6 +112,15 @@ class EvalStore:
         store.rows = store._read_rows()
         return store
 
+    def note_run(self, phase: str, **extra) -> None:
+        """Append this process's provenance (commit, GPU, versions, date: formats.provenance) to the
+        manifest's ``runs`` for ``phase`` ("rows" or "timing"): which code on which machine made the
+        rows and the timings, resumed calls and merged shards included."""
+        from sparsecal.formats.provenance import provenance
+
+        self.manifest.setdefault("runs", []).append(dict(provenance(), phase=phase, **extra))
+        self.save_manifest()
+
     def save_manifest(self) -> None:
         from sparsecal.formats.files import atomic_write_text
 
@@ -210,7 +219,8 @@ def merge_shards(root: Path, shards: list) -> EvalStore:
         samples[f"{p['task']}@{p['length']}"] = samples.get(f"{p['task']}@{p['length']}", 0) + 1
     request = dict(first["request"], tasks=sorted({p["task"] for p in prompts}),
                    lengths=sorted({p["length"] for p in prompts}), samples=samples)
-    store = EvalStore.create(Path(root), dict(first, request=request, prompts=prompts,
+    runs = [dict(r, shard=str(st.root)) for st in mans for r in st.manifest.get("runs", [])]
+    store = EvalStore.create(Path(root), dict(first, request=request, prompts=prompts, runs=runs,
                                               merged_from=[str(st.root) for st in mans]))
     store.rows = [r for st in mans for r in st.rows]
     write_parquet(store.root / ROWS, pl.DataFrame(store.rows, infer_schema_length=None))
