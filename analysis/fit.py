@@ -99,8 +99,9 @@ def check_request(req: FitRequest, cfg: StatsConfig) -> list[int]:
 
 def _add_hists(st: _State, arrays: dict, length: int, into: list[dict], held: bool) -> None:
     """Add one sample's gap histograms (both modes) to the given accumulators."""
-    reach = {"prefill": float(arrays["reachable"].sum()), "decode": float(decode_reachable(length, st.cfg))}
-    npos = {"prefill": float(len(arrays["reachable"])), "decode": float(min(st.cfg.decode_rows, length))}
+    dec_reach, dec_rows = _decode_norms(st, length)
+    reach = {"prefill": float(arrays["reachable"].sum()), "decode": dec_reach}
+    npos = {"prefill": float(len(arrays["reachable"])), "decode": dec_rows}
     for mode, prefix in (("prefill", ""), ("decode", "decode_")):
         c = arrays[f"{prefix}gap_count"].astype(np.float64)
         m = arrays[f"{prefix}gap_mass"].astype(np.float64)
@@ -112,14 +113,18 @@ def _add_hists(st: _State, arrays: dict, length: int, into: list[dict], held: bo
             st.held[mode].append((length, one))
 
 
+def _decode_norms(st: _State, length: int) -> tuple[float, float]:
+    """(reachable tiles, decode rows) of one sample's decode histograms, per layer and head."""
+    return float(decode_reachable(length, st.cfg)), float(min(st.cfg.decode_rows, length))
+
+
 def _add_group(st: _State, arrays: dict, length: int) -> None:
     """Add one calibration sample's decode group gap histograms (absent before the statistic)."""
     if "decode_group_gap_count" not in arrays:
         return
     g = arrays["decode_group_gap_count"].astype(np.float64)
     st.group.setdefault(length, B.HistSum.empty_like(g)).add(
-        g, arrays["decode_group_gap_mass"].astype(np.float64), float(decode_reachable(length, st.cfg)),
-        float(min(st.cfg.decode_rows, length)))
+        g, arrays["decode_group_gap_mass"].astype(np.float64), *_decode_norms(st, length))
 
 
 def _add_stab(st: _State, arrays: dict, length: int) -> None:

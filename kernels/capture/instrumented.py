@@ -269,10 +269,11 @@ def fused_reduce(res: ForwardResult, decode: tuple, n: int, cfg: StatsConfig, gr
     decode = decode_forward(..., fused=True)'s result; ``group`` G = H / Hkv. No host sync (BSFA in reduce)."""
     dev = res.bmax.device
     cand = tile_offsets(n, cfg.block_m, cfg.block_n, dev)[2]
-    out = capture_reduce(res.bmax, res.mass, cand, cfg, edge_args(cfg, dev))
+    edges = edge_args(cfg, dev)
+    out = capture_reduce(res.bmax, res.mass, cand, cfg, edges)
     out.update(decode_bsfa_reduce(decode[4], decode[2], n, cfg))
     out.update(hist_keys(res.part, decode[3], cfg))
-    out.update(group_gap_hist(pick(decode[1], cfg), decode[2], decode[0], group, edge_args(cfg, dev)[0], cfg.block_n))
+    out.update(group_gap_hist(pick(decode[1], cfg), decode[2], decode[0], group, edges[0], cfg.block_n))
     if cfg.raw:
         out["raw_bmax"] = res.bmax.half()
         out["raw_gap"] = pick(res.gap, cfg).half()

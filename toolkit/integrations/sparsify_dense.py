@@ -116,9 +116,16 @@ def dense_first(state, mode: str, length: int) -> str | None:
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
     if backends is None:
         return None
-    from sparsecal.formats.dispatch import bucket, decode_backend
+    from sparsecal.formats.dispatch import bucket
 
-    j = bucket(state.dense_backends["lengths"], length)
+    return _pick(backends, bucket(state.dense_backends["lengths"], length), mode)
+
+
+def _pick(backends: list, j: int | None, mode: str) -> str:
+    """The bucket's backend (below the shortest length, the shortest's); decode: Flash where that is
+    cuDNN (formats.dispatch.decode_backend: its decode is not reproducible run to run)."""
+    from sparsecal.formats.dispatch import decode_backend
+
     pick = backends[0 if j is None else j]
     return decode_backend(pick) if mode == "decode" else pick
 
@@ -170,11 +177,7 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     j = bucket(lengths, length)
     if j is not None and sparse[layer][j]:
         return None
-    if mode == "prefill":
-        return dense_first(state, mode, length) or plan["backends"][0 if j is None else j]
-    from sparsecal.formats.dispatch import decode_backend
-
-    return dense_first(state, mode, length) or decode_backend(plan["dense_backend"][0 if j is None else j])
+    return dense_first(state, mode, length) or _pick(plan["backends" if mode == "prefill" else "dense_backend"], j, mode)
 
 
 _BACKENDS: dict = {}  # SDPBackend name -> the enum member (looked up once)
