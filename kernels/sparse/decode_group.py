@@ -27,6 +27,12 @@ Passes
     merge   ``_group_merge_kernel`` (grid B*H) combines the splits and sums the counts; with one
             split the attend pass writes the output and the counts itself (one launch in all).
 
+Launch (``SparseLaunch``, per (D, G bucket) from ``SPARSE_TABLE``): num_warps / num_stages of the
+tmax and attend passes, ``pps`` the split-K target (about pps attend programs per SM, each split at
+least MIN_TILES tiles), and ``lag`` 1 or 2: with 2 the online-softmax step of tile j - 2 runs in
+step j, so each decided V load has a whole loop step to land before it is used (the tiles are
+still accumulated in order: the result is the same bit for bit).
+
 Dense (``dense=True``) is the attend pass with no decision: K + V read once, no score round trip
 (``decode.py`` writes and reads f32 scores, 8 * G bytes per key per group on top of 4 * D).
 
@@ -42,6 +48,8 @@ Shape legend
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,10 +59,40 @@ from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask, sm_c
 from sparsecal.kernels.sparse.decode_group_dense import _group_merge_kernel, _row, _tile_base, dense_group_decode
 from sparsecal.kernels.sparse.reference import check_decision, check_method
 
-GROUP_LAUNCH = (4, 3)   # (num_warps, num_stages) of the attend and tmax passes on a CUDA GPU
-PROGRAMS_PER_SM = 4     # split-K target: about this many attend programs per SM
-MIN_TILES = 4           # ... each with at least this many key tiles
+MIN_TILES = 4           # each split at least this many key tiles
 DENSE, MASK, BSFA, BLASST, WINDOW = 0, 1, 2, 3, 4   # DECIDE codes (as decode.py's decide kernel)
+
+
+@dataclass(frozen=True)
+class SparseLaunch:
+    """One launch configuration of the decision passes (module docstring, "Launch")."""
+    warps: int = 4
+    stages: int = 3
+    pps: int = 4
+    lag: int = 1
+
+    def name(self) -> str:
+        """A short label: w4s3p8, plus -lag2."""
+        return f"w{self.warps}s{self.stages}p{self.pps}" + ("-lag2" if self.lag == 2 else "")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stages, 4 programs per SM, lag 1
+# (D, G bucket) -> launch. From the H100 sweep of the BSFA group decision at 50% / 75% (B=16, H=32, 16K-64K;
+# data/bench/decode-sweep-h100-d128.json, -d64.json): at G >= 4, 8 programs per SM was 1.05-1.15x faster than 4
+# at every shape and sparsity (the grid then fills the SMs' slots twice over); at G = 1 the two were within 1 %.
+SPARSE_TABLE: dict[tuple[int, int], SparseLaunch] = {
+    (d, g): SparseLaunch(pps=8) for d in (64, 128) for g in (4, 8, 16)
+}
+
+
+def sparse_launch_for(d: int, group: int) -> SparseLaunch:
+    """The table's launch for this head dim and GQA group (buckets 1 | 4 (2-4) | 8 (5-8) | 16), else
+    SPARSE_DEFAULT."""
+    g = 1 if group == 1 else 4 if group <= 4 else 8 if group <= 8 else 16
+    return SPARSE_TABLE.get((d, g), SPARSE_DEFAULT)
 
 
 @triton.jit
@@ -169,10 +207,11 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                          PAGE: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, DECIDE: tl.constexpr,
                          GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, LAG: tl.constexpr):
     """Grid (S, B * Hkv): one split of one KV group (module docstring). DECIDE 0 dense, 1 torch mask
     SKIP [B, H, Kb] i8, 2 BSFA (THR [H, n_thr] natural units), 3 BLASST forward (TMAX [B, H, Kb],
-    ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
+    ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load); LAG 1 | 2
+    (the softmax step of tile j - LAG runs in step j). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
     and counts CNT [B, H, S], VCNT [B, Hkv, S] i32; DIRECT (S = 1): O [B, H, 1, D] and the counts
     (CNT [B, H], VCNT [B, Hkv] i64) written here."""
     split, bk, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
@@ -196,6 +235,8 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
     s_prev = tl.full([GP, BLOCK_N], float("-inf"), tl.float32)    # tile j - 1's kept scores
     v_prev = _tile_base(V, BT, b, hk, j0 * 0, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
     vm_prev = offs_n < 0                                             # tile j - 1's V rows to load
+    s_old = tl.full([GP, BLOCK_N], float("-inf"), tl.float32)      # LAG 2: tile j - 2's kept scores ...
+    v_old = tl.zeros([BLOCK_N, HEAD_DIM], V.dtype.element_ty)      # ... and its V (loaded in step j - 1)
     for j in range(j0, j1):
         v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
         k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
@@ -209,13 +250,20 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
             s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
                                offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
             keep, gkeep, run = _keep(tl.max(s, 1), g_ok, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
-        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)   # tile j - 1
+        if LAG == 2:
+            acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_old, v_old, PREC, UPCAST)   # tile j - 2
+            s_old = s_prev
+            v_old = v
+        else:
+            acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)   # tile j - 1
         n_skip += (g_ok & ~keep).to(tl.int32)
         v_skip += (~gkeep).to(tl.int32)
         s_prev = tl.where(keep[:, None], s, float("-inf"))
         v_prev = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
         vm_prev = kmask & _spread(gkeep, offs_n)
     v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
+    if LAG == 2:
+        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_old, v_old, PREC, UPCAST)
     acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)
     if DIRECT:
         out = acc / l_i[:, None]
@@ -232,10 +280,10 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
         tl.store(VCNT + bk.to(tl.int64) * n_split + split, v_skip)
 
 
-def group_splits(batch_kv: int, n_kb: int, device) -> int:
-    """Splits along the keys: about PROGRAMS_PER_SM attend programs per SM, each with at least
-    MIN_TILES tiles (8 SMs stand in for the CPU interpreter)."""
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sm_count(device), batch_kv), triton.cdiv(n_kb, MIN_TILES)))
+def group_splits(batch_kv: int, n_kb: int, device, pps: int = SPARSE_DEFAULT.pps) -> int:
+    """Splits along the keys: about ``pps`` attend programs per SM, each with at least MIN_TILES
+    tiles (8 SMs stand in for the CPU interpreter)."""
+    return max(1, min(triton.cdiv(pps * sm_count(device), batch_kv), triton.cdiv(n_kb, MIN_TILES)))
 
 
 def _check_layout(q, k, v, block_n: int, lengths, block_table) -> tuple:
@@ -292,7 +340,7 @@ def _split_buffers(q, hkv: int, n_split: int) -> tuple:
 def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                         log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                         topk: int | None = None, dense: bool = False, decision: str = "head", lengths=None,
-                        block_table=None, splits: int | None = None, launch: tuple | None = None,
+                        block_table=None, splits: int | None = None, launch: SparseLaunch | None = None,
                         softcap: float = 0.0, dense_launch=None):
     """One decode step with the group kernel; the Triton twin of ``reference.sparse_decode`` (one
     length) and ``reference.sparse_decode_ragged`` (``lengths`` and / or ``block_table``).
@@ -300,7 +348,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     q [B, H, 1, D]; k/v [B, Hkv, L, D] (fp16/bf16/fp32) or page pools [P, Hkv, page_size, D] with
     block_table [B, max_pages] int32 and lengths [B] int32 on q's device. Exactly one of
     thresholds [H, Pt], log_lambda, window, topk, or dense=True; ``decision`` "head" | "group".
-    ``launch`` (num_warps, num_stages) of the decision passes; ``dense=True`` runs
+    ``launch`` the decision passes' SparseLaunch (None: ``sparse_launch_for`` the shape); ``dense=True`` runs
     decode_group_dense with ``dense_launch`` (a DenseLaunch; None: its table's entry for the shape;
     "attend": the attend pass with skipping off, the path before the table).
     Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles each head skipped,
@@ -321,17 +369,17 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
                                   splits=splits, cfg=dense_launch, softcap=softcap)
     b, h, _, d = q.shape
     dev, f32 = q.device, torch.float32
-    n_split = splits or group_splits(b * hkv, kb, dev)
+    cfg = launch or sparse_launch_for(d, h // hkv)
+    n_split = splits or group_splits(b * hkv, kb, dev, cfg.pps)
     tps = triton.cdiv(kb, n_split)
     n_split = triton.cdiv(kb, tps)
-    warps, stages = launch or GROUP_LAUNCH
     prec, upcast = dot_flags(q.dtype)
     cap_on, cap = softcap_args(softcap)
     lens = lengths.to(device=dev, dtype=torch.int32) if lengths is not None else q
     bt = block_table.to(device=dev, dtype=torch.int32) if block_table is not None else q
     common = {"HEAD_DIM": d, "BN": block_n, "BLOCK_N": next_pow2(block_n), "GP": next_pow2(h // hkv),
               "PAGE": max(page, 1), "PAGED": block_table is not None, "RAGGED": lengths is not None, "SOFTCAP": cap_on,
-              "PREC": prec, "UPCAST": upcast, "num_warps": warps, "num_stages": stages}
+              "PREC": prec, "UPCAST": upcast, "num_warps": cfg.warps, "num_stages": cfg.stages}
     q2 = q[:, :, 0]
     strides = (q2.stride(0), q2.stride(1), k.stride(0), k.stride(1), k.stride(2))
     tmax = skip = q
@@ -352,7 +400,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
         bt.stride(0) if block_table is not None else 0, out.stride(0), out.stride(1), bound, kb, tps, n_split, h,
         h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
         0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0),
-        DECIDE=decide, GROUP=decision == "group", PRE=decide in (MASK, BLASST), DIRECT=direct, **common)
+        DECIDE=decide, GROUP=decision == "group", PRE=decide in (MASK, BLASST), DIRECT=direct, LAG=cfg.lag, **common)
     if direct:
         return out, cnt, vcnt
     skipped = torch.empty((b, h), dtype=torch.int64, device=dev)

@@ -34,22 +34,25 @@ from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsf
 from sparsecal.bench.harness import graph_replay, log
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
-from sparsecal.kernels.sparse.decode_group import decode_tile_maxima, group_decode_triton
+from sparsecal.kernels.sparse.decode_group import SPARSE_DEFAULT, SparseLaunch, decode_tile_maxima, group_decode_triton
 from sparsecal.kernels.sparse.decode_group_dense import DENSE_DEFAULT, DenseLaunch, buckets
 from sparsecal.kernels.sparse.reference import sparse_decode, sparse_decode_ragged
 
 TOL_BF16 = 3e-2
-SPARSE_LAUNCHES = ((4, 3, 4), (4, 3, 8), (4, 4, 8), (8, 3, 4))   # attend pass (num_warps, num_stages, programs/SM)
+SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(pps=8), SparseLaunch(pps=16), SparseLaunch(warps=2, pps=8),
+                   SparseLaunch(warps=2, pps=16), SparseLaunch(pps=8, lag=2), SparseLaunch(pps=16, lag=2),
+                   SparseLaunch(warps=2, pps=16, lag=2))   # the decision passes' candidates (decode_group.SparseLaunch)
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
-    """name -> DenseLaunch or "attend" (<= 8): the attend pass (before the table), the default
-    launch in the new loop, then wave-fitted splits with larger / smaller tiles, more stages,
-    evict-first loads, the fused merge, and at G = 1 the CUDA-core products."""
+    """name -> DenseLaunch or "attend" (<= 9): the attend pass (before the table), the default
+    launch in the new loop, then wave-fitted splits with larger tiles, more stages, evict-first
+    loads, and more programs per SM with 2 or 4 warps (the fused merge and the CUDA-core products,
+    slower everywhere in the first sweep, are left out)."""
     big = DenseLaunch(block_n=128, warps=8, stages=3 if d <= 64 else 2, waves=2)
-    cands = [DENSE_DEFAULT, DenseLaunch(waves=2), DenseLaunch(waves=1), DenseLaunch(waves=2, fuse=True),
-             DenseLaunch(stages=4, waves=2, evict=True), big,
-             DenseLaunch(dot=False, waves=1) if group == 1 else DenseLaunch(block_n=32, stages=4, waves=2, fuse=True)]
+    cands = [DENSE_DEFAULT, DenseLaunch(waves=2), DenseLaunch(waves=1), DenseLaunch(stages=4, waves=2, evict=True),
+             big, DenseLaunch(block_n=128, warps=4, stages=3, waves=2), DenseLaunch(pps=8),
+             DenseLaunch(warps=2, stages=4, pps=8)]
     if quick:
         cands = [DENSE_DEFAULT, DenseLaunch(block_n=32, dot=False, waves=2, fuse=True, evict=True)]
     return {"attend": "attend"} | {c.name(): c for c in cands}
@@ -138,23 +141,19 @@ def _bsfa_point(q, k, v, scale: float, target: float) -> torch.Tensor:
 def shape_candidates(q, k, v, quick: bool) -> dict:
     """name -> (fn, info) of one shape: SDPA backends, dense candidates, sparse candidates."""
     scale = q.shape[-1] ** -0.5
-    b, h, _, d = q.shape
+    _, h, _, d = q.shape
     hkv = k.shape[1]
     out = {} if quick else {n: (fn, {"kind": "sdpa"}) for n, fn in sdpa_variants(q, k, v).items()}
     for name, cfg in dense_candidates(d, h // hkv, quick).items():
         out[f"dense_{name}"] = (lambda cfg=cfg: group_decode_triton(q, k, v, scale, BM, BN, dense=True, dense_launch=cfg),
                                 {"kind": "dense", "config": cfg if cfg == "attend" else cfg.as_dict()})
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 8
-    kb = triton.cdiv(k.shape[2], BN)
     for s in SPARSITIES[-1:] if quick else SPARSITIES:
         thr = _bsfa_point(q, k, v, scale, s)
-        for warps, stages, pps in SPARSE_LAUNCHES[:2] if quick else SPARSE_LAUNCHES:
-            splits = max(1, min(triton.cdiv(pps * sms, b * hkv), triton.cdiv(kb, 4)))
-            out[f"bsfa_group_s{int(s * 100)}_w{warps}s{stages}p{pps}"] = (
-                lambda thr=thr, launch=(warps, stages), splits=splits: group_decode_triton(
-                    q, k, v, scale, BM, BN, thresholds=thr, decision="group", launch=launch, splits=splits),
-                {"kind": "sparse", "target": s, "thresholds": thr, "config": {"warps": warps, "stages": stages,
-                                                                              "pps": pps, "splits": splits}})
+        for cfg in (SPARSE_DEFAULT, SPARSE_LAUNCHES[-1]) if quick else SPARSE_LAUNCHES:
+            out[f"bsfa_group_s{int(s * 100)}_{cfg.name()}"] = (
+                lambda thr=thr, cfg=cfg: group_decode_triton(q, k, v, scale, BM, BN, thresholds=thr, decision="group",
+                                                             launch=cfg),
+                {"kind": "sparse", "target": s, "thresholds": thr, "config": cfg.as_dict()})
     return out
 
 
