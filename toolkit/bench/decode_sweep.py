@@ -39,20 +39,22 @@ from sparsecal.kernels.sparse.decode_group_dense import DENSE_DEFAULT, DenseLaun
 from sparsecal.kernels.sparse.reference import sparse_decode, sparse_decode_ragged
 
 TOL_BF16 = 3e-2
-SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(pps=8), SparseLaunch(pps=16), SparseLaunch(warps=2, pps=8),
-                   SparseLaunch(warps=2, pps=16), SparseLaunch(pps=8, lag=2), SparseLaunch(pps=16, lag=2),
-                   SparseLaunch(warps=2, pps=16, lag=2))   # the decision passes' candidates (decode_group.SparseLaunch)
+SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(warps=2, pps=16),
+                   SparseLaunch(warps=2, pps=32), SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32),
+                   SparseLaunch(warps=1, stages=4, pps=32), SparseLaunch(warps=2, pps=16, lag=2),
+                   SparseLaunch(warps=1, pps=32, lag=2))   # the decision passes' candidates (decode_group.SparseLaunch)
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
     """name -> DenseLaunch or "attend" (<= 9): the attend pass (before the table), the default
     launch in the new loop, then wave-fitted splits with larger tiles, more stages, evict-first
-    loads, and more programs per SM with 2 or 4 warps (the fused merge and the CUDA-core products,
+    loads, and more programs per SM with 1, 2 or 4 warps (the fused merge and the CUDA-core products,
     slower everywhere in the first sweep, are left out)."""
     big = DenseLaunch(block_n=128, warps=8, stages=3 if d <= 64 else 2, waves=2)
-    cands = [DENSE_DEFAULT, DenseLaunch(waves=2), DenseLaunch(waves=1), DenseLaunch(stages=4, waves=2, evict=True),
-             big, DenseLaunch(block_n=128, warps=4, stages=3, waves=2), DenseLaunch(pps=8),
-             DenseLaunch(warps=2, stages=4, pps=8)]
+    cands = [DENSE_DEFAULT, DenseLaunch(waves=1), DenseLaunch(stages=4, waves=2, evict=True), big,
+             DenseLaunch(block_n=128, warps=4, stages=3, waves=2), DenseLaunch(warps=2, stages=4, pps=8),
+             DenseLaunch(warps=2, stages=3, pps=16), DenseLaunch(warps=1, stages=4, pps=16),
+             DenseLaunch(warps=1, stages=3, pps=32)]
     if quick:
         cands = [DENSE_DEFAULT, DenseLaunch(block_n=32, dot=False, waves=2, fuse=True, evict=True)]
     return {"attend": "attend"} | {c.name(): c for c in cands}
