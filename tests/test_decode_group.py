@@ -121,6 +121,6 @@ def test_launch_table_buckets():
     """The table's launch by (D, G bucket); shapes it does not list take the default."""
     assert sparse_launch_for(128, 8) == SPARSE_TABLE[(128, 8)]
     assert sparse_launch_for(64, 3) == SPARSE_TABLE[(64, 4)]
-    assert sparse_launch_for(64, 1) == SPARSE_DEFAULT
+    assert sparse_launch_for(64, 1) == SPARSE_TABLE[(64, 1)]
     assert sparse_launch_for(96, 4) == SPARSE_DEFAULT
     assert SparseLaunch(lag=2, pps=8).name() == "w4s3p8-lag2"

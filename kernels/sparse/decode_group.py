@@ -80,11 +80,17 @@ class SparseLaunch:
 
 
 SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stages, 4 programs per SM, lag 1
-# (D, G bucket) -> launch. From the H100 sweep of the BSFA group decision at 50% / 75% (B=16, H=32, 16K-64K;
-# data/bench/decode-sweep-h100-d128.json, -d64.json): at G >= 4, 8 programs per SM was 1.05-1.15x faster than 4
-# at every shape and sparsity (the grid then fills the SMs' slots twice over); at G = 1 the two were within 1 %.
+# (D, G bucket) -> launch, from the sweeps of the BSFA group decision at 50 % / 75 % (B=16, H=32, 16K-64K, graph
+# replays; data/bench/NOTES.md "decode-sweep 2"): fewer warps per program is the lever (each tile's decision and
+# softmax reduce the score tile along the keys: across warps that is a shared-memory round trip and a barrier).
+# D=128: 2 warps, 8 programs per SM, fastest at every shape on an H100 (decode-sweep2-h100-d128.json: 0.83-0.95 of
+# the ideal, the old w4s3p4 0.64-0.87) and on an H200 (decode-sweep3-h200-d128.json; 1 warp there 2x slower).
+# D=64: 1 warp (decode-sweep3-h200-d64.json: fastest at every shape, 1.1-1.6x 4 warps), 32 programs per SM at G=1,
+# 16 at G >= 4.
+_W2P8, _W1P16, _W1P32 = SparseLaunch(warps=2, pps=8), SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32)
 SPARSE_TABLE: dict[tuple[int, int], SparseLaunch] = {
-    (d, g): SparseLaunch(pps=8) for d in (64, 128) for g in (4, 8, 16)
+    (128, 1): _W2P8, (128, 4): _W2P8, (128, 8): _W2P8, (128, 16): _W2P8,
+    (64, 1): _W1P32, (64, 4): _W1P16, (64, 8): _W1P16, (64, 16): _W1P16,
 }
 
 
