@@ -199,15 +199,16 @@ def print_dispatch(rec: dict) -> None:
             layers = [i for i, row in enumerate(e["sparse"]) if row[j]]
             cells.append(f"{len(layers)}/{len(e['sparse'])}: {layer_ranges(layers)}")
         t.add_row(f"{e['method']} {e['config']}", *cells)
-        views = decode_views(e["decode"]) if e.get("decode") else []
-        for mode in (views[0][1]["modes"] if views else {}):
-            for b, v in views:  # one row per measured decode batch
-                g = v["modes"][mode]["sparse"]
-                be = " ".join(("never" if x is None else f"{x:.3f}") + ("*" if ext else "")
-                              for x, ext in zip(v["break_even"], v["extrapolated"]))
-                t.add_row(f"  decode {mode}{f' B={b}' if b else ''} (break-even {be})",
-                          *[f"{sum(r[j] for r in g)}/{len(g)}: {layer_ranges([i for i, r in enumerate(g) if r[j]])}"
-                            for j in range(len(rec["lengths"]))])
+        for key, word in (("decode", ""), ("decode_group", " group")):  # the head decision's, then the group's
+            views = decode_views(e[key]) if e.get(key) else []
+            for mode in (views[0][1]["modes"] if views else {}):
+                for b, v in views:  # one row per measured decode batch
+                    g = v["modes"][mode]["sparse"]
+                    be = " ".join(("never" if x is None else f"{x:.3f}") + ("*" if ext else "")
+                                  for x, ext in zip(v["break_even"], v["extrapolated"]))
+                    t.add_row(f"  decode{word} {mode}{f' B={b}' if b else ''} (break-even {be})",
+                              *[f"{sum(r[j] for r in g)}/{len(g)}: {layer_ranges([i for i, r in enumerate(g) if r[j]])}"
+                                for j in range(len(rec["lengths"]))])
     out.print(t)
     timing = rec.get("timing") or {"prefill": "eager", "decode": None}
     batches = sorted({b for c in rec["configs"] if c.get("decode") for b, _ in decode_views(c["decode"]) if b})
@@ -215,7 +216,9 @@ def print_dispatch(rec: dict) -> None:
               + (f"{timing['decode']} ({rec.get('decode_decision')} decision"
                  + (f", batch{'es' if len(batches) > 1 else ''} {', '.join(map(str, batches))}: a decode step of "
                     "batch B follows the largest measured batch <= B, the smallest below them)" if batches else ")")
-                 if timing["decode"] else "not dispatched (no decode rows in the break-even file)"))
+                 if timing["decode"] else "not dispatched (no head-decision decode rows in the break-even file)")
+              + (f"; group decision decode {timing['decode_group']} (the 'decode group' rows)"
+                 if timing.get("decode_group") else ""))
     if not rec["configs"]:
         out.print("no config has break-even rows: every exported layer runs sparse (no dispatch).")
 

@@ -19,7 +19,9 @@ nearest measured length's value is used and flagged ``extrapolated``. A prefill 
 decode step against N cached tokens, uses the bucket of the largest calibrated length <= N; below
 the shortest calibrated length it runs dense. Decode break-evens are kept per measured batch
 (``decode.by_batch``): a decode step of batch B follows the entry of the largest measured batch <= B
-(below every measured batch: the smallest).
+(below every measured batch: the smallest). Each decode decision (head | group) has its own entry
+per config (``decode``: head, ``decode_group``: group; DECODE_KEYS), from the decode rows and the
+calibrated sparsity of that decision.
 
 Shape legend: L model layers, NL calibrated lengths (the buckets), NM measured lengths, NB measured
 decode batches.
@@ -42,6 +44,7 @@ METHODS = ("bsfa", "blasst")
 PHASES = ("prefill", "decode")
 TIMINGS = ("graph", "eager")
 DECISIONS = ("head", "group")  # decode skip decision (kernels.sparse.reference.DECISIONS)
+DECODE_KEYS = {"head": "decode", "group": "decode_group"}  # a config's decode entry (and sparsity) per decision
 DECODE_MODES = ("sparse", "topk", "thresholds")  # sparsify's decode modes that skip (integrations.sparsify.DECODES)
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 # cuDNN's SDPA decode is not reproducible run to run: on an H100 (torch 2.11) the same evaluation's
@@ -55,8 +58,8 @@ RULE = ("a layer runs its sparse prefill at a length bucket iff its calibrated p
         "break_even + margin; a prefill of N tokens uses the bucket of the largest calibrated length <= N (dense "
         "below the shortest); elsewhere the best SDPA path runs")
 DECODE_RULE = ("a decode step of batch B against N cached tokens runs a layer's sparse decode kernel iff the layer's "
-               "calibrated decode sparsity (of sparsify's decode mode) at the bucket of the largest calibrated length "
-               "<= N >= the decode break_even + margin of the largest measured batch <= B (the smallest below every "
+               "calibrated decode sparsity (of sparsify's decode mode and decision: decode head, decode_group group) at the bucket of the largest calibrated length "
+               "<= N >= its decision's decode break_even + margin of the largest measured batch <= B (the smallest below every "
                "measured batch; dense below the shortest length); elsewhere dense's own decode path (SDPA, decode "
                "dense_backend first); a config without a decode entry does not dispatch decode")
 
@@ -317,14 +320,17 @@ def _grid(s: np.ndarray) -> list:
 
 def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, group: int, timing: str,
                   decision: str, margin: float) -> dict | None:
-    """A config's ``decode`` entry: per decode mode its calibrated sparsity (the same at every batch)
-    and per measured batch of the decode rows (``by_batch``, keyed by str(batch)) the break-even,
-    extrapolation flag and fastest dense backend per length and per mode the sparse flags [L, NL].
-    None: no decode rows for the method or no decode sparsity for the config."""
+    """A config's decode entry of one ``decision`` (``decode``: head, ``decode_group``: group): per
+    decode mode its calibrated sparsity under that decision (the config's own DECODE_KEYS[decision];
+    the same at every batch) and per measured batch of that decision's decode rows (``by_batch``,
+    keyed by str(batch)) the break-even, extrapolation flag and fastest dense backend per length and
+    per mode the sparse flags [L, NL]. None: no such decode rows for the method or no decode
+    sparsity of the decision for the config."""
     batches = decode_batches(be_doc, c["method"], head_dim, group, timing, decision)
-    if not batches or not c.get("decode"):
+    modes = c.get(DECODE_KEYS[decision])
+    if not batches or not modes:
         return None
-    sparsity = {m: np.asarray(d["sparsity"], float) for m, d in c["decode"].items()}
+    sparsity = {m: np.asarray(d["sparsity"], float) for m, d in modes.items()}
     by_batch = {}
     for b in batches:
         be, ext, backends = break_even_at(rows_for(be_doc, c["method"], head_dim, group, "decode", timing, decision,
@@ -333,15 +339,24 @@ def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, grou
                             "dense_backend": backends,
                             "sparse": {m: plan(s, be, margin).tolist() for m, s in sparsity.items()}}
     return {"decision": decision, "batches": batches,
-            "modes": {m: {"source": d["source"], "sparsity": _grid(sparsity[m])} for m, d in c["decode"].items()},
+            "modes": {m: {"source": d["source"], "sparsity": _grid(sparsity[m])} for m, d in modes.items()},
             "by_batch": by_batch}
 
 
-def _file_info(be_doc: dict, name: str, head_dim: int, group: int, t_pre: str | None, t_dec: str | None,
-               decision: str) -> dict:
+def _decode_lengths(be_doc: dict, head_dim: int, group: int, t_dec: str | None, decision: str) -> dict:
+    """{method: {str(batch): measured decode lengths}} of one decision's rows ({} without them)."""
+    if not t_dec:
+        return {}
+    dec = {m: {str(b): [r["length"] for r in rows_for(be_doc, m, head_dim, group, "decode", t_dec, decision, b)]
+               for b in decode_batches(be_doc, m, head_dim, group, t_dec, decision)} for m in METHODS}
+    return {m: v for m, v in dec.items() if v}
+
+
+def _file_info(be_doc: dict, name: str, head_dim: int, group: int, t_pre: str | None, t_dec: dict) -> dict:
     """The record's ``break_even_file``: name(s), GPU, commit(s), date(s), geometry, the measured
-    prefill lengths per method and decode lengths per method and batch, provenance (the first
-    file's) and ``files`` (one per merged file)."""
+    prefill lengths per method and decode lengths per method and batch (head decision; the group
+    decision's in ``decode_group_measured_lengths`` where the file has its rows), provenance (the
+    first file's) and ``files`` (one per merged file)."""
     files = be_doc.get("files") or []
     prov = be_doc.get("provenance") or {}
 
@@ -350,27 +365,30 @@ def _file_info(be_doc: dict, name: str, head_dim: int, group: int, t_pre: str | 
         return ", ".join(got) if len(got) > 1 else (got[0] if got else prov.get(key))
 
     pre = {m: sorted({r["length"] for r in rows_for(be_doc, m, head_dim, group, "prefill", t_pre)}) for m in METHODS}
-    dec = {m: {str(b): [r["length"] for r in rows_for(be_doc, m, head_dim, group, "decode", t_dec, decision, b)]
-               for b in decode_batches(be_doc, m, head_dim, group, t_dec, decision)} for m in METHODS} if t_dec else {}
     out = {"name": name, "gpu": be_doc.get("gpu"), "commit": joined("commit"), "date": joined("date"),
            "geometry": be_doc["geometry"], "measured_lengths": {m: v for m, v in pre.items() if v},
-           "decode_measured_lengths": {m: v for m, v in dec.items() if v}, "provenance": prov}
+           "decode_measured_lengths": _decode_lengths(be_doc, head_dim, group, t_dec["head"], "head"),
+           "provenance": prov}
+    if t_dec["group"]:
+        out["decode_group_measured_lengths"] = _decode_lengths(be_doc, head_dim, group, t_dec["group"], "group")
     return out | ({"files": files} if files else {})
 
 
 def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_dim: int, group: int,
-                    margin: float = 0.0, timing: str = "graph", decision: str = "head") -> tuple[dict, list[str]]:
+                    margin: float = 0.0, timing: str = "graph") -> tuple[dict, list[str]]:
     """The export's ``dispatch`` record and the methods the break-even file lacks prefill rows for
     (their configs are left out: they run sparse as without dispatch).
 
     configs: [{"method", "config", "value" (k or target), "source", "sparsity" [L, NL] (NaN: not
-    sparse in the export), optional "decode" {decode mode: {"source", "sparsity" [L, NL]}}}];
-    lengths: the calibrated lengths [NL], ascending. ``timing``: the rows used (graph | eager; the
-    other where the file has only that, recorded in ``timing``); decode rows of ``decision``, of
-    every batch the file measured (``_decode_entry``)."""
+    sparse in the export), optional "decode" (head decision) and "decode_group" (group decision)
+    {decode mode: {"source", "sparsity" [L, NL]}}}]; lengths: the calibrated lengths [NL], ascending.
+    ``timing``: the rows used (graph | eager; the other where the file has only that, recorded in
+    ``timing``, per decision: ``decode`` head, ``decode_group`` group, the latter only where the file
+    has group rows); each decision's decode rows, of every batch the file measured, give the config's
+    entry of that decision (``_decode_entry``; DECODE_KEYS)."""
     lengths = [int(n) for n in lengths]
     t_pre = timing_for(be_doc, "prefill", timing, head_dim, group)
-    t_dec = timing_for(be_doc, "decode", timing, head_dim, group, decision)
+    t_dec = {d: timing_for(be_doc, "decode", timing, head_dim, group, d) for d in DECISIONS}
     out, missing = [], []
     for c in configs:
         rows = rows_for(be_doc, c["method"], head_dim, group, "prefill", t_pre) if t_pre else []
@@ -382,13 +400,15 @@ def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_
         entry = {"method": c["method"], "config": c["config"], "value": c["value"], "source": c["source"],
                  "break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
                  "dense_backend": backends, "sparsity": _grid(s), "sparse": plan(s, be, margin).tolist()}
-        dec = _decode_entry(c, be_doc, lengths, head_dim, group, t_dec, decision, margin) if t_dec else None
-        if dec is not None:
-            entry["decode"] = dec
+        for d in DECISIONS:
+            dec = _decode_entry(c, be_doc, lengths, head_dim, group, t_dec[d], d, margin) if t_dec[d] else None
+            if dec is not None:
+                entry[DECODE_KEYS[d]] = dec
         out.append(entry)
+    timings = {"prefill": t_pre, "decode": t_dec["head"]} | ({"decode_group": t_dec["group"]} if t_dec["group"] else {})
     rec = {"rule": RULE, "decode_rule": DECODE_RULE, "margin": float(margin), "lengths": lengths,
-           "timing": {"prefill": t_pre, "decode": t_dec}, "decode_decision": decision,
-           "break_even_file": _file_info(be_doc, name, head_dim, group, t_pre, t_dec, decision), "configs": out}
+           "timing": timings, "decode_decision": "head",
+           "break_even_file": _file_info(be_doc, name, head_dim, group, t_pre, t_dec), "configs": out}
     return rec, sorted(set(missing))
 
 
@@ -454,10 +474,21 @@ def _decode_ok(d, n_layers: int, n_len: int) -> bool:
     return _batches_ok(d) and all(_one_batch_ok(v, n_layers, n_len) for _, v in decode_views(d))
 
 
-def _entry_ok(e, n_layers: int, n_len: int) -> bool:
+def _entry_ok(e, n_layers: int, n_len: int, timing: dict) -> bool:
+    """A config's entry: per-length break-evens, its grids, and each decode entry well formed where
+    the record names that decision's decode timing (``decode_group``: of the group decision)."""
     if not isinstance(e, dict) or e.get("method") not in METHODS or not isinstance(e.get("config"), str):
         return False
-    return _per_length_ok(e, n_len) and _grids_ok(e, n_layers, n_len) and _decode_ok(e.get("decode"), n_layers, n_len)
+    grp = e.get("decode_group")
+    return (_per_length_ok(e, n_len) and _grids_ok(e, n_layers, n_len) and _decode_ok(e.get("decode"), n_layers, n_len)
+            and (e.get("decode") is None or timing.get("decode") is not None)
+            and (grp is None or (_decode_ok(grp, n_layers, n_len) and grp.get("decision") == "group"
+                                 and timing.get("decode_group") is not None)))
+
+
+def decode_entries(e: dict) -> list[dict]:
+    """A checked config entry's decode entries: ``decode`` then ``decode_group``, those it has."""
+    return [e[k] for k in DECODE_KEYS.values() if e.get(k)]
 
 
 def _flags_follow(grids: dict, break_even_values, margin: float, n_layers: int) -> bool:
@@ -468,8 +499,8 @@ def _flags_follow(grids: dict, break_even_values, margin: float, n_layers: int) 
 def check_dispatch(path, rec, num_layers: int) -> None:
     """blasst.json's optional ``dispatch`` record: ascending positive lengths, per config the
     break-even per length, a sparsity and a sparse flag per layer and length (and the same per decode
-    mode under the decode break-even of each measured batch), the flags being exactly ``plan`` of the
-    sparsities (an edited flag is refused)."""
+    mode under the decode break-even of each measured batch, for each decision's entry: ``decode``,
+    ``decode_group``), the flags being exactly ``plan`` of the sparsities (an edited flag is refused)."""
     bad = f"{path}: dispatch "
     if not isinstance(rec, dict):
         raise UserError(f"{bad}is not an object; export it again with `sparsecal export --break-even FILE`.")
@@ -477,13 +508,15 @@ def check_dispatch(path, rec, num_layers: int) -> None:
     timing = rec.get("timing", {"prefill": "eager", "decode": None})  # records written before timings: eager
     if not (isinstance(lens, list) and lens and all(map(_pos_int, lens)) and lens == sorted(set(lens))
             and _num(rec.get("margin")) and isinstance(rec.get("configs"), list) and isinstance(timing, dict)
-            and timing.get("prefill") in TIMINGS and timing.get("decode") in (*TIMINGS, None)):
+            and timing.get("prefill") in TIMINGS and timing.get("decode") in (*TIMINGS, None)
+            and timing.get("decode_group") in (*TIMINGS, None)):
         raise UserError(f"{bad}needs ascending positive lengths, a margin, timings and configs; export it again.")
     for i, e in enumerate(rec["configs"]):
-        if not _entry_ok(e, num_layers, len(lens)) or (e.get("decode") is not None and timing["decode"] is None):
+        if not _entry_ok(e, num_layers, len(lens), timing):
             raise UserError(f"{bad}configs[{i}] does not hold a break-even, sparsity and sparse flag per layer "
-                            f"({num_layers}) and length ({len(lens)}) (decode: per mode); export it again.")
-        views = [v for _, v in decode_views(e["decode"])] if e.get("decode") else []
+                            f"({num_layers}) and length ({len(lens)}) (decode, decode_group: per mode and batch, "
+                            "the decision's timing named); export it again.")
+        views = [v for d in decode_entries(e) for _, v in decode_views(d)]
         if not (_flags_follow(e, e["break_even"], rec["margin"], num_layers)
                 and all(_flags_follow(g, v["break_even"], rec["margin"], num_layers)
                         for v in views for g in v["modes"].values())):

@@ -442,7 +442,7 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
         add_per_layer(root, doc, layers, ignored)
     if be_doc is not None:
         doc["dispatch"] = XD.dispatch(root, fit, doc, cal, layers, layers, break_even, be_doc, margin, notes.append,
-                                       timing)
+                                       timing, store)
     rows = simulate(cal["held"], cal["edges"], doc["threshold_scale_factor"], {m: doc["target_sparsity"] for m in F.PHASES},
                     cal["sparse"], "sparsecal: blasst.json",
                     min_lengths={m: v["min_length"] for m, v in doc["validity"].items()}) if cal["held"] is not None else []

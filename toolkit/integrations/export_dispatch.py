@@ -25,6 +25,20 @@ Calibrated decode sparsity (per decode mode that skips; the record's ``decode`` 
   measured decode density (model mean, the same on every sparse layer), when the fit has it.
   BSFA's default decode mode (dense) needs no entry.
 
+Calibrated decode sparsity of the group decision (a KV group skips a tile only when all its heads
+would; the config's ``decode_group`` entry, from the break-even file's group rows):
+
+- BLASST ``sparse``, where the target has the group law (blasst.json ``decode_group``: a_group and
+  its validated lengths, what sparsify's group decision applies on every sparse layer,
+  sparsify_laws.use_group_law): the held-out samples' decode group gap histograms
+  (``decode_group_gap_count``: each head carries its KV group's gap, so heads pooled it is the
+  group's V-tile skip share, analysis/blasst_group.py) at lambda = a_group / L, dense below the
+  group law's min_length and where a_group / L > 1. Without the samples: the target on every sparse
+  layer at the group law's validated lengths (where a_group / L was fitted to reach it), 0 where
+  the runtime policy runs dense, none (never dispatched sparse) at the other lengths;
+- none for BSFA (no calibrated group-decision decode sparsity) nor for a BLASST target without the
+  group law: their group-decision decode is not dispatched.
+
 Layers the export leaves dense (not captured; BLASST: skipping does not pay) have no sparsity (NaN
 here, null in the file) and never dispatch sparse.
 
@@ -38,11 +52,14 @@ from pathlib import Path
 import numpy as np
 
 from sparsecal.analysis.blasst import skipped
+from sparsecal.analysis.engine_law import Hist
 from sparsecal.analysis.fit import FIT_DIR
+from sparsecal.analysis.samples import decode_reachable, load_arrays
 from sparsecal.analysis.tables import read_table
 from sparsecal.formats import dispatch as D
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import blasst_layer_factors, blasst_min_length, blasst_runtime_lambda
+from sparsecal.formats.exports import blasst_group_law, blasst_layer_factors, blasst_min_length, blasst_runtime_lambda
+from sparsecal.formats.stats_config import StatsConfig
 
 
 def model_group(model: dict) -> tuple[int, int]:
@@ -103,9 +120,14 @@ def blasst_held_sparsity(doc: dict, held: list, edges, layers: list[int], length
                          target: float, mode: str = "prefill") -> np.ndarray:
     """[L, NL] mean over the held-out samples of each layer's ``mode`` sparsity at the lambda
     sparsify runs it with; ``held``: [(length, Hist with count [L', H, NG])] of the exported order."""
-    factors = blasst_layer_factors(doc, mode, target)     # None: the layer runs dense
-    min_length = blasst_min_length(doc, mode, target)
-    sums, samples = np.zeros((doc["num_layers"], len(lengths))), np.zeros(len(lengths))
+    return _held_sparsity(held, edges, layers, lengths, blasst_layer_factors(doc, mode, target),
+                          blasst_min_length(doc, mode, target))
+
+
+def _held_sparsity(held: list, edges, layers: list[int], lengths: list[int], factors: list, min_length) -> np.ndarray:
+    """[L, NL] blasst_held_sparsity at per-layer ``factors`` [L] (None: the layer runs dense) and the
+    law's ``min_length`` (dense below it)."""
+    sums, samples = np.zeros((len(factors), len(lengths))), np.zeros(len(lengths))
     for n, h in held:
         if n not in lengths:
             continue
@@ -185,14 +207,60 @@ def blasst_decode(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int]
                        "sparsity": s}}
 
 
-def configs(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa_layers) -> list[dict]:
+def group_held(store, fit: dict, order: str) -> list | None:
+    """[(length, Hist with count [L', H, NG])] of the held-out samples' decode group gap histograms in
+    ``order``; None where a sample lacks them (captured before the statistic)."""
+    cfg = StatsConfig.from_dict(fit["config"])
+    o = list(cfg.orders).index(order)
+    by_id = {r["id"]: r for r in store.manifest["samples"]}
+    out = []
+    for sid in fit["split"]["test"] or fit["split"]["train"]:
+        got = load_arrays(store, by_id[sid], (), optional=("decode_group_gap_count",))
+        if "decode_group_gap_count" not in got:
+            return None
+        count = np.asarray(got["decode_group_gap_count"][:, :, o], np.float64)
+        n = int(by_id[sid]["length"])
+        if decode_reachable(n, cfg) > 0:
+            out.append((n, Hist(count, np.zeros_like(count), float(decode_reachable(n, cfg)))))
+    return out
+
+
+def blasst_decode_group(fit: dict, doc: dict, cal: dict, layers: list[int], t: float, held: list | None) -> dict:
+    """{"sparse": {"source", "sparsity" [L, NL]}} of the group decision under the target's group law
+    (module docstring; ``held``: group_held's), {} without the law or a decode calibration."""
+    law = blasst_group_law(doc, t)
+    if law is None or _blasst_factor(doc, t, "decode") is None:
+        return {}
+    lengths, a = [int(n) for n in fit["lengths"]], float(law["threshold_scale_factor"])
+    factors = [None if f is None else a for f in blasst_layer_factors(doc, "decode", t)]  # no per-layer factors
+    v = law["validity"]
+    if held:
+        s = _held_sparsity(held, cal["edges"], layers, lengths, factors, v["min_length"])
+        return {"sparse": {"source": f"{fit['validation']} (decode group gap histograms at the group law's "
+                                     "lambda a_group / L)", "sparsity": s}}
+    s = np.full((len(factors), len(lengths)), np.nan)
+    for j, n in enumerate(lengths):
+        dense = blasst_runtime_lambda(a, n, v["min_length"]) is None
+        if dense or n in v["validated_lengths"]:
+            s[[i for i, f in enumerate(factors) if f is not None], j] = 0.0 if dense else t
+    return {"sparse": {"source": "the group law's target at its validated lengths (the run's samples or their group "
+                                 "gap histograms are gone), 0 where it runs dense, none elsewhere", "sparsity": s}}
+
+
+def configs(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa_layers, store=None) -> list[dict]:
     """Every exported operating point with its calibrated prefill sparsity [L, NL] and decode
-    sparsity per decode mode (formats.dispatch.dispatch_record)."""
+    sparsity per decode mode, of the head decision (``decode``) and of the group decision where the
+    export knows it (``decode_group``; ``store``: the run, for the held-out group histograms)
+    (formats.dispatch.dispatch_record)."""
     lengths = [int(n) for n in fit["lengths"]]
     out = [{"method": "bsfa", "config": D.config_name("bsfa", k), "value": k, "source": f"{fit['validation']} "
             "(fit table bsfa_heads: 1 - measured density under the fitted thresholds)", "sparsity": s,
             "decode": bsfa_decode_sparsity(root, fit, int(k), bsfa_layers, doc["num_layers"])}
            for k, s in bsfa_sparsity(root, fit, bsfa_layers, doc["num_layers"]).items()]
+    held = None
+    if store is not None and cal["held"] is not None and any(blasst_group_law(doc, e["target_sparsity"])
+                                                             for e in doc["targets"] or [doc]):
+        held = group_held(store, fit, doc["scan_order"])
     for entry in doc["targets"] or [doc]:
         t = entry["target_sparsity"]
         if cal["held"] is not None:
@@ -202,20 +270,21 @@ def configs(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa
             s = blasst_pooled_sparsity(root, doc, lengths, t)
             source = "in-sample (the run's samples are gone: fit table blasst_heads, all samples pooled, a/L)"
         out.append({"method": "blasst", "config": D.config_name("blasst", t), "value": t, "source": source,
-                    "sparsity": s, "decode": blasst_decode(root, fit, doc, cal, layers, t)})
+                    "sparsity": s, "decode": blasst_decode(root, fit, doc, cal, layers, t),
+                    "decode_group": blasst_decode_group(fit, doc, cal, layers, t, held)})
     return out
 
 
 def dispatch(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsfa_layers, be_path, be_doc: dict,
-             margin: float, warn=None, timing: str = "graph") -> dict:
+             margin: float, warn=None, timing: str = "graph", store=None) -> dict:
     """The ``dispatch`` record for blasst.json; warns about methods the break-even file lacks, a
-    timing taken for want of the asked one, a file without decode rows, and break-evens taken from
-    the nearest measured length."""
+    timing taken for want of the asked one, a file without decode rows, configs whose group-decision
+    decode is not dispatched, and break-evens taken from the nearest measured length."""
     if timing not in D.TIMINGS:
         raise UserError(f"--dispatch-timing takes {' or '.join(D.TIMINGS)}, got {timing!r}.")
     head_dim, group = model_group(fit["model"])
     name = be_name(be_path)
-    rec, missing = D.dispatch_record(configs(root, fit, doc, cal, layers, bsfa_layers), fit["lengths"], be_doc,
+    rec, missing = D.dispatch_record(configs(root, fit, doc, cal, layers, bsfa_layers, store), fit["lengths"], be_doc,
                                      name, head_dim, group, margin, timing)
     for m in missing:
         warn and warn(f"{name} has no {m} rows at head_dim {head_dim} group {group}: the {m} configs are left "
@@ -223,13 +292,19 @@ def dispatch(root: Path, fit: dict, doc: dict, cal: dict, layers: list[int], bsf
     for phase, got in rec["timing"].items():
         if got is not None and got != timing:
             warn and warn(f"{name} has no {timing} {phase} rows: the {phase} dispatch uses its {got} timings.")
-    if rec["timing"]["decode"] is None:
+    if rec["timing"]["decode"] is None and rec["timing"].get("decode_group") is None:
         warn and warn(f"{name} has no decode rows at head_dim {head_dim} group {group}: decode is not dispatched "
                       "(measure them with `sparsecal bench break-even --phases prefill,decode`).")
+    if rec["timing"].get("decode_group") is not None:
+        left = [c["config"] for c in rec["configs"] if "decode_group" not in c]
+        if left:
+            warn and warn(f"no calibrated group-decision decode sparsity for {', '.join(left)} (BSFA; BLASST targets "
+                          "without blasst.json decode_group): their group-decision decode is not dispatched.")
     src = rec["break_even_file"]
     measured = [(f"{m} prefill", lens) for m, lens in src["measured_lengths"].items()]
-    measured += [(f"{m} decode batch {b}", lens) for m, by in src["decode_measured_lengths"].items()
-                 for b, lens in by.items()]
+    measured += [(f"{m} decode{' group' if key == 'decode_group_measured_lengths' else ''} batch {b}", lens)
+                 for key in ("decode_measured_lengths", "decode_group_measured_lengths")
+                 for m, by in src.get(key, {}).items() for b, lens in by.items()]
     for what, lens in measured:
         out = [n for n in rec["lengths"] if n < lens[0] or n > lens[-1]]
         if out:

@@ -32,9 +32,10 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     dense prefill tries first (the reference ``dense`` included), the most frequent fastest dense
     backend over the record's operating points (ties: formats.dispatch.SDPA_BACKENDS order), so a
     dense layer is the same computation whichever method or point runs it; ``decode``: the same over
-    the configs' decode entries, every measured batch of each (None: the record has none, decode's
+    the configs' decode entries, of every decision and every measured batch of each (the dense decode
+    is one SDPA call whichever decision the sparse kernel takes; None: the record has none, decode's
     dense path stays the kernels with skipping off). None: no record."""
-    from sparsecal.formats.dispatch import decode_views
+    from sparsecal.formats.dispatch import decode_entries, decode_views
     from sparsecal.formats.exports import BLASST_JSON, load_blasst
 
     folder = Path(export_dir) if Path(export_dir).is_dir() else Path(export_dir).parent
@@ -49,7 +50,7 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     if not rec:
         return None
     n = len(rec["lengths"])
-    dec = [v["dense_backend"] for c in rec["configs"] if c.get("decode") for _, v in decode_views(c["decode"])]
+    dec = [v["dense_backend"] for c in rec["configs"] for d in decode_entries(c) for _, v in decode_views(d)]
     return {"lengths": list(rec["lengths"]), "backends": _vote([c["dense_backend"] for c in rec["configs"]], n),
             "decode": _vote(dec, n) if dec else None}
 
@@ -76,7 +77,8 @@ def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
     if entry is None:
         return None
     return {"lengths": list(rec["lengths"]), "sparse": entry["sparse"], "backends": entry["dense_backend"],
-            "sparsity": entry["sparsity"], "decode": _decode_batches(entry.get("decode"))}
+            "sparsity": entry["sparsity"], "decode": _decode_batches(entry.get("decode")),
+            "decode_group": _decode_batches(entry.get("decode_group"))}
 
 
 def _decode_batches(dec: dict | None) -> dict | None:
@@ -131,12 +133,11 @@ def _pick(backends: list, j: int | None, mode: str) -> str:
 
 
 def decode_plan(state) -> dict | None:
-    """The plan's decode entry when it covers this state's decode: the same decision (head | group)
-    and an entry for its decode mode; None otherwise (decode then runs as without dispatch)."""
-    dec = None if state.plan is None else state.plan.get("decode")
-    if not dec or dec["decision"] != state.decision or state.decode not in dec["modes"]:
-        return None
-    return dec
+    """The plan's decode entry that covers this state's decode: the one of its decision (head: the
+    record's ``decode``, group: ``decode_group``) with an entry for its decode mode; None otherwise
+    (decode then runs as without dispatch)."""
+    entries = [] if state.plan is None else [state.plan.get("decode"), state.plan.get("decode_group")]
+    return next((d for d in entries if d and d["decision"] == state.decision and state.decode in d["modes"]), None)
 
 
 def decode_entry(state, dec: dict, batch: int | None) -> dict:
@@ -163,7 +164,7 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     """The SDPA backend to try first when the dispatch plan runs this prefill, or this decode step
     of ``batch`` rows against ``length`` cached tokens, dense (the bucket's fastest; below the
     shortest calibrated length, the shortest's), None when it runs sparse or there is no plan for it
-    (decode: no decode entry for the state's decision and decode mode). A decode step follows the
+    (decode: no decode entry for the state's decision and decode mode; decode_plan). A decode step follows the
     entry of the largest measured batch <= ``batch`` (decode_entry)."""
     plan = state.plan if mode == "prefill" else decode_plan(state)
     if plan is None:
