@@ -40,9 +40,7 @@ from sparsecal.kernels.sparse.reference import sparse_decode, sparse_decode_ragg
 
 TOL_BF16 = 3e-2
 SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(warps=2, pps=16),
-                   SparseLaunch(warps=2, pps=32), SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32),
-                   SparseLaunch(warps=1, stages=4, pps=32), SparseLaunch(warps=2, pps=16, lag=2),
-                   SparseLaunch(warps=1, pps=32, lag=2))   # the decision passes' candidates (decode_group.SparseLaunch)
+                   SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32))   # the decision passes' candidates (decode_group.SparseLaunch)
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
