@@ -23,7 +23,7 @@ from sparsecal.kernels.sparse.reference import sparse_decode_ragged
 from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
-SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep-h100-d{d}.json" for d in (128, 64)]   # the sweep DENSE_TABLE is from
+SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep4-h100-d{d}.json" for d in (128, 64)]   # the sweep DENSE_TABLE is from
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)
@@ -100,26 +100,20 @@ def test_table_lookup_and_loop_tile():
         loop_tile(DenseLaunch(block_n=64), 24)
 
 
-def _spread(row: dict) -> float:
-    """Round-to-round spread of a timed row: (max - min) / median of its rounds."""
-    return (max(row["rounds_ms"]) - min(row["rounds_ms"])) / row["ms"]
+NEAR = 0.005   # a table entry is at most this much slower than the shape's fastest checked launch
 
 
-def test_committed_table_is_the_sweeps_checked_winners():
-    """DENSE_TABLE is exactly the sweep's dense winners (its "table") that beat DENSE_DEFAULT at their
-    shape by more than the larger round spread of the two rows, each a configuration the sweep built
-    and checked: every ragged/paged check row of its name ok, its timed row at the shape ok."""
-    want = {}
+def test_committed_table_holds_near_winners_of_the_sweep():
+    """Every DENSE_TABLE entry is, at each swept shape of its key, a launch the sweep built and checked
+    (every ragged/paged check row of its name ok, its timed row ok) whose median is within NEAR of the
+    shape's fastest checked launch (DENSE_DEFAULT among them); and every swept shape has an entry."""
     for path in SWEEPS:
         sweep = json.loads(path.read_text())
-        failed = {r["config"] for r in sweep["check"] if not r["ok"]}
-        checked = {r["config"] for r in sweep["check"]} - failed
+        checked = {r["config"] for r in sweep["check"]} - {r["config"] for r in sweep["check"] if not r["ok"]}
         for shape in sweep["shapes"]:
-            rows = {r["variant"]: r for r in shape["rows"]}
-            win, base = shape["winners"]["dense"], rows[f"dense_{DENSE_DEFAULT.name()}"]
-            cfg, key = DenseLaunch(**win["config"]), buckets(shape["d"], shape["group"], shape["length"])
-            assert win["variant"] == f"dense_{cfg.name()}" and sweep["table"][",".join(map(str, key))] == win["config"]
-            if cfg != DENSE_DEFAULT and base["ms"] / win["ms"] - 1 > max(_spread(rows[win["variant"]]), _spread(base)):
-                assert cfg.name() in checked and rows[win["variant"]]["ok"], (key, cfg.name())
-                want[key] = cfg
-    assert DENSE_TABLE == want
+            rows = {r["variant"]: r for r in shape["rows"] if r["kind"] == "dense" and r.get("ok") and r.get("ms")}
+            key = buckets(shape["d"], shape["group"], shape["length"])
+            cfg = DENSE_TABLE[key]
+            row = rows[f"dense_{cfg.name()}"]
+            assert cfg.name() in checked, key
+            assert row["ms"] <= (1 + NEAR) * min(r["ms"] for r in rows.values()), (key, cfg.name())

@@ -102,20 +102,15 @@ class DenseLaunch:
 
 
 DENSE_DEFAULT = DenseLaunch()
-_N128 = DenseLaunch(block_n=128, warps=8, stages=2, waves=2)   # n128w8s2W2
-_W1 = DenseLaunch(waves=1)                                     # n64w4s3W1
-_EVICT = DenseLaunch(stages=4, waves=2, evict=True)            # n64w4s4W2-evict
-# (D, G bucket, length bucket) -> launch: the winners of the H100 sweep (data/bench/decode-sweep-h100-d128.json,
-# -d64.json; B=16, H=32) that beat DENSE_DEFAULT by more than the larger round-to-round spread ((max - min) /
-# median of 3 rounds) of the two; the comment is the gain over DENSE_DEFAULT. Not listed (default won): D=64 G=4
-# at 16K and 64K. Lengths under 24K take the 16K entry (``buckets``), unmeasured below 16K.
+_N128 = DenseLaunch(block_n=128, warps=4, stages=3, waves=2)   # n128w4s3W2
+_W2P8 = DenseLaunch(warps=2, stages=4, pps=8)                   # n64w2s4p8
+# (D, G bucket, length bucket) -> launch, from the last H100 sweep (data/bench/decode-sweep4-h100-d128.json, -d64.json;
+# B=16, H=32, graph replays, 3 rounds). n128w4s3W2 was the fastest dense launch at all 9 D=128 shapes (+0.4-1.2 % over
+# the previous entry, n128w8s2W2) and within 0.2 % of the fastest at D=64 G=4/8; at D=64 G=1 n64w2s4p8 (+0.5-1.2 %
+# over n64w4s3W1). Lengths under 24K take the 16K entry (``buckets``), unmeasured below 16K.
 DENSE_TABLE: dict[tuple[int, int, int], DenseLaunch] = {
-    (128, 1, 16384): _N128, (128, 1, 32768): _N128, (128, 1, 65536): _N128,   # +1.4% / +2.0% / +1.8%
-    (128, 4, 16384): _N128, (128, 4, 32768): _N128, (128, 4, 65536): _N128,   # +3.1% / +3.2% / +3.4%
-    (128, 8, 16384): _N128, (128, 8, 32768): _N128, (128, 8, 65536): _N128,   # +3.9% / +2.8% / +2.6%
-    (64, 1, 16384): _W1, (64, 1, 32768): _W1, (64, 1, 65536): _W1,            # +10.1% / +8.5% / +6.0%
-    (64, 4, 32768): _EVICT,                                                    # +0.1% (spreads 0.06%)
-    (64, 8, 16384): _W1, (64, 8, 32768): _EVICT, (64, 8, 65536): _EVICT,      # +0.5% / +1.4% / +2.7%
+    (d, g, n): (_W2P8 if (d, g) == (64, 1) else _N128)
+    for d in (64, 128) for g in (1, 4, 8) for n in (16384, 32768, 65536)
 }
 
 
