@@ -496,6 +496,13 @@ def expected_sparsity(state: _State, layer: int, mode: str, length: int) -> floa
     return None if j is None else state.plan["sparsity"][layer][j]
 
 
+# A decode step that skips nothing by construction (``dense``, a window that covers every tile) runs the group
+# kernel's tuned dense path (kernels/sparse/decode_group_dense.py: 0.97-1.003x the best SDPA on an H100 at B=16, D 64 /
+# 128, G 1-8, against 0.73-0.90x for decode.py's split-K path with skipping off; data/bench/NOTES.md "decode-sweep 2");
+# past this head dim its launch is unmeasured and decode.py's path stays.
+GROUP_DENSE_MAX_D = 128
+
+
 def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: dict,
                 expected: float | None = None):
     """GPU kernels over the whole batch: (out [B, Nq, H, D], skipped [B, H], reachable tiles per row
@@ -511,11 +518,11 @@ def _run_triton(state: _State, mode: str, query, key, value, scale: float, kw: d
         _, skipped = sparse_prefill(query, key, value, scale, state.block_m, state.block_n,
                                     order=state.order, out=out.transpose(1, 2), expected_sparsity=expected, **kw)
         return out, skipped, candidate_tiles(nq, state.block_m, state.block_n)[1]
-    if state.decision == "group":
+    if state.decision == "group" or (kw.get("dense") and d <= GROUP_DENSE_MAX_D):
         from sparsecal.kernels.sparse.decode_group import group_decode_triton
 
         o, skipped, _ = group_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order,
-                                            decision="group", **kw)
+                                            decision=state.decision, **kw)
     else:
         o, skipped = sparse_decode_triton(query, key, value, scale, state.block_m, state.block_n, order=state.order,
                                           **kw)
