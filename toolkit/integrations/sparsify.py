@@ -496,10 +496,8 @@ def expected_sparsity(state: _State, layer: int, mode: str, length: int) -> floa
     return None if j is None else state.plan["sparsity"][layer][j]
 
 
-# A decode step that skips nothing by construction (``dense``, a window that covers every tile) runs the group
-# kernel's tuned dense path (kernels/sparse/decode_group_dense.py: 0.97-1.003x the best SDPA on an H100 at B=16, D 64 /
-# 128, G 1-8, against 0.73-0.90x for decode.py's split-K path with skipping off; data/bench/NOTES.md "decode-sweep 2");
-# past this head dim its launch is unmeasured and decode.py's path stays.
+# A decode step that skips nothing runs the group kernel's tuned dense path up to this head dim (0.97-1.003x the best
+# SDPA on an H100 against 0.73-0.90x for decode.py's; data/bench/NOTES.md "decode-sweep 2"), decode.py's past it.
 GROUP_DENSE_MAX_D = 128
 
 
