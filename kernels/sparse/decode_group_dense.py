@@ -14,8 +14,9 @@ Launch options (``DenseLaunch``)
              split at least MIN_TILES tiles)
     waves    (> 0, replaces pps) splits = the most that fit ``waves`` full waves: floor(waves * SMs *
              occupancy / (B * Hkv)), occupancy (programs an SM holds) from the compiled kernel's
-             registers and shared memory, known after the configuration's first launch (that launch
-             uses pps): a wave-quantization tail of at most one program per slot
+             registers and shared memory, read from a first launch with pps splits whose result is
+             discarded (once per process and shape): a wave-quantization tail of at most one
+             program per slot, and the same splits on every call
     dot      True: q.K and p.V on tensor cores (G rows padded to 16); False: CUDA-core products
              (broadcast-multiply-sum, G padded to a power of two >= 1: no padding at G = 1)
     evict    K/V loads with eviction_policy="evict_first" (streamed once: keep L2 for others)
@@ -324,19 +325,37 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
     checked there): q [B, H, 1, D]; k/v [B, Hkv, L, D] or page pools [P, Hkv, page, D] with
     block_table [B, max_pages] and lengths [B]; bound the longest row's cache bound. ``cfg`` the
     launch (default: ``launch_for`` this shape). Returns (out [B, H, 1, D], zeros [B, H] i64, zeros
-    [B, Hkv] i64)."""
+    [B, Hkv] i64).
+
+    The split count is a function of the shape and the device alone, so every call of a shape sums
+    the same partials in the same order (bit-identical results, the first call of a process too): a
+    ``waves`` launch whose occupancy is not known yet runs once with ``pps`` splits to compile and
+    read it, and that result is replaced by the launch with the wave-fitted splits."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    cfg = cfg or launch_for(d, h // hkv, bound)
+    bn = loop_tile(cfg, page)
+    dev = q.device
+    n_tiles = triton.cdiv(bound, bn)
+    occ_key = (str(dev), cfg, d, next_pow2(h // hkv, 16 if cfg.dot else 1), q.dtype)
+    args = (q, k, v, scale, lengths, block_table, bound, page, cfg, bn, softcap)
+    if splits is None and cfg.waves and dev.type == "cuda" and occ_key not in _OCCUPANCY:
+        compiled = _launch(*args, dense_splits(b * hkv, n_tiles, cfg, dev))[3]
+        _OCCUPANCY[occ_key] = occupancy(compiled, cfg.warps, dev)
+    n_split = splits or dense_splits(b * hkv, n_tiles, cfg, dev, _OCCUPANCY.get(occ_key))
+    return _launch(*args, n_split)[:3]
+
+
+def _launch(q, k, v, scale: float, lengths, block_table, bound: int, page: int, cfg: DenseLaunch, bn: int,
+            softcap: float, n_split: int) -> tuple:
+    """One dense group decode with about ``n_split`` splits (fewer when the tiles divide so):
+    (out [B, H, 1, D], zeros [B, H] i64, zeros [B, Hkv] i64, the attend kernel's compiled launch)."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
-    cfg = cfg or launch_for(d, group, bound)
-    bn = loop_tile(cfg, page)
     dev, f32 = q.device, torch.float32
-    n_tiles = triton.cdiv(bound, bn)
-    gp = next_pow2(group, 16 if cfg.dot else 1)
-    occ_key = (str(dev), cfg, d, gp, q.dtype)
-    n_split = splits or dense_splits(b * hkv, n_tiles, cfg, dev, _OCCUPANCY.get(occ_key))
-    tps = triton.cdiv(n_tiles, n_split)
-    n_split = triton.cdiv(n_tiles, tps)
+    tps = triton.cdiv(triton.cdiv(bound, bn), n_split)
+    n_split = triton.cdiv(triton.cdiv(bound, bn), tps)
     direct, fuse = n_split == 1, cfg.fuse and n_split > 1
     prec, upcast = dot_flags(q.dtype)
     cap_on, cap = softcap_args(softcap)
@@ -358,17 +377,15 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
         q2, k, v, bt, lens, *part, cnt, vcnt, ctr, out, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), bt.stride(0) if block_table is not None else 0,
         out.stride(0), out.stride(1), bound, tps, n_split, h, group, scale * LOG2E, cap,
-        HEAD_DIM=d, BLOCK_N=bn, GP=gp, PAGE=max(page, 1),
+        HEAD_DIM=d, BLOCK_N=bn, GP=next_pow2(group, 16 if cfg.dot else 1), PAGE=max(page, 1),
         PAGED=block_table is not None, RAGGED=lengths is not None, USE_DOT=cfg.dot, EVICT=cfg.evict,
         DIRECT=direct, FUSE=fuse, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=cfg.warps,
         num_stages=cfg.stages)
     LAST_COMPILED["group_dense"] = compiled
-    if cfg.waves and dev.type == "cuda" and occ_key not in _OCCUPANCY:
-        _OCCUPANCY[occ_key] = occupancy(compiled, cfg.warps, dev)
     if direct or fuse:
-        return out, cnt, vcnt
+        return out, cnt, vcnt, compiled
     skipped = torch.empty((b, h), dtype=torch.int64, device=dev)
     v_skipped = torch.empty((b, hkv), dtype=torch.int64, device=dev)
     _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
                                   group, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
-    return out, skipped, v_skipped
+    return out, skipped, v_skipped, compiled
