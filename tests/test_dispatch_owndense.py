@@ -184,3 +184,20 @@ def test_bench_quick_decode_rows_time_the_project_kernel(run, tmp_path):
     assert row["phase"] == "decode" and set(row["dense"]) == {"FLASH_ATTENTION", "MATH", OWN}
     assert row["dense"][OWN] > 0 and row["dense_ms"] == min(row["dense"].values())
     assert row["dense_backend"] == min(row["dense"], key=row["dense"].get)
+
+
+def test_where_the_project_kernel_runs_a_dense_decode_step(monkeypatch):
+    """One query token, no window, chunk, softcap or sinks, D <= 128 (what the bench times), on CUDA or
+    under the interpreter; elsewhere the step runs SDPA with Flash first."""
+    from sparsecal.integrations.sparsify_dense import own_dense_runs
+
+    q = torch.zeros(1, 4, 1, 64)
+    assert own_dense_runs(q, None, None, {})
+    assert not own_dense_runs(torch.zeros(1, 4, 2, 64), None, None, {})
+    assert not own_dense_runs(torch.zeros(1, 4, 1, 256), None, None, {})
+    assert not own_dense_runs(torch.zeros(1, 4, 1, 80), None, None, {})
+    assert not own_dense_runs(q, 128, None, {}) and not own_dense_runs(q, None, 256, {})
+    assert not own_dense_runs(q, None, None, {"softcap": 30.0})
+    assert not own_dense_runs(q, None, None, {"s_aux": torch.zeros(4)})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not own_dense_runs(q, None, None, {})

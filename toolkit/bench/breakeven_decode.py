@@ -73,9 +73,14 @@ def operating_points(q, k, v, scale: float, bm: int, bn: int, method: str, decis
 
 def own_dense_call(q, k, v, scale: float, bm: int, bn: int) -> dict:
     """{OWN_DENSE: fn}: the project's dense decode kernel as a dispatched dense decode step runs it
-    (integrations/sparsify_dense.own_dense_decode); {} where it does not run this shape, said once."""
-    from sparsecal.formats.dispatch import OWN_DENSE
+    (integrations/sparsify_dense.own_dense_decode); {} where it does not run this shape (D past
+    formats.dispatch.OWN_DENSE_MAX_D, as sparsify), said once."""
+    from sparsecal.formats.dispatch import OWN_DENSE, OWN_DENSE_MAX_D
     from sparsecal.kernels.sparse.decode_group import group_decode_triton
+
+    if q.shape[-1] > OWN_DENSE_MAX_D:
+        log(f"  decode {OWN_DENSE} not timed: D {q.shape[-1]} > {OWN_DENSE_MAX_D} (sparsify does not run it there)")
+        return {}
 
     def fn():
         return group_decode_triton(q, k, v, scale, bm, bn, dense=True)[0]

@@ -55,9 +55,11 @@ SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # "determinism"); a dispatched dense decode step is the floor every +dispatch row is compared with
 # The project's own dense decode kernel as a decode backend: kernels/sparse/decode_group.py
 # group_decode_triton(..., dense=True) (decode_group_dense.py's DENSE_TABLE launch), a fixed split count and
-# merge order per shape, so reproducible; a decode row's ``dense`` and a decode entry's ``dense_backend`` may
+# merge order per shape (but a ``waves`` launch's first call in a process splits by ``pps``), so reproducible
+# run to run; a decode row's ``dense`` and a decode entry's ``dense_backend`` may
 # name it, a prefill row or entry never
 OWN_DENSE = "SPARSECAL_DENSE"
+OWN_DENSE_MAX_D = 128  # the head dims its tuned launches cover (DENSE_TABLE: D 64, 128): past it neither timed nor run
 DECODE_BACKENDS = (*SDPA_BACKENDS, OWN_DENSE)  # what decode rows and decode entries may name (ties: this order)
 DECODE_REPRODUCIBLE = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", OWN_DENSE)
 NEVER = math.inf  # break-even in memory when the sparse kernel never pays (JSON null)

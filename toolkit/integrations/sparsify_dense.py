@@ -120,13 +120,16 @@ def _exact_dense(state, query, key, value, scale: float, first: str | None, spec
 
 def own_dense_runs(query, window, chunk, kwargs) -> bool:
     """Whether the project's dense decode kernel runs this step as SDPA would: one query token, no
-    sliding window, chunk, softcap or attention sinks, a head dim the Triton kernels compile for, and
-    the tensors where Triton runs (CUDA, or the CPU under Triton's interpreter, TRITON_INTERPRET=1)."""
+    sliding window, chunk, softcap or attention sinks, a head dim the Triton kernels compile for and
+    the kernel's tuned launches cover (<= formats.dispatch.OWN_DENSE_MAX_D, where the bench times it),
+    and the tensors where Triton runs (CUDA, or the CPU under Triton's interpreter, TRITON_INTERPRET=1)."""
+    from sparsecal.formats.dispatch import OWN_DENSE_MAX_D
     from sparsecal.formats.geometry import TRITON_HEAD_DIMS
     from sparsecal.kernels.jit import interpreting
 
+    d = query.shape[-1]
     return (query.shape[2] == 1 and not window and not chunk and not kwargs.get("softcap")
-            and kwargs.get("s_aux") is None and query.shape[-1] in TRITON_HEAD_DIMS
+            and kwargs.get("s_aux") is None and d in TRITON_HEAD_DIMS and d <= OWN_DENSE_MAX_D
             and (query.is_cuda or (query.device.type == "cpu" and interpreting())))
 
 
