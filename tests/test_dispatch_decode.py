@@ -69,6 +69,10 @@ def _export(out, decode_layer1, decode_layer0=0.9, batches=None, old=False, cudn
     the layout before decode batches)."""
     be = _be_doc(batches=batches, cudnn_decode=cudnn_decode) if batches or cudnn_decode else None
     rec = _record(decode_layer1, be, decode_layer0)
+    if cudnn_decode:  # as records written before decode entries picked only reproducible backends: cuDNN's
+        for c in rec["configs"]:
+            for e in (c["decode"]["by_batch"] if c.get("decode") else {}).values():
+                e["dense_backend"] = ["CUDNN_ATTENTION"] * len(e["dense_backend"])
     out.mkdir()
     write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": [0, 1],
                                                                            "ignored_layers": {}})
@@ -179,8 +183,8 @@ def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed, capsys):
 
 
 def test_a_dispatched_dense_decode_never_runs_cudnn_first(tiny_model, tmp_path, seed):
-    """cuDNN's SDPA decode is not reproducible run to run (H100, data/bench/NOTES.md): where the
-    record picked it for decode, a dense decode step under dispatch tries Flash first, for ``dense``
+    """cuDNN's SDPA decode is not reproducible run to run (H100, data/bench/NOTES.md): where a
+    record written before decode picks left it out picked it for decode (the fastest of all), a dense decode step under dispatch tries Flash first, for ``dense``
     and for a method the plan runs dense alike; prefill keeps the record's cuDNN."""
     from sparsecal.integrations.sparsify import dense_first, dispatched_dense
 

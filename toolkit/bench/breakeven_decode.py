@@ -5,7 +5,9 @@ kernel; group: kernels/sparse/decode_group.py with the group decision; the kerne
 that decision), one decode step of one layer: ``batch`` rows, the model's H, Hkv, D, bf16, one new
 token per row against ``length`` cached tokens (bench/decode.decode_qkv: sinks, a local component,
 heavy hitters). Dense: every SDPA backend that runs the step as sparsify's dense decode calls it
-(kernels/layer_dense.py: native GQA, enable_gqa). Sparse: the kernel at operating points bisected on
+(kernels/layer_dense.py: native GQA, enable_gqa), and the project's own dense decode kernel as
+sparsify runs it for a record that picks it (formats.dispatch.OWN_DENSE: decode_group.py's
+``group_decode_triton(..., dense=True)``, decode_group_dense.py's tuned launch). Sparse: the kernel at operating points bisected on
 its own skip counts (BLASST's ln(lambda); BSFA's per-head quantile of the candidate tile maxima,
 bench/decode.py), each recording the sparsity it counted (skipped / reachable tiles over rows and
 heads, as sparsify counts). Timings: ``eager`` medians of ``rounds`` round-robin rounds of triton's
@@ -69,6 +71,28 @@ def operating_points(q, k, v, scale: float, bm: int, bn: int, method: str, decis
     return out
 
 
+def own_dense_call(q, k, v, scale: float, bm: int, bn: int) -> dict:
+    """{OWN_DENSE: fn}: the project's dense decode kernel as a dispatched dense decode step runs it
+    (integrations/sparsify_dense.own_dense_decode); {} where it does not run this shape (D past
+    formats.dispatch.OWN_DENSE_MAX_D, as sparsify), said once."""
+    from sparsecal.formats.dispatch import OWN_DENSE, OWN_DENSE_MAX_D
+    from sparsecal.kernels.sparse.decode_group import group_decode_triton
+
+    if q.shape[-1] > OWN_DENSE_MAX_D:
+        log(f"  decode {OWN_DENSE} not timed: D {q.shape[-1]} > {OWN_DENSE_MAX_D} (sparsify does not run it there)")
+        return {}
+
+    def fn():
+        return group_decode_triton(q, k, v, scale, bm, bn, dense=True)[0]
+
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001  (left out of the row, as an SDPA backend that cannot run it)
+        log(f"  decode {OWN_DENSE} unavailable: {type(e).__name__}: {str(e)[:120]}")
+        return {}
+    return {OWN_DENSE: fn}
+
+
 def sdpa_calls(q, k, v, scale: float, backends) -> dict:
     """{backend: fn} of the SDPA backends that run the decode step as sparsify's dense decode does."""
     import torch.nn.functional as F
@@ -106,7 +130,8 @@ def measure_decode_length(n: int, geo: dict, methods, decisions, sparsities, rou
     device = "cpu" if quick else "cuda"
     q, k, v = decode_qkv(batch, n, d, h // hkv, seed=n + 7 * h + d, dtype=torch.bfloat16, device=device, heads=h)
     scale = d ** -0.5
-    fns = {("dense", b): fn for b, fn in sdpa_calls(q, k, v, scale, QUICK_SDPA if quick else DECODE_SDPA).items()}
+    dense = sdpa_calls(q, k, v, scale, QUICK_SDPA if quick else DECODE_SDPA) | own_dense_call(q, k, v, scale, bm, bn)
+    fns = {("dense", b): fn for b, fn in dense.items()}
     sparsity = {}
     for method in methods:
         for decision in decisions:

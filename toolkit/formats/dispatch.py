@@ -21,7 +21,10 @@ the shortest calibrated length it runs dense. Decode break-evens are kept per me
 (``decode.by_batch``): a decode step of batch B follows the entry of the largest measured batch <= B
 (below every measured batch: the smallest). Each decode decision (head | group) has its own entry
 per config (``decode``: head, ``decode_group``: group; DECODE_KEYS), from the decode rows and the
-calibrated sparsity of that decision.
+calibrated sparsity of that decision. A decode entry's ``dense_backend`` per length is the fastest
+reproducible backend of the row's ``dense`` timings (DECODE_REPRODUCIBLE: never cuDNN; OWN_DENSE, the
+project's dense decode kernel, among them), while its break-even stays measured against the fastest
+of all (``dense_ms``).
 
 Shape legend: L model layers, NL calibrated lengths (the buckets), NM measured lengths, NB measured
 decode batches.
@@ -50,7 +53,15 @@ SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # cuDNN's SDPA decode is not reproducible run to run: on an H100 (torch 2.11) the same evaluation's
 # dispatched decode rows differ between two runs with it on and never with it off (data/bench/NOTES.md,
 # "determinism"); a dispatched dense decode step is the floor every +dispatch row is compared with
-DECODE_REPRODUCIBLE = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# The project's own dense decode kernel as a decode backend: kernels/sparse/decode_group.py
+# group_decode_triton(..., dense=True) (decode_group_dense.py's DENSE_TABLE launch), a fixed split count and
+# merge order per shape (but a ``waves`` launch's first call in a process splits by ``pps``), so reproducible
+# run to run; a decode row's ``dense`` and a decode entry's ``dense_backend`` may
+# name it, a prefill row or entry never
+OWN_DENSE = "SPARSECAL_DENSE"
+OWN_DENSE_MAX_D = 128  # the head dims its tuned launches cover (DENSE_TABLE: D 64, 128): past it neither timed nor run
+DECODE_BACKENDS = (*SDPA_BACKENDS, OWN_DENSE)  # what decode rows and decode entries may name (ties: this order)
+DECODE_REPRODUCIBLE = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", OWN_DENSE)
 NEVER = math.inf  # break-even in memory when the sparse kernel never pays (JSON null)
 GEOMETRY_KEYS = ("block_m", "block_n", "heads", "kv_heads", "head_dim")
 REMEDY = "measure it again with `sparsecal bench break-even --run RUN --out FILE`"
@@ -60,14 +71,25 @@ RULE = ("a layer runs its sparse prefill at a length bucket iff its calibrated p
 DECODE_RULE = ("a decode step of batch B against N cached tokens runs a layer's sparse decode kernel iff the layer's "
                "calibrated decode sparsity (of sparsify's decode mode and decision: decode head, decode_group group) at the bucket of the largest calibrated length "
                "<= N >= its decision's decode break_even + margin of the largest measured batch <= B (the smallest below every "
-               "measured batch; dense below the shortest length); elsewhere dense's own decode path (SDPA, decode "
-               "dense_backend first); a config without a decode entry does not dispatch decode")
+               "measured batch; dense below the shortest length); elsewhere dense's own decode path (the decode "
+               "dense_backend, the fastest reproducible one: that SDPA backend first, or the project's dense decode "
+               f"kernel for {OWN_DENSE}); a config without a decode entry does not dispatch decode")
 
 
 def decode_backend(backend: str) -> str:
-    """The SDPA backend a dispatched dense decode step tries first: the record's pick, or Flash where
-    that is one whose decode is not reproducible (cuDNN: DECODE_REPRODUCIBLE)."""
+    """The backend a dispatched dense decode step runs first: the record's pick, or Flash where that
+    is one whose decode is not reproducible (cuDNN, picked by records written before decode picks
+    were limited to DECODE_REPRODUCIBLE)."""
     return backend if backend in DECODE_REPRODUCIBLE else "FLASH_ATTENTION"
+
+
+def decode_dense_pick(row: dict) -> str:
+    """The dense backend a decode entry records for a decode row's length: the fastest of the row's
+    ``dense`` timings among DECODE_REPRODUCIBLE (never cuDNN); the row's own fastest where it timed
+    none of them (decode_backend runs Flash for a cuDNN one). The row's break-even stays measured
+    against its fastest backend of all (``dense_ms``)."""
+    dense = {b: ms for b, ms in (row.get("dense") or {}).items() if b in DECODE_REPRODUCIBLE}
+    return min(dense, key=lambda b: (dense[b], DECODE_BACKENDS.index(b))) if dense else row["dense_backend"]
 
 
 def break_even(points, dense_ms: float) -> float:
@@ -161,11 +183,22 @@ def _pos_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
+def _row_backends(r: dict) -> tuple:
+    """The dense backends a row may name: SDPA's; a decode row's also the project's own (OWN_DENSE)."""
+    return DECODE_BACKENDS if r.get("phase") == "decode" else SDPA_BACKENDS
+
+
+def _dense_ok(r: dict) -> bool:
+    """A row's ``dense`` timings (optional): {backend the row may name: positive ms}."""
+    dense = r.get("dense", {})
+    return isinstance(dense, dict) and all(b in _row_backends(r) and _num(ms) and ms > 0 for b, ms in dense.items())
+
+
 def _row_ok(r) -> bool:
     pts = r.get("points") if isinstance(r, dict) else None
     return (isinstance(r, dict) and r.get("method") in METHODS and all(_pos_int(r.get(k)) for k in
             ("head_dim", "group", "length")) and _num(r.get("dense_ms")) and r["dense_ms"] > 0
-            and r.get("dense_backend") in SDPA_BACKENDS and isinstance(pts, list) and bool(pts)
+            and r.get("dense_backend") in _row_backends(r) and _dense_ok(r) and isinstance(pts, list) and bool(pts)
             and all(isinstance(p, dict) and _num(p.get("sparsity")) and 0 <= p["sparsity"] <= 1 and _num(p.get("ms"))
                     and p["ms"] > 0 for p in pts)
             and (r.get("break_even") is None or (_num(r["break_even"]) and 0 <= r["break_even"] <= 1))
@@ -269,18 +302,20 @@ def check_model(path, doc: dict, head_dim: int, group: int, block_m: int, block_
                         f"calibrated at {block_m} x {block_n}; measure it with `sparsecal bench break-even --run RUN`.")
 
 
-def interpolate(rows: list[dict], length: int) -> tuple[float, bool, str]:
-    """(break-even, extrapolated, fastest dense backend) at ``length`` from one method's rows sorted
-    by length: linear in log(length) between measured lengths (NEVER if either end is), the
-    nearest measured length outside the range (extrapolated = True). Backend: the nearer row's."""
+def interpolate(rows: list[dict], length: int, backend_of=None) -> tuple[float, bool, str]:
+    """(break-even, extrapolated, dense backend) at ``length`` from one method's rows sorted by
+    length: linear in log(length) between measured lengths (NEVER if either end is), the nearest
+    measured length outside the range (extrapolated = True). Backend: the nearer row's
+    ``backend_of(row)`` (default its fastest, ``dense_backend``; decode: decode_dense_pick)."""
+    backend_of = backend_of or (lambda r: r["dense_backend"])
     lens = [r["length"] for r in rows]
     vals = [_mem_be(r["break_even"]) for r in rows]
     if length <= lens[0] or length >= lens[-1]:
         i = 0 if length <= lens[0] else len(lens) - 1
-        return vals[i], length not in (lens[0], lens[-1]), rows[i]["dense_backend"]
+        return vals[i], length not in (lens[0], lens[-1]), backend_of(rows[i])
     i = bisect.bisect_right(lens, length) - 1
     t = (math.log(length) - math.log(lens[i])) / (math.log(lens[i + 1]) - math.log(lens[i]))
-    backend = rows[i if length * length <= lens[i] * lens[i + 1] else i + 1]["dense_backend"]  # nearer in log
+    backend = backend_of(rows[i if length * length <= lens[i] * lens[i + 1] else i + 1])  # nearer in log
     if t == 0.0:
         return vals[i], False, backend
     if math.isinf(vals[i]) or math.isinf(vals[i + 1]):
@@ -288,10 +323,10 @@ def interpolate(rows: list[dict], length: int) -> tuple[float, bool, str]:
     return vals[i] + t * (vals[i + 1] - vals[i]), False, backend
 
 
-def break_even_at(rows: list[dict], lengths) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def break_even_at(rows: list[dict], lengths, backend_of=None) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """``interpolate`` at each length: (break-even [NL] float, NEVER = inf; extrapolated [NL] bool;
-    fastest dense backend per length)."""
-    got = [interpolate(rows, int(n)) for n in lengths]
+    dense backend per length, ``backend_of`` the row's: default its fastest)."""
+    got = [interpolate(rows, int(n), backend_of) for n in lengths]
     return (np.array([g[0] for g in got], float), np.array([g[1] for g in got], bool), [g[2] for g in got])
 
 
@@ -323,7 +358,8 @@ def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, grou
     """A config's decode entry of one ``decision`` (``decode``: head, ``decode_group``: group): per
     decode mode its calibrated sparsity under that decision (the config's own DECODE_KEYS[decision];
     the same at every batch) and per measured batch of that decision's decode rows (``by_batch``,
-    keyed by str(batch)) the break-even, extrapolation flag and fastest dense backend per length and
+    keyed by str(batch)) the break-even, extrapolation flag and dense backend per length (the fastest
+    reproducible one, decode_dense_pick; the break-even against the fastest of all) and
     per mode the sparse flags [L, NL]. None: no such decode rows for the method or no decode
     sparsity of the decision for the config."""
     batches = decode_batches(be_doc, c["method"], head_dim, group, timing, decision)
@@ -334,7 +370,7 @@ def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, grou
     by_batch = {}
     for b in batches:
         be, ext, backends = break_even_at(rows_for(be_doc, c["method"], head_dim, group, "decode", timing, decision,
-                                                   b), lengths)
+                                                   b), lengths, decode_dense_pick)
         by_batch[str(b)] = {"break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
                             "dense_backend": backends,
                             "sparse": {m: plan(s, be, margin).tolist() for m, s in sparsity.items()}}
@@ -433,11 +469,12 @@ def _grid_ok(grid, n_layers: int, n_len: int, cell) -> bool:
             and all(isinstance(r, list) and len(r) == n_len and all(map(cell, r)) for r in grid))
 
 
-def _per_length_ok(e: dict, n_len: int) -> bool:
+def _per_length_ok(e: dict, n_len: int, allowed: tuple = SDPA_BACKENDS) -> bool:
+    """A break-even, extrapolation flag and dense backend (one of ``allowed``) per length."""
     be, ext, backends = e.get("break_even"), e.get("extrapolated"), e.get("dense_backend")
     return (isinstance(be, list) and len(be) == n_len and all(x is None or (_num(x) and 0 <= x <= 1) for x in be)
             and isinstance(ext, list) and len(ext) == n_len and all(isinstance(x, bool) for x in ext)
-            and isinstance(backends, list) and len(backends) == n_len and all(b in SDPA_BACKENDS for b in backends))
+            and isinstance(backends, list) and len(backends) == n_len and all(b in allowed for b in backends))
 
 
 def _grids_ok(e, n_layers: int, n_len: int) -> bool:
@@ -449,7 +486,8 @@ def _grids_ok(e, n_layers: int, n_len: int) -> bool:
 def _one_batch_ok(d, n_layers: int, n_len: int) -> bool:
     """A decode entry of one batch (decode_views' layout, and records written before ``by_batch``)."""
     modes = d.get("modes") if isinstance(d, dict) else None
-    return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len) and isinstance(modes, dict) and bool(modes)
+    return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len, DECODE_BACKENDS) and isinstance(modes, dict)
+            and bool(modes)
             and ("batch" not in d or _pos_int(d["batch"]))  # the decode rows' batch (older records lack it)
             and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
 
@@ -512,6 +550,9 @@ def check_dispatch(path, rec, num_layers: int) -> None:
             and timing.get("decode_group") in (*TIMINGS, None)):
         raise UserError(f"{bad}needs ascending positive lengths, a margin, timings and configs; export it again.")
     for i, e in enumerate(rec["configs"]):
+        if isinstance(e, dict) and isinstance(e.get("dense_backend"), list) and OWN_DENSE in e["dense_backend"]:
+            raise UserError(f"{bad}configs[{i}] names {OWN_DENSE} as a prefill dense backend, but it is a decode "
+                            "kernel (decode entries only); export it again.")
         if not _entry_ok(e, num_layers, len(lens), timing):
             raise UserError(f"{bad}configs[{i}] does not hold a break-even, sparsity and sparse flag per layer "
                             f"({num_layers}) and length ({len(lens)}) (decode, decode_group: per mode and batch, "

@@ -1,6 +1,7 @@
 """sparsify's one dense path and its dispatch: what a call that skips nothing runs (the kernels with
-skipping off, or under an export's dispatch record the SDPA backend the record picks per length
-bucket and phase: prefill, and decode where the record has decode entries), the dispatch plan of an
+skipping off, or under an export's dispatch record the backend the record picks per length bucket
+and phase: prefill, and decode where the record has decode entries; an SDPA backend, or for decode
+also the project's own dense decode kernel, formats.dispatch.OWN_DENSE), the dispatch plan of an
 operating point (prefill and decode), and SDPA's backend priority. Split from
 sparsify.py; ``state`` is sparsify's per-model state (its ``plan``, ``dense_backends`` and
 ``precision``)."""
@@ -15,15 +16,16 @@ from sparsecal.formats.errors import UserError
 
 
 def _vote(per_config: list, n_len: int) -> list:
-    """Per length the most frequent backend over the configs' lists (ties: SDPA_BACKENDS order)."""
+    """Per length the most frequent backend over the configs' lists (ties: formats.dispatch.DECODE_BACKENDS
+    order: SDPA's, then the project's own dense decode kernel)."""
     from collections import Counter
 
-    from sparsecal.formats.dispatch import SDPA_BACKENDS
+    from sparsecal.formats.dispatch import DECODE_BACKENDS
 
     picks = []
     for j in range(n_len):
         votes = Counter(b[j] for b in per_config)
-        picks.append(min(votes, key=lambda b: (-votes[b], SDPA_BACKENDS.index(b))))
+        picks.append(min(votes, key=lambda b: (-votes[b], DECODE_BACKENDS.index(b))))
     return picks
 
 
@@ -96,23 +98,56 @@ def _decode_batches(dec: dict | None) -> dict | None:
 
 def _exact_dense(state, query, key, value, scale: float, first: str | None, spec, window, kwargs):
     """The layer's exact dense attention (kernels/layer_dense.py: SDPA, ``first`` the backend tried
-    first), in float32 for ``precision="fp32"``; counts nothing. query [B, H, Nq, D] -> [B, Nq, H, D]."""
+    first; a decode step whose ``first`` is formats.dispatch.OWN_DENSE: the project's dense decode
+    kernel where it runs the step, own_dense_decode, else SDPA with Flash first), in float32 for
+    ``precision="fp32"``; counts nothing. query [B, H, Nq, D] -> [B, Nq, H, D]."""
+    from sparsecal.formats.dispatch import OWN_DENSE
     from sparsecal.kernels.layer_dense import layer_attention
 
     dtype = query.dtype
     if state.precision == "fp32":
         query, key, value = query.float(), key.float(), value.float()
+    if first == OWN_DENSE:
+        chunk = spec.chunk if spec else None
+        if own_dense_runs(query, window, chunk, kwargs):
+            return own_dense_decode(state, query, key, value, scale).to(dtype).transpose(1, 2).contiguous()
+        first = "FLASH_ATTENTION"
     with _sdpa_first(first) if first else contextlib.nullcontext():
         out = layer_attention(query, key, value, scale, window=window, chunk=spec.chunk if spec else None,
                               softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return (out if out.dtype == dtype else out.to(dtype)).transpose(1, 2).contiguous()
 
 
+def own_dense_runs(query, window, chunk, kwargs) -> bool:
+    """Whether the project's dense decode kernel runs this step as SDPA would: one query token, no
+    sliding window, chunk, softcap or attention sinks, a head dim the Triton kernels compile for and
+    the kernel's tuned launches cover (<= formats.dispatch.OWN_DENSE_MAX_D, where the bench times it),
+    and the tensors where Triton runs (CUDA, or the CPU under Triton's interpreter, TRITON_INTERPRET=1)."""
+    from sparsecal.formats.dispatch import OWN_DENSE_MAX_D
+    from sparsecal.formats.geometry import TRITON_HEAD_DIMS
+    from sparsecal.kernels.jit import interpreting
+
+    d = query.shape[-1]
+    return (query.shape[2] == 1 and not window and not chunk and not kwargs.get("softcap")
+            and kwargs.get("s_aux") is None and d in TRITON_HEAD_DIMS and d <= OWN_DENSE_MAX_D
+            and (query.is_cuda or (query.device.type == "cpu" and interpreting())))
+
+
+def own_dense_decode(state, query, key, value, scale: float):
+    """formats.dispatch.OWN_DENSE: kernels/sparse/decode_group.py ``group_decode_triton(..., dense=True)``
+    (decode_group_dense.py's DENSE_TABLE launch: a fixed split count and merge order per shape, so
+    reproducible). query [B, H, 1, D], key/value [B, Hkv, L, D] -> [B, H, 1, D] in query's dtype."""
+    from sparsecal.kernels.sparse.decode_group import group_decode_triton
+
+    return group_decode_triton(query, key, value, scale, state.block_m, state.block_n, dense=True)[0]
+
+
 def dense_first(state, mode: str, length: int) -> str | None:
     """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
     window that covers every candidate, BSFA's dense decode), it runs what ``dense`` runs: under a
     dispatch record the bucket's SDPA backend of that phase (this is returned; below the shortest
-    length, the shortest's; decode: Flash where the record picked cuDNN, formats.dispatch.decode_backend),
+    length, the shortest's; decode: Flash where the record picked cuDNN, formats.dispatch.decode_backend;
+    OWN_DENSE: the project's dense decode kernel, _exact_dense),
     else the kernels with skipping off (None). Decode: only under a record with decode entries."""
     backends = None if state.dense_backends is None else (
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
