@@ -55,7 +55,7 @@ SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # "determinism"); a dispatched dense decode step is the floor every +dispatch row is compared with
 # The project's own dense decode kernel as a decode backend: kernels/sparse/decode_group.py
 # group_decode_triton(..., dense=True) (decode_group_dense.py's DENSE_TABLE launch), a fixed split count and
-# merge order per shape (but a ``waves`` launch's first call in a process splits by ``pps``), so reproducible
+# merge order per shape and device (the first call of a process included), so reproducible
 # run to run; a decode row's ``dense`` and a decode entry's ``dense_backend`` may
 # name it, a prefill row or entry never
 OWN_DENSE = "SPARSECAL_DENSE"
