@@ -124,3 +124,21 @@ def test_launch_table_buckets():
     assert sparse_launch_for(64, 1) == SPARSE_TABLE[(64, 1)]
     assert sparse_launch_for(96, 4) == SPARSE_DEFAULT
     assert SparseLaunch(lag=2, pps=8).name() == "w4s3p8-lag2"
+
+
+def test_sparse_table_holds_the_targets_runs_fastest_launches():
+    """At every shape and sparsity of the committed H100 targets run (data/bench/decode-sweep4-h100-d*.json),
+    the table's launch is one the run checked and within 2 % of the fastest sparse launch it tried."""
+    import json
+
+    from helpers import ROOT
+
+    for d in (128, 64):
+        sweep = json.loads((ROOT / "data" / "bench" / f"decode-sweep4-h100-d{d}.json").read_text())
+        for shape in sweep["shapes"]:
+            cfg = sparse_launch_for(d, shape["group"])
+            for target in (0.5, 0.75):
+                rows = {r["variant"]: r for r in shape["rows"]
+                        if r["kind"] == "sparse" and r["target"] == target and r.get("ok") and r.get("ms")}
+                mine = rows[f"bsfa_group_s{int(target * 100)}_{cfg.name()}"]
+                assert mine["ms"] <= 1.02 * min(r["ms"] for r in rows.values()), (d, shape["group"], target)
