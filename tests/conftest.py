@@ -121,3 +121,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_sdpa_model(tmp_path, seed):
+    """A random 2-layer model (4 query heads on 2 KV heads, helpers.make_checkpoint) with SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()

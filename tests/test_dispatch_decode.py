@@ -17,10 +17,9 @@ from sparsecal.bench.synthetic import write_synthetic_run
 from sparsecal.cli import app
 from sparsecal.formats import dispatch as D
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import load_blasst, write_blasst
-from sparsecal.integrations.exports import write_bsfa
+from sparsecal.formats.exports import load_blasst
 
-from helpers import DISPATCH_LENGTHS, INTERPRETER_WARNINGS, NOOP_BLASST_FACTOR, make_checkpoint
+from helpers import DISPATCH_LENGTHS, INTERPRETER_WARNINGS, tiny_dispatch_export
 
 runner = CliRunner()
 PTS = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]  # break-even 0.5 against 6 ms
@@ -73,15 +72,7 @@ def _export(out, decode_layer1, decode_layer0=0.9, batches=None, old=False, cudn
         for c in rec["configs"]:
             for e in (c["decode"]["by_batch"] if c.get("decode") else {}).values():
                 e["dense_backend"] = ["CUDNN_ATTENTION"] * len(e["dense_backend"])
-    out.mkdir()
-    write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": [0, 1],
-                                                                           "ignored_layers": {}})
-    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR,
-                                                                                "decode": None},
-                       "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
-                       "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": [0, 1],
-                       "ignored_layers": {}, "dispatch": _old_layout(rec) if old else rec})
-    return out
+    return tiny_dispatch_export(out, _old_layout(rec) if old else rec)
 
 
 def test_rows_per_phase_and_timing_and_old_files(tmp_path):
@@ -132,14 +123,6 @@ def test_record_with_decode_round_trips_and_refuses_damage():
     assert no_decode["timing"]["decode"] is None and all("decode" not in c for c in no_decode["configs"])
 
 
-@pytest.fixture
-def tiny_model(tmp_path, seed):
-    from transformers import AutoModelForCausalLM
-
-    path = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-
-
 def _prefill_then_step(model, seed, n=300, batch=1):
     """A prefill of ``batch`` rows of n tokens (bucket 256: every layer's prefill dense by the plan),
     then one decode step against n + 1 keys: (its logits, its counts)."""
@@ -153,53 +136,53 @@ def _prefill_then_step(model, seed, n=300, batch=1):
     return logits, {k: v.clone() for k, v in model.sparsecal_stats.items()}
 
 
-def test_sparsify_follows_the_decode_plan(tiny_model, tmp_path, seed, capsys):
+def test_sparsify_follows_the_decode_plan(tiny_sdpa_model, tmp_path, seed, capsys):
     reach = 301 // 64 + 1
-    sparsecal.sparsify(tiny_model, _export(tmp_path / "e", (0.1, 0.7)), method="bsfa", k=1, decode="topk")
-    _, st = _prefill_then_step(tiny_model, seed)  # bucket 256: layer 0 decodes sparse, layer 1 dense
+    sparsecal.sparsify(tiny_sdpa_model, _export(tmp_path / "e", (0.1, 0.7)), method="bsfa", k=1, decode="topk")
+    _, st = _prefill_then_step(tiny_sdpa_model, seed)  # bucket 256: layer 0 decodes sparse, layer 1 dense
     assert (st["reachable"][0] == reach).all() and (st["skipped"][0] == reach - 2).all()  # top-1 + the last block
     assert st["skipped"][1].sum() == 0 and st["reachable"][1].sum() == 0
     # every layer's decode dense by the plan: dense's own decode path (SDPA, the record's decode
     # backend), bit for bit, counting nothing
-    sparsecal.sparsify(tiny_model, _export(tmp_path / "d", (0.1, 0.1), 0.2), method="dense")
-    want, st = _prefill_then_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, _export(tmp_path / "d", (0.1, 0.1), 0.2), method="dense")
+    want, st = _prefill_then_step(tiny_sdpa_model, seed)
     assert st["reachable"].sum() == 0
-    sparsecal.sparsify(tiny_model, tmp_path / "d", method="bsfa", k=1, decode="topk")
-    got, st = _prefill_then_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, tmp_path / "d", method="bsfa", k=1, decode="topk")
+    got, st = _prefill_then_step(tiny_sdpa_model, seed)
     assert torch.equal(got, want) and st["skipped"].sum() == 0 and st["reachable"].sum() == 0
-    state = tiny_model._sparsecal_state
+    state = tiny_sdpa_model._sparsecal_state
     assert D.bucket(state.plan["lengths"], 301) == 0 and state.plan["decode"]["decision"] == "head"
     # a decode of another batch than the break-even's (batch 1 here) is said once, on stderr
     ids = torch.randint(0, 300, (2, 301), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        pre = tiny_model(ids[:, :300], use_cache=True)
-        tiny_model(ids[:, 300:], past_key_values=pre.past_key_values, use_cache=True)
+        pre = tiny_sdpa_model(ids[:, :300], use_cache=True)
+        tiny_sdpa_model(ids[:, 300:], past_key_values=pre.past_key_values, use_cache=True)
     assert capsys.readouterr().err.count("measured at batch 1, this decode runs batch 2") == 1
     # the group decision has no decode entry in this record: decode runs as without dispatch (sparse)
-    sparsecal.sparsify(tiny_model, tmp_path / "d", method="bsfa", k=1, decode="topk", decode_decision="group")
-    _, st = _prefill_then_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, tmp_path / "d", method="bsfa", k=1, decode="topk", decode_decision="group")
+    _, st = _prefill_then_step(tiny_sdpa_model, seed)
     assert (st["reachable"] == reach).all() and (st["skipped"] > 0).all()
-    sparsecal.densify(tiny_model)
+    sparsecal.densify(tiny_sdpa_model)
 
 
-def test_a_dispatched_dense_decode_never_runs_cudnn_first(tiny_model, tmp_path, seed):
+def test_a_dispatched_dense_decode_never_runs_cudnn_first(tiny_sdpa_model, tmp_path, seed):
     """cuDNN's SDPA decode is not reproducible run to run (H100, data/bench/NOTES.md): where a
     record written before decode picks left it out picked it for decode (the fastest of all), a dense decode step under dispatch tries Flash first, for ``dense``
     and for a method the plan runs dense alike; prefill keeps the record's cuDNN."""
     from sparsecal.integrations.sparsify import dense_first, dispatched_dense
 
     exp = _export(tmp_path / "e", (0.1, 0.1), 0.2, cudnn_decode=True)
-    sparsecal.sparsify(tiny_model, exp, method="dense")
-    state = tiny_model._sparsecal_state
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="dense")
+    state = tiny_sdpa_model._sparsecal_state
     assert state.dense_backends["decode"][0] == "CUDNN_ATTENTION"  # the record as measured
     assert dense_first(state, "decode", 301) == "FLASH_ATTENTION" and dense_first(state, "prefill", 301) == "CUDNN_ATTENTION"
-    want, _ = _prefill_then_step(tiny_model, seed)
-    sparsecal.sparsify(tiny_model, exp, method="bsfa", k=1, decode="topk")
-    state = tiny_model._sparsecal_state
+    want, _ = _prefill_then_step(tiny_sdpa_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="bsfa", k=1, decode="topk")
+    state = tiny_sdpa_model._sparsecal_state
     assert [dispatched_dense(state, layer, "decode", 301, 1) for layer in (0, 1)] == ["FLASH_ATTENTION"] * 2
-    got, st = _prefill_then_step(tiny_model, seed)
+    got, st = _prefill_then_step(tiny_sdpa_model, seed)
     assert torch.equal(got, want) and st["skipped"].sum() == 0
-    sparsecal.densify(tiny_model)
+    sparsecal.densify(tiny_sdpa_model)
 
 
 TWO_BATCHES = {1: 1.5, 16: 6.0}  # decode break-even: never at batch 1, 0.5 at batch 16
@@ -230,14 +213,14 @@ def test_a_record_of_two_batches():
         assert "\n" not in str(e.value)
 
 
-def test_a_decode_step_follows_the_entry_of_its_batch(tiny_model, tmp_path, seed, capsys):
+def test_a_decode_step_follows_the_entry_of_its_batch(tiny_sdpa_model, tmp_path, seed, capsys):
     """Batch 1 decodes dense (its rows never pay), batch 16 sparse on layer 0 (its rows break even at
     0.5); batch 4 follows batch 1's entry, batch 20 batch 16's, and only the latter is said (once)."""
     reach = 301 // 64 + 1
-    sparsecal.sparsify(tiny_model, _export(tmp_path / "e", (0.1, 0.7), batches=TWO_BATCHES), method="bsfa", k=1,
+    sparsecal.sparsify(tiny_sdpa_model, _export(tmp_path / "e", (0.1, 0.7), batches=TWO_BATCHES), method="bsfa", k=1,
                        decode="topk")
     for batch, sparse in ((1, False), (16, True), (4, False), (20, True), (24, True)):
-        _, st = _prefill_then_step(tiny_model, seed, batch=batch)
+        _, st = _prefill_then_step(tiny_sdpa_model, seed, batch=batch)
         if sparse:  # layer 0 through the top-1 kernel (top-1 + the last block kept per row and head); layer 1 dense
             assert (st["reachable"][0] == reach * batch).all() and (st["skipped"][0] == (reach - 2) * batch).all()
         else:
@@ -246,11 +229,11 @@ def test_a_decode_step_follows_the_entry_of_its_batch(tiny_model, tmp_path, seed
     err = capsys.readouterr().err
     assert err.count("measured at batches 1, 16, this decode runs batch 20: it follows batch 16's") == 1, err
     assert "runs batch 4" not in err and "runs batch 24" not in err
-    sparsecal.densify(tiny_model)
+    sparsecal.densify(tiny_sdpa_model)
 
 
 @pytest.mark.parametrize("batch", [True, False])
-def test_a_record_written_before_batches_loads_and_behaves_as_before(tiny_model, tmp_path, seed, capsys, batch):
+def test_a_record_written_before_batches_loads_and_behaves_as_before(tiny_sdpa_model, tmp_path, seed, capsys, batch):
     """The single-batch layout (``batch`` the decode rows' batch, or none in still older records):
     loaded, checked (an edited flag refused) and followed at every batch; another batch is said once
     where the record says its own."""
@@ -266,14 +249,14 @@ def test_a_record_written_before_batches_loads_and_behaves_as_before(tiny_model,
         doc["dispatch"] = rec
         (out / "blasst.json").write_text(json.dumps(doc))
     assert ("batch" in load_blasst(out)["dispatch"]["configs"][0]["decode"]) == batch
-    sparsecal.sparsify(tiny_model, out, method="bsfa", k=1, decode="topk")
+    sparsecal.sparsify(tiny_sdpa_model, out, method="bsfa", k=1, decode="topk")
     reach = 301 // 64 + 1
     for b in (1, 2):
-        _, st = _prefill_then_step(tiny_model, seed, batch=b)
+        _, st = _prefill_then_step(tiny_sdpa_model, seed, batch=b)
         assert (st["reachable"][0] == reach * b).all() and (st["skipped"][0] == (reach - 2) * b).all()
         assert st["reachable"][1].sum() == 0
     assert capsys.readouterr().err.count("measured at batch 1, this decode runs batch 2") == (1 if batch else 0)
-    sparsecal.densify(tiny_model)
+    sparsecal.densify(tiny_sdpa_model)
 
 
 @pytest.fixture(scope="module")

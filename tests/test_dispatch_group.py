@@ -18,10 +18,9 @@ from sparsecal.bench.synthetic import write_synthetic_run
 from sparsecal.cli import app
 from sparsecal.formats import dispatch as D
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import load_blasst, write_blasst
-from sparsecal.integrations.exports import write_bsfa
+from sparsecal.formats.exports import load_blasst
 
-from helpers import DISPATCH_LENGTHS, NOOP_BLASST_FACTOR, make_checkpoint
+from helpers import DISPATCH_LENGTHS, NOOP_BLASST_FACTOR, tiny_dispatch_export
 
 runner = CliRunner()
 PTS = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]  # against d ms: break-even (10 - d) / 8
@@ -100,28 +99,13 @@ def test_a_damaged_group_entry_is_refused_in_one_line(damage):
     assert "\n" not in str(e.value)
 
 
-@pytest.fixture
-def tiny_model(tmp_path, seed):
-    from transformers import AutoModelForCausalLM
-
-    path = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-
-
 def _export(out, rec):
     """A 2-layer export whose BLASST target 0.5 has a decode law (head: a = 30) and the group law
     (a_group = 301: lambda = 1 at the decode step against 301 keys), validated on 256-512 tokens."""
-    out.mkdir()
-    write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": [0, 1],
-                                                                           "ignored_layers": {}})
     valid = {"law": "a/L", "validated_lengths": DISPATCH_LENGTHS, "min_length": 256, "max_length": 512}
-    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR,
-                                                                                "decode": 30.0},
-                       "validity": {"decode": valid}, "decode_group": {"threshold_scale_factor": 301.0, "validity": valid},
-                       "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
-                       "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": [0, 1],
-                       "ignored_layers": {}, "dispatch": rec})
-    return out
+    return tiny_dispatch_export(out, rec, threshold_scale_factor={"prefill": NOOP_BLASST_FACTOR, "decode": 30.0},
+                                validity={"decode": valid},
+                                decode_group={"threshold_scale_factor": 301.0, "validity": valid})
 
 
 def _decode_step(model, seed, n=300):
@@ -137,32 +121,32 @@ def _decode_step(model, seed, n=300):
     return logits, {k: v.clone() for k, v in model.sparsecal_stats.items()}
 
 
-def test_the_group_decision_follows_its_own_entry(tiny_model, tmp_path, seed):
+def test_the_group_decision_follows_its_own_entry(tiny_sdpa_model, tmp_path, seed):
     """Group decision: layer 0 (0.9 >= 0.75) decodes sparse through the group kernel (every head of a
     KV group skips alike), layer 1 (0.6 < 0.75, though >= the head's 0.5) dense, counting nothing.
     Head decision (head sparsity 0 on both): every layer dense, what ``dense`` runs bit for bit. Group
     sparsity below its break-even on both layers: the group decision runs that same dense path."""
     exp = _export(tmp_path / "e", _record())
-    sparsecal.sparsify(tiny_model, exp, method="blasst", decode_decision="group")
-    _, st = _decode_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="blasst", decode_decision="group")
+    _, st = _decode_step(tiny_sdpa_model, seed)
     reach = 301 // 64 + 1
     assert (st["reachable"][0] == reach).all() and st["skipped"][0].sum() > 0
     assert torch.equal(st["skipped"][0, 0::2], st["skipped"][0, 1::2])  # 2 query heads per KV head
     assert st["reachable"][1].sum() == 0 and st["skipped"][1].sum() == 0
-    sparsecal.sparsify(tiny_model, exp, method="dense")
-    want, _ = _decode_step(tiny_model, seed)
-    sparsecal.sparsify(tiny_model, exp, method="blasst", decode_decision="head")
-    got, st = _decode_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="dense")
+    want, _ = _decode_step(tiny_sdpa_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="blasst", decode_decision="head")
+    got, st = _decode_step(tiny_sdpa_model, seed)
     assert torch.equal(got, want) and st["reachable"].sum() == 0
     low = _export(tmp_path / "low", _record(group=((0.7, 0.7), (0.6, 0.6))))
-    sparsecal.sparsify(tiny_model, low, method="blasst", decode_decision="group")
-    got, st = _decode_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, low, method="blasst", decode_decision="group")
+    got, st = _decode_step(tiny_sdpa_model, seed)
     assert torch.equal(got, want) and st["reachable"].sum() == 0
     # without dispatch the group law runs both layers sparse: the entry, not the law, kept layer 1 dense
-    sparsecal.sparsify(tiny_model, exp, method="blasst", decode_decision="group", dispatch=False)
-    _, st = _decode_step(tiny_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="blasst", decode_decision="group", dispatch=False)
+    _, st = _decode_step(tiny_sdpa_model, seed)
     assert (st["reachable"] == reach).all() and (st["skipped"].sum((1,)) > 0).all()
-    sparsecal.densify(tiny_model)
+    sparsecal.densify(tiny_sdpa_model)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,10 @@ from sparsecal.bench import breakeven as B
 from sparsecal.bench.synthetic import write_synthetic_run
 from sparsecal.formats import dispatch as D
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.exports import load_blasst, write_blasst
-from sparsecal.integrations.exports import write_bsfa
+from sparsecal.formats.exports import load_blasst
 from sparsecal.kernels.jit import LAST_COMPILED
 
-from helpers import DISPATCH_LENGTHS, INTERPRETER_WARNINGS, NOOP_BLASST_FACTOR, make_checkpoint
+from helpers import DISPATCH_LENGTHS, INTERPRETER_WARNINGS, tiny_dispatch_export
 
 OWN = D.OWN_DENSE
 PTS = [{"sparsity": 0.0, "ms": 10.0}, {"sparsity": 1.0, "ms": 2.0}]  # against d ms: break-even (10 - d) / 8
@@ -100,26 +99,6 @@ def test_the_project_kernel_outside_decode_is_refused_in_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
-@pytest.fixture
-def tiny_model(tmp_path, seed):
-    from transformers import AutoModelForCausalLM
-
-    path = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-
-
-def _export(out, rec):
-    out.mkdir()
-    write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean", {"model": "tiny", "sparse_layers": [0, 1],
-                                                                           "ignored_layers": {}})
-    write_blasst(out, {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR,
-                                                                                "decode": None},
-                       "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
-                       "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": [0, 1],
-                       "ignored_layers": {}, "dispatch": rec})
-    return out
-
-
 def _greedy(model, seed, n=300, new=2):
     """A prefill of n tokens (bucket 256: prefill dense by the plan), ``new`` greedy decode steps
     (against n + 1, n + 2 keys: bucket 256): (the tokens, the last step's logits, whether the last
@@ -132,40 +111,40 @@ def _greedy(model, seed, n=300, new=2):
 
 
 @INTERPRETER_WARNINGS
-def test_a_dispatched_dense_decode_runs_the_project_kernel(tiny_model, tmp_path, seed):
+def test_a_dispatched_dense_decode_runs_the_project_kernel(tiny_sdpa_model, tmp_path, seed):
     """Under a record that picks SPARSECAL_DENSE at bucket 256, ``dense`` and BSFA (every decode layer
     dense by the plan) run the group kernel's dense path for decode: the same logits bit for bit,
     counting nothing, the greedy tokens of dense without dispatch (the kernels with skipping off);
     ``dense`` at precision fp32 too. A record written before (cuDNN picked) loads and runs Flash, not the kernel."""
     from sparsecal.integrations.sparsify import dense_first, dispatched_dense
 
-    exp = _export(tmp_path / "e", _record())
-    sparsecal.sparsify(tiny_model, exp, method="dense", dispatch=False)
-    base, base_logits, _ = _greedy(tiny_model, seed)
-    sparsecal.sparsify(tiny_model, exp, method="dense")
-    assert dense_first(tiny_model._sparsecal_state, "decode", 301) == OWN
-    tokens, want, ran = _greedy(tiny_model, seed)
+    exp = tiny_dispatch_export(tmp_path / "e", _record())
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="dense", dispatch=False)
+    base, base_logits, _ = _greedy(tiny_sdpa_model, seed)
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="dense")
+    assert dense_first(tiny_sdpa_model._sparsecal_state, "decode", 301) == OWN
+    tokens, want, ran = _greedy(tiny_sdpa_model, seed)
     assert ran and torch.equal(tokens, base)
     torch.testing.assert_close(want, base_logits, atol=1e-4, rtol=1e-4)
-    sparsecal.sparsify(tiny_model, exp, method="bsfa", k=1, decode="topk")
-    state = tiny_model._sparsecal_state
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="bsfa", k=1, decode="topk")
+    state = tiny_sdpa_model._sparsecal_state
     assert [dispatched_dense(state, layer, "decode", 301, 1) for layer in (0, 1)] == [OWN, OWN]
     assert dispatched_dense(state, 0, "decode", 600, 1) == "FLASH_ATTENTION"  # bucket 512: Flash
-    tokens, got, ran = _greedy(tiny_model, seed)
+    tokens, got, ran = _greedy(tiny_sdpa_model, seed)
     assert ran and torch.equal(got, want) and torch.equal(tokens, base)
-    assert tiny_model.sparsecal_stats["reachable"].sum() == 0
-    sparsecal.sparsify(tiny_model, exp, method="dense", precision="fp32")
-    tokens, got, ran = _greedy(tiny_model, seed)
+    assert tiny_sdpa_model.sparsecal_stats["reachable"].sum() == 0
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="dense", precision="fp32")
+    tokens, got, ran = _greedy(tiny_sdpa_model, seed)
     assert ran and torch.equal(tokens, base)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    old = _export(tmp_path / "old", _cudnn_record())
+    old = tiny_dispatch_export(tmp_path / "old", _cudnn_record())
     assert load_blasst(old)["dispatch"]["configs"][0]["decode"]["by_batch"]["1"]["dense_backend"][0] == "CUDNN_ATTENTION"
-    sparsecal.sparsify(tiny_model, old, method="bsfa", k=1, decode="topk")
-    state = tiny_model._sparsecal_state
+    sparsecal.sparsify(tiny_sdpa_model, old, method="bsfa", k=1, decode="topk")
+    state = tiny_sdpa_model._sparsecal_state
     assert [dispatched_dense(state, layer, "decode", 301, 1) for layer in (0, 1)] == ["FLASH_ATTENTION"] * 2
-    tokens, _, ran = _greedy(tiny_model, seed)
+    tokens, _, ran = _greedy(tiny_sdpa_model, seed)
     assert not ran and torch.equal(tokens, base)
-    sparsecal.densify(tiny_model)
+    sparsecal.densify(tiny_sdpa_model)
 
 
 @pytest.fixture(scope="module")
