@@ -96,34 +96,13 @@ def test_group_decision_argument(seed):
             fn(q, k, v, 0.125, 32, 16, log_lambda=-1.0, decision="heads")
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"G{c[2] // c[3]}-D{c[4]}")
-def test_lag_two_accumulates_the_same_tiles_in_the_same_order(case, seed):
-    """``SparseLaunch(lag=2)`` (the softmax step of tile j - 2 in step j) gives the lag-1 kernel's
-    output and counts bit for bit, and both equal the reference, for the in-loop decision (BSFA) and
-    the pre-pass one (BLASST forward), with one split, several, and the launch table's own count."""
-    q, k, v, far = decode_inputs(seed, case)
-    thr, ll = cuts(q, k, far, case[6])
-    *_, d, bm, bn, _ = case
-    for kw in ({"thresholds": thr, "decision": "group"}, {"log_lambda": ll, "decision": "head"}):
-        for splits in (1, 3, None):
-            one = group_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=splits, launch=SparseLaunch(lag=1), **kw)
-            two = group_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=splits, launch=SparseLaunch(lag=2, pps=8), **kw)
-            if splits is not None:   # the same splits: the same float sums
-                assert torch.equal(one[0], two[0]), (kw.keys(), splits)
-            for a, b in zip(one[1:], two[1:]):
-                assert torch.equal(a, b)
-            want, counts = sparse_decode(q, k, v, d ** -0.5, bm, bn, **kw)
-            torch.testing.assert_close(two[0].float(), want.float(), atol=TOL[case[7]][0], rtol=TOL[case[7]][1])
-            assert torch.equal(two[1].sum(0), counts.skipped) and torch.equal(two[2].sum(0), counts.v_skipped)
-
-
 def test_launch_table_buckets():
     """The table's launch by (D, G bucket); shapes it does not list take the default."""
     assert sparse_launch_for(128, 8) == SPARSE_TABLE[(128, 8)]
     assert sparse_launch_for(64, 3) == SPARSE_TABLE[(64, 4)]
     assert sparse_launch_for(64, 1) == SPARSE_TABLE[(64, 1)]
     assert sparse_launch_for(96, 4) == SPARSE_DEFAULT
-    assert SparseLaunch(lag=2, pps=8).name() == "w4s3p8-lag2"
+    assert SparseLaunch(warps=2, pps=8).name() == "w2s3p8"
 
 
 def test_sparse_table_holds_the_targets_runs_fastest_launches():

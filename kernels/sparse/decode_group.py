@@ -29,9 +29,8 @@ Passes
 
 Launch (``SparseLaunch``, per (D, G bucket) from ``SPARSE_TABLE``): num_warps / num_stages of the
 tmax and attend passes, ``pps`` the split-K target (about pps attend programs per SM, each split at
-least MIN_TILES tiles), and ``lag`` 1 or 2: with 2 the online-softmax step of tile j - 2 runs in
-step j, so each decided V load has a whole loop step to land before it is used (the tiles are
-still accumulated in order: the result is the same bit for bit).
+least MIN_TILES tiles). A deeper lag (the softmax step of tile j - 2 in step j) was measured slower
+at every shape (data/bench/NOTES.md, "decode-sweep 2") and removed.
 
 Dense (``dense=True``) is the attend pass with no decision: K + V read once, no score round trip
 (``decode.py`` writes and reads f32 scores, 8 * G bytes per key per group on top of 4 * D).
@@ -69,17 +68,16 @@ class SparseLaunch:
     warps: int = 4
     stages: int = 3
     pps: int = 4
-    lag: int = 1
 
     def name(self) -> str:
-        """A short label: w4s3p8, plus -lag2."""
-        return f"w{self.warps}s{self.stages}p{self.pps}" + ("-lag2" if self.lag == 2 else "")
+        """A short label: w4s3p8."""
+        return f"w{self.warps}s{self.stages}p{self.pps}"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stages, 4 programs per SM, lag 1
+SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stages, 4 programs per SM
 # (D, G bucket) -> launch, from the sweeps of the BSFA group decision at 50 % / 75 % (B=16, H=32, 16K-64K, graph
 # replays; data/bench/NOTES.md "decode-sweep 2"): fewer warps per program is the lever (each tile's decision and
 # softmax reduce the score tile along the keys: across warps that is a shared-memory round trip and a barrier).
@@ -214,11 +212,10 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                          PAGE: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, DECIDE: tl.constexpr,
                          GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-                         UPCAST: tl.constexpr, LAG: tl.constexpr):
+                         UPCAST: tl.constexpr):
     """Grid (S, B * Hkv): one split of one KV group (module docstring). DECIDE 0 dense, 1 torch mask
     SKIP [B, H, Kb] i8, 2 BSFA (THR [H, n_thr] natural units), 3 BLASST forward (TMAX [B, H, Kb],
-    ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load); LAG 1 | 2
-    (the softmax step of tile j - LAG runs in step j). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
+    ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
     and counts CNT [B, H, S], VCNT [B, Hkv, S] i32; DIRECT (S = 1): O [B, H, 1, D] and the counts
     (CNT [B, H], VCNT [B, Hkv] i64) written here."""
     split, bk, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
@@ -242,8 +239,6 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
     s_prev = tl.full([GP, BLOCK_N], float("-inf"), tl.float32)    # tile j - 1's kept scores
     v_prev = _tile_base(V, BT, b, hk, j0 * 0, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
     vm_prev = offs_n < 0                                             # tile j - 1's V rows to load
-    s_old = tl.full([GP, BLOCK_N], float("-inf"), tl.float32)      # LAG 2: tile j - 2's kept scores ...
-    v_old = tl.zeros([BLOCK_N, HEAD_DIM], V.dtype.element_ty)      # ... and its V (loaded in step j - 1)
     for j in range(j0, j1):
         v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
         k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
@@ -257,20 +252,13 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
             s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
                                offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
             keep, gkeep, run = _keep(tl.max(s, 1), g_ok, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
-        if LAG == 2:
-            acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_old, v_old, PREC, UPCAST)   # tile j - 2
-            s_old = s_prev
-            v_old = v
-        else:
-            acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)   # tile j - 1
+        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)   # tile j - 1
         n_skip += (g_ok & ~keep).to(tl.int32)
         v_skip += (~gkeep).to(tl.int32)
         s_prev = tl.where(keep[:, None], s, float("-inf"))
         v_prev = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
         vm_prev = kmask & _spread(gkeep, offs_n)
     v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
-    if LAG == 2:
-        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_old, v_old, PREC, UPCAST)
     acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)
     if DIRECT:
         out = acc / l_i[:, None]
@@ -407,7 +395,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
         bt.stride(0) if block_table is not None else 0, out.stride(0), out.stride(1), bound, kb, tps, n_split, h,
         h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
         0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0),
-        DECIDE=decide, GROUP=decision == "group", PRE=decide in (MASK, BLASST), DIRECT=direct, LAG=cfg.lag, **common)
+        DECIDE=decide, GROUP=decision == "group", PRE=decide in (MASK, BLASST), DIRECT=direct, **common)
     if direct:
         return out, cnt, vcnt
     skipped = torch.empty((b, h), dtype=torch.int64, device=dev)
