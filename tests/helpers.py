@@ -472,15 +472,16 @@ def dispatch_export(out, sparse_layers=(0, 1), dispatch=True, layer1=(0.1, 0.9),
     return out
 
 
-def tiny_dispatch_export(out, record, **blasst):
-    """For the 2-layer, 4-head model of make_checkpoint(heads=4, kv_heads=2, layers=2), both layers
-    sparse: BSFA k=1 thresholds 1e30 and a blasst.json holding the dispatch ``record``; ``blasst``
-    replaces top-level blasst.json fields (default factors: prefill NOOP_BLASST_FACTOR, no decode)."""
+def tiny_dispatch_export(out, record, model="tiny", **blasst):
+    """For the 2-layer, 4-head model of make_checkpoint(heads=4, kv_heads=2, layers=2) (``model``
+    the id the export names), both layers sparse: BSFA k=1 thresholds 1e30 and a blasst.json holding
+    the dispatch ``record``; ``blasst`` replaces top-level blasst.json fields (default factors:
+    prefill NOOP_BLASST_FACTOR, no decode)."""
     out.mkdir()
     write_bsfa(out, torch.full((1, 2, 4, 8), 1e30), [1], 128, 64, "mean",
-               {"model": "tiny", "sparse_layers": [0, 1], "ignored_layers": {}})
+               {"model": model, "sparse_layers": [0, 1], "ignored_layers": {}})
     doc = {"algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": NOOP_BLASST_FACTOR, "decode": None},
-           "target_sparsity": 0.5, "targets": [], "model": "tiny", "num_layers": 2, "num_heads": 4,
+           "target_sparsity": 0.5, "targets": [], "model": model, "num_layers": 2, "num_heads": 4,
            "q_block_size": 128, "k_block_size": 64, "schema_version": 1, "sparse_layers": [0, 1],
            "ignored_layers": {}, "dispatch": record}
     write_blasst(out, doc | blasst)

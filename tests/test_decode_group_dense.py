@@ -11,6 +11,7 @@ import torch
 
 from sparsecal.kernels.sparse.decode_group import group_decode_triton
 from sparsecal.kernels.sparse.decode_group_dense import (
+    ATTEND,
     DENSE_DEFAULT,
     DENSE_TABLE,
     DenseLaunch,
@@ -23,7 +24,8 @@ from sparsecal.kernels.sparse.reference import sparse_decode_ragged
 from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
-SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep4-h100-d{d}.json" for d in (128, 64)]   # the sweep DENSE_TABLE is from
+SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep{s}-h100-d{d}.json"   # the sweeps DENSE_TABLE is from: batch 16, 1
+          for s in ("4", "5-b1") for d in (128, 64)]
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)
@@ -86,15 +88,18 @@ def test_fused_merge_leaves_counters_zero(rng):
 
 
 def test_table_lookup_and_loop_tile():
-    """Buckets of G and length, the table's entry or the default, the page-fitted loop tile."""
-    assert buckets(64, 1, 16384) == (64, 1, 16384) and buckets(128, 3, 30000) == (128, 4, 32768)
-    assert buckets(64, 7, 100000) == (64, 8, 65536) and buckets(64, 16, 4096) == (64, 16, 16384)
-    assert launch_for(64, 8, 65536) is DENSE_TABLE.get((64, 8, 65536), DENSE_DEFAULT)
-    DENSE_TABLE[(32, 4, 16384)] = cfg = DenseLaunch(block_n=32)
+    """Buckets of G, length and batch, the table's entry or the default, the page-fitted loop tile."""
+    assert buckets(64, 1, 16384) == (64, 1, 16384, 16) and buckets(128, 3, 30000, 1) == (128, 4, 32768, 1)
+    assert buckets(64, 7, 90000, 2) == (64, 8, 65536, 1) and buckets(64, 16, 4096, 3) == (64, 16, 16384, 16)
+    assert buckets(128, 4, 100000) == (128, 4, 131072, 16)
+    assert launch_for(64, 8, 65536) is DENSE_TABLE[(64, 8, 65536, 16)]
+    assert launch_for(128, 4, 32768, 1) != launch_for(128, 4, 32768, 16)
+    DENSE_TABLE[(32, 4, 16384, 16)] = cfg = DenseLaunch(block_n=32)
     try:
-        assert launch_for(32, 2, 20000) is cfg and launch_for(32, 2, 30000) is DENSE_DEFAULT
+        assert launch_for(32, 2, 20000, 8) is cfg and launch_for(32, 2, 30000) is DENSE_DEFAULT
+        assert launch_for(32, 2, 20000, 1) is DENSE_DEFAULT
     finally:
-        del DENSE_TABLE[(32, 4, 16384)]
+        del DENSE_TABLE[(32, 4, 16384, 16)]
     assert loop_tile(DenseLaunch(block_n=128), 32) == 32 and loop_tile(DenseLaunch(block_n=64), 0) == 64
     with pytest.raises(ValueError, match="loop tile"):
         loop_tile(DenseLaunch(block_n=64), 24)
@@ -104,7 +109,8 @@ NEAR = 0.005   # a table entry is at most this much slower than the shape's fast
 
 
 def test_committed_table_holds_near_winners_of_the_sweep():
-    """Every DENSE_TABLE entry is, at each swept shape of its key, a launch the sweep built and checked
+    """Every DENSE_TABLE entry is, at each swept shape of its key (batch 16 and batch 1), a launch the
+    sweep built and checked
     (every ragged/paged check row of its name ok, its timed row ok) whose median is within NEAR of the
     shape's fastest checked launch (DENSE_DEFAULT among them); and every swept shape has an entry."""
     for path in SWEEPS:
@@ -112,8 +118,9 @@ def test_committed_table_holds_near_winners_of_the_sweep():
         checked = {r["config"] for r in sweep["check"]} - {r["config"] for r in sweep["check"] if not r["ok"]}
         for shape in sweep["shapes"]:
             rows = {r["variant"]: r for r in shape["rows"] if r["kind"] == "dense" and r.get("ok") and r.get("ms")}
-            key = buckets(shape["d"], shape["group"], shape["length"])
+            key = buckets(shape["d"], shape["group"], shape["length"], shape["batch"])
             cfg = DENSE_TABLE[key]
-            row = rows[f"dense_{cfg.name()}"]
-            assert cfg.name() in checked, key
+            name = cfg if cfg == ATTEND else cfg.name()
+            row = rows[f"dense_{name}"]
+            assert name in checked, key
             assert row["ms"] <= (1 + NEAR) * min(r["ms"] for r in rows.values()), (key, cfg.name())

@@ -102,12 +102,14 @@ def test_the_project_kernel_outside_decode_is_refused_in_one_line(tmp_path):
 def _greedy(model, seed, n=300, new=2):
     """A prefill of n tokens (bucket 256: prefill dense by the plan), ``new`` greedy decode steps
     (against n + 1, n + 2 keys: bucket 256): (the tokens, the last step's logits, whether the last
-    step ran the group kernel's dense path)."""
+    step ran the group kernel's dense path: its table's launch at batch 1, D = 64, G = 2, the
+    attend pass with skipping off, decode_group_dense.DENSE_TABLE)."""
     ids = torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(seed))
     LAST_COMPILED.pop("group_dense", None)
+    LAST_COMPILED.pop("group_attend", None)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[:, n:], out.logits[-1], "group_dense" in LAST_COMPILED
+    return out.sequences[:, n:], out.logits[-1], {"group_dense", "group_attend"} & set(LAST_COMPILED) != set()
 
 
 @INTERPRETER_WARNINGS

@@ -55,7 +55,14 @@ import triton.language as tl
 
 from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lambda, next_pow2, soft_cap, softcap_args
 from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask, sm_count
-from sparsecal.kernels.sparse.decode_group_dense import _group_merge_kernel, _row, _tile_base, dense_group_decode
+from sparsecal.kernels.sparse.decode_group_dense import (
+    ATTEND,
+    _group_merge_kernel,
+    _row,
+    _tile_base,
+    dense_group_decode,
+    launch_for,
+)
 from sparsecal.kernels.sparse.reference import check_decision, check_method
 
 MIN_TILES = 4           # each split at least this many key tiles
@@ -345,7 +352,8 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     thresholds [H, Pt], log_lambda, window, topk, or dense=True; ``decision`` "head" | "group".
     ``launch`` the decision passes' SparseLaunch (None: ``sparse_launch_for`` the shape); ``dense=True`` runs
     decode_group_dense with ``dense_launch`` (a DenseLaunch; None: its table's entry for the shape;
-    "attend": the attend pass with skipping off, the path before the table).
+    "attend" (ATTEND): the attend pass with skipping off, the path before the table, which the table
+    also names where a sweep measured it fastest).
     Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles each head skipped,
     v_skipped [B, Hkv] int64 tiles every head of the group skipped: V tiles not loaded).
     """
@@ -359,9 +367,11 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     method = 4 if topk is not None else method_code(thresholds, log_lambda, window, dense)
     decide = {0: DENSE, 1: BSFA, 3: WINDOW, 4: MASK}.get(method, BLASST if order == "forward" else MASK)
     hkv, bound, kb, page = _check_layout(q, k, v, block_n, lengths, block_table)
-    if decide == DENSE and dense_launch != "attend":
-        return dense_group_decode(q, k, v, scale, lengths=lengths, block_table=block_table, bound=bound, page=page,
-                                  splits=splits, cfg=dense_launch, softcap=softcap)
+    if decide == DENSE:
+        dense_launch = dense_launch or launch_for(q.shape[-1], q.shape[1] // hkv, bound, q.shape[0])
+        if dense_launch != ATTEND:
+            return dense_group_decode(q, k, v, scale, lengths=lengths, block_table=block_table, bound=bound,
+                                      page=page, splits=splits, cfg=dense_launch, softcap=softcap)
     b, h, _, d = q.shape
     dev, f32 = q.device, torch.float32
     cfg = launch or sparse_launch_for(d, h // hkv)

@@ -23,9 +23,11 @@ Launch options (``DenseLaunch``)
     fuse     the last program of a group to finish (an atomic counter per group) merges the splits:
              no merge launch (the counter is a cached workspace reset by that program)
 
-``launch_for(d, group, length)`` looks the configuration up in ``DENSE_TABLE`` keyed by (D, G
-bucket, length bucket) (``buckets``), else ``DENSE_DEFAULT``: the configuration the group kernel
-used before the table (64-key tiles, 4 warps, 3 stages, 4 programs per SM, tensor cores).
+``launch_for(d, group, length, batch)`` looks the configuration up in ``DENSE_TABLE`` keyed by (D,
+G bucket, length bucket, batch bucket) (``buckets``), else ``DENSE_DEFAULT``: the configuration the
+group kernel used before the table (64-key tiles, 4 warps, 3 stages, 4 programs per SM, tensor
+cores). An entry may be ``ATTEND``: the decision kernel's attend pass with skipping off, where a
+sweep measured it fastest (D = 64 at batch 1).
 
 Shape legend
     B batch   H query heads   Hkv KV heads   G = H / Hkv   GP = G padded (16 with tensor cores)
@@ -102,30 +104,42 @@ class DenseLaunch:
         return asdict(self)
 
 
-DENSE_DEFAULT = DenseLaunch()
-_N128 = DenseLaunch(block_n=128, warps=4, stages=3, waves=2)   # n128w4s3W2
+DENSE_DEFAULT = DenseLaunch()                                    # n64w4s3p4
+ATTEND = "attend"   # the group kernel's attend pass with skipping off (decode_group.py), as a table entry
+_N128 = DenseLaunch(block_n=128, warps=4, stages=3, waves=2)    # n128w4s3W2
+_N128W1 = DenseLaunch(block_n=128, warps=4, stages=3, waves=1)  # n128w4s3W1
 _W2P8 = DenseLaunch(warps=2, stages=4, pps=8)                   # n64w2s4p8
-# (D, G bucket, length bucket) -> launch, from the last H100 sweep (data/bench/decode-sweep4-h100-d128.json, -d64.json;
-# B=16, H=32, graph replays, 3 rounds). n128w4s3W2 was the fastest dense launch at all 9 D=128 shapes (+0.4-1.2 % over
-# the previous entry, n128w8s2W2) and within 0.2 % of the fastest at D=64 G=4/8; at D=64 G=1 n64w2s4p8 (+0.5-1.2 %
-# over n64w4s3W1). Lengths under 24K take the 16K entry (``buckets``), unmeasured below 16K.
-DENSE_TABLE: dict[tuple[int, int, int], DenseLaunch] = {
-    (d, g, n): (_W2P8 if (d, g) == (64, 1) else _N128)
-    for d in (64, 128) for g in (1, 4, 8) for n in (16384, 32768, 65536)
+_W1P32 = DenseLaunch(warps=1, stages=3, pps=32)                 # n64w1s3p32
+LENGTH_BUCKETS = (16384, 32768, 65536, 131072)
+# Batch 16 (data/bench/decode-sweep4-h100-d128.json, -d64.json; B=16, H=32, graph replays, 3 rounds): n128w4s3W2 was
+# the fastest dense launch at all 9 D=128 shapes (+0.4-1.2 % over the previous entry, n128w8s2W2) and within 0.2 % of
+# the fastest at D=64 G=4/8; at D=64 G=1 n64w2s4p8 (+0.5-1.2 % over n64w4s3W1). Swept at 16K-64K: the 131072 bucket
+# takes the 65536 entry unmeasured.
+# Batch 1 (decode-sweep5-b1-h100-d128.json, -d64.json; B=1, H=32, 16K-128K, 2 rounds): one wave of 128-key splits
+# (n128w4s3W1) the fastest at all 12 D=128 shapes, 0.992-1.034x cuDNN where n128w4s3W2 ran 0.943-1.026x; at D=64 the
+# winner moves with G and length (per entry below), 0.961-1.055x cuDNN.
+_B1_D64 = {1: (DENSE_DEFAULT, ATTEND, ATTEND, ATTEND), 4: (ATTEND, _W1P32, DENSE_DEFAULT, DENSE_DEFAULT),
+           8: (_N128, ATTEND, _W1P32, DENSE_DEFAULT)}
+DENSE_TABLE: dict[tuple[int, int, int, int], DenseLaunch | str] = {
+    **{(d, g, n, 16): (_W2P8 if (d, g) == (64, 1) else _N128)
+       for d in (64, 128) for g in (1, 4, 8) for n in LENGTH_BUCKETS},
+    **{(128, g, n, 1): _N128W1 for g in (1, 4, 8) for n in LENGTH_BUCKETS},
+    **{(64, g, n, 1): _B1_D64[g][i] for g in (1, 4, 8) for i, n in enumerate(LENGTH_BUCKETS)},
 }
 
 
-def buckets(d: int, group: int, length: int) -> tuple[int, int, int]:
+def buckets(d: int, group: int, length: int, batch: int = 16) -> tuple[int, int, int, int]:
     """The table key: (D, G bucket 1 | 4 (2-4) | 8 (5-8) | 16 (more), length bucket 16384 (< 24K)
-    | 32768 (< 48K) | 65536)."""
+    | 32768 (< 48K) | 65536 (< 96K) | 131072, batch bucket 1 (B <= 2) | 16 (more; measured at 1 and
+    16 only))."""
     g = 1 if group == 1 else 4 if group <= 4 else 8 if group <= 8 else 16
-    n = 16384 if length < 24576 else 32768 if length < 49152 else 65536
-    return d, g, n
+    n = 16384 if length < 24576 else 32768 if length < 49152 else 65536 if length < 98304 else 131072
+    return d, g, n, 1 if batch <= 2 else 16
 
 
-def launch_for(d: int, group: int, length: int) -> DenseLaunch:
-    """The table's launch for this shape, else DENSE_DEFAULT."""
-    return DENSE_TABLE.get(buckets(d, group, length), DENSE_DEFAULT)
+def launch_for(d: int, group: int, length: int, batch: int = 16) -> DenseLaunch | str:
+    """The table's launch for this shape (a DenseLaunch or ATTEND), else DENSE_DEFAULT."""
+    return DENSE_TABLE.get(buckets(d, group, length, batch), DENSE_DEFAULT)
 
 
 @triton.jit
@@ -324,7 +338,7 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
     """Dense decode with the group kernel (decode_group.group_decode_triton's ``dense=True``, layout
     checked there): q [B, H, 1, D]; k/v [B, Hkv, L, D] or page pools [P, Hkv, page, D] with
     block_table [B, max_pages] and lengths [B]; bound the longest row's cache bound. ``cfg`` the
-    launch (default: ``launch_for`` this shape). Returns (out [B, H, 1, D], zeros [B, H] i64, zeros
+    launch (default: ``launch_for`` this shape; not ATTEND). Returns (out [B, H, 1, D], zeros [B, H] i64, zeros
     [B, Hkv] i64).
 
     The split count is a function of the shape and the device alone, so every call of a shape sums
@@ -333,7 +347,9 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
     read it, and that result is replaced by the launch with the wave-fitted splits."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
-    cfg = cfg or launch_for(d, h // hkv, bound)
+    cfg = cfg or launch_for(d, h // hkv, bound, b)
+    if cfg == ATTEND:
+        raise ValueError("the attend pass is decode_group.group_decode_triton's (dense_launch='attend')")
     bn = loop_tile(cfg, page)
     dev = q.device
     n_tiles = triton.cdiv(bound, bn)
