@@ -174,7 +174,7 @@ def test_a_dispatched_dense_decode_never_runs_cudnn_first(tiny_sdpa_model, tmp_p
     exp = _export(tmp_path / "e", (0.1, 0.1), 0.2, cudnn_decode=True)
     sparsecal.sparsify(tiny_sdpa_model, exp, method="dense")
     state = tiny_sdpa_model._sparsecal_state
-    assert state.dense_backends["decode"][0] == "CUDNN_ATTENTION"  # the record as measured
+    assert state.dense_backends["decode"]["picks"][0][0] == "CUDNN_ATTENTION"  # the record as measured
     assert dense_first(state, "decode", 301) == "FLASH_ATTENTION" and dense_first(state, "prefill", 301) == "CUDNN_ATTENTION"
     want, _ = _prefill_then_step(tiny_sdpa_model, seed)
     sparsecal.sparsify(tiny_sdpa_model, exp, method="bsfa", k=1, decode="topk")

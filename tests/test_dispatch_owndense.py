@@ -29,14 +29,16 @@ DECODE_DENSE = {256: {"CUDNN_ATTENTION": 5.0, "FLASH_ATTENTION": 7.0, OWN: 6.0},
                 512: {"CUDNN_ATTENTION": 5.0, "FLASH_ATTENTION": 6.5, OWN: 6.8}}
 
 
-def _be_doc(decode_dense=None):
+def _be_doc(decode_dense=None, batch16=None):
     """Prefill rows (cuDNN 6 ms, Flash 7) and graph decode rows of batch 1 (head decision) per length
-    with ``decode_dense`` (default DECODE_DENSE) at head_dim 64, group 2, both methods."""
+    with ``decode_dense`` (default DECODE_DENSE) at head_dim 64, group 2, both methods; ``batch16``:
+    the dense timings of batch-16 rows too."""
     measured = [{"method": m, "head_dim": 64, "group": 2, "length": n, "points": PTS,
                  "dense": {"CUDNN_ATTENTION": 6.0, "FLASH_ATTENTION": 7.0}} for m in D.METHODS for n in DISPATCH_LENGTHS]
-    measured += [{"phase": "decode", "timing": "graph", "decision": "head", "batch": 1, "method": m, "head_dim": 64,
-                  "group": 2, "length": n, "points": PTS, "dense": (decode_dense or DECODE_DENSE)[n]}
-                 for m in D.METHODS for n in DISPATCH_LENGTHS]
+    for batch, dense in ((1, decode_dense or DECODE_DENSE), (16, batch16)):
+        measured += [{"phase": "decode", "timing": "graph", "decision": "head", "batch": batch, "method": m,
+                      "head_dim": 64, "group": 2, "length": n, "points": PTS, "dense": dense[n]}
+                     for m in D.METHODS for n in DISPATCH_LENGTHS] if dense else []
     geo = {"block_m": 128, "block_n": 64, "heads": 4, "kv_heads": 2, "head_dim": 64}
     return D.break_even_file(measured, geo, {"gpu": "test", "commit": "c0ffee1"})
 
@@ -146,6 +148,28 @@ def test_a_dispatched_dense_decode_runs_the_project_kernel(tiny_sdpa_model, tmp_
     assert [dispatched_dense(state, layer, "decode", 301, 1) for layer in (0, 1)] == ["FLASH_ATTENTION"] * 2
     tokens, _, ran = _greedy(tiny_sdpa_model, seed)
     assert not ran and torch.equal(tokens, base)
+    sparsecal.densify(tiny_sdpa_model)
+
+
+def test_the_dense_decode_backend_follows_the_batch(tiny_sdpa_model, tmp_path, seed):
+    """Batch 1 rows pick the project's kernel at bucket 256, batch 16 rows Flash (its kernel slower
+    there): every dense decode step (``dense`` and a step the plan runs dense alike) runs the pick of
+    the largest measured batch <= its own (below batch 1: batch 1's), and a batch-1 generation runs
+    the project's kernel."""
+    from sparsecal.integrations.sparsify_dense import dense_first, dispatched_dense
+
+    slow = {n: {"CUDNN_ATTENTION": 5.0, "FLASH_ATTENTION": 6.0, OWN: 6.5} for n in DISPATCH_LENGTHS}
+    exp = tiny_dispatch_export(tmp_path / "e", _record(_be_doc(batch16=slow)))
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="dense")
+    state = tiny_sdpa_model._sparsecal_state
+    assert state.dense_backends["decode"]["batches"] == [1, 16]
+    assert [dense_first(state, "decode", 301, b) for b in (None, 1, 8, 16, 64)] == [OWN, OWN, OWN, "FLASH_ATTENTION",
+                                                                                  "FLASH_ATTENTION"]
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="bsfa", k=1, decode="topk")
+    state = tiny_sdpa_model._sparsecal_state
+    assert [dispatched_dense(state, 0, "decode", 301, b) for b in (1, 16)] == [OWN, "FLASH_ATTENTION"]
+    _, _, ran = _greedy(tiny_sdpa_model, seed)
+    assert ran
     sparsecal.densify(tiny_sdpa_model)
 
 

@@ -108,8 +108,8 @@ class _State:
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
     plan: dict | None = None                       # dispatch: {"lengths" [NL], "sparse" [L][NL], "backends" [NL],
     #                                                "sparsity" [L][NL] calibrated, None where not sparse}
-    dense_backends: dict | None = None             # dispatch record: {"lengths" [NL], "backends" [NL]}, the SDPA
-    #                                                backend every method's dense prefill runs (dense_first)
+    dense_backends: dict | None = None             # dispatch record: {"lengths" [NL], "backends" [NL], "decode"
+    #                                                {"batches", "picks"} | None}: every dense call's backend (dense_first)
     _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
     geo: tuple = ()                                # (config, _geometry(config)) of the last config seen
     masks_ok: list = field(default_factory=list)   # weakrefs: this forward's masks found causal
@@ -414,9 +414,9 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     first, kw, counted = dispatched_dense(state, layer, mode, nk, query.shape[0]), None, True
     if first is None and _runs_sparse(state, layer, spec, window, nk):
         kw = {"dense": True} if _window_covers(state, mode, nk) else call_args(state, layer, mode, nk, query.device)
-        first = dense_first(state, mode, nk) if kw.get("dense") else None  # skips nothing: dense's own path
+        first = dense_first(state, mode, nk, query.shape[0]) if kw.get("dense") else None  # skips nothing: dense's
     elif first is None and _runs_sparse(state, layer, spec, window, nk, every_layer=True):
-        kw, first, counted = {"dense": True}, dense_first(state, mode, nk), False  # left dense: dense's path
+        kw, first, counted = {"dense": True}, dense_first(state, mode, nk, query.shape[0]), False  # left dense
     if kw is None or first is not None:
         return _exact_dense(state, query, key, value, scale, first, spec, window, kwargs), None
     if kwargs.get("softcap"):

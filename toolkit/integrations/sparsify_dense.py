@@ -33,10 +33,11 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     """Under an export's dispatch record: per length bucket the one SDPA backend that every method's
     dense prefill tries first (the reference ``dense`` included), the most frequent fastest dense
     backend over the record's operating points (ties: formats.dispatch.SDPA_BACKENDS order), so a
-    dense layer is the same computation whichever method or point runs it; ``decode``: the same over
-    the configs' decode entries, of every decision and every measured batch of each (the dense decode
-    is one SDPA call whichever decision the sparse kernel takes; None: the record has none, decode's
-    dense path stays the kernels with skipping off). None: no record."""
+    dense layer is the same computation whichever method or point runs it; ``decode``: the same per
+    measured batch over the configs' decode entries of every decision ({"batches" [NB] ascending
+    (0: a record that names none), "picks" [NB][lengths]}: the dense decode is one call whichever
+    decision the sparse kernel takes, and the fastest one moves with the batch; None: the record has
+    none, decode's dense path stays the kernels with skipping off). None: no record."""
     from sparsecal.formats.dispatch import decode_entries, decode_views
     from sparsecal.formats.exports import BLASST_JSON, load_blasst
 
@@ -52,9 +53,14 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     if not rec:
         return None
     n = len(rec["lengths"])
-    dec = [v["dense_backend"] for c in rec["configs"] for d in decode_entries(c) for _, v in decode_views(d)]
+    dec: dict = {}
+    for c in rec["configs"]:
+        for d in decode_entries(c):
+            for b, v in decode_views(d):
+                dec.setdefault(b or 0, []).append(v["dense_backend"])
+    decode = {"batches": sorted(dec), "picks": [_vote(dec[b], n) for b in sorted(dec)]} if dec else None
     return {"lengths": list(rec["lengths"]), "backends": _vote([c["dense_backend"] for c in rec["configs"]], n),
-            "decode": _vote(dec, n) if dec else None}
+            "decode": decode}
 
 
 def _dispatch_plan(export_dir, method: str, value, expect: dict) -> dict | None:
@@ -142,17 +148,22 @@ def own_dense_decode(state, query, key, value, scale: float):
     return group_decode_triton(query, key, value, scale, state.block_m, state.block_n, dense=True)[0]
 
 
-def dense_first(state, mode: str, length: int) -> str | None:
+def dense_first(state, mode: str, length: int, batch: int | None = None) -> str | None:
     """Where a call skips nothing by construction (``dense``, BLASST outside its law's lengths, a
     window that covers every candidate, BSFA's dense decode), it runs what ``dense`` runs: under a
     dispatch record the bucket's SDPA backend of that phase (this is returned; below the shortest
-    length, the shortest's; decode: Flash where the record picked cuDNN, formats.dispatch.decode_backend;
-    OWN_DENSE: the project's dense decode kernel, _exact_dense),
+    length, the shortest's; decode: the picks of the largest measured batch <= ``batch`` (below
+    every one, or no batch given: the smallest), Flash where the record picked cuDNN,
+    formats.dispatch.decode_backend; OWN_DENSE: the project's dense decode kernel, _exact_dense),
     else the kernels with skipping off (None). Decode: only under a record with decode entries."""
+    import bisect
+
     backends = None if state.dense_backends is None else (
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
     if backends is None:
         return None
+    if mode == "decode":
+        backends = backends["picks"][max(bisect.bisect_right(backends["batches"], batch or 0) - 1, 0)]
     from sparsecal.formats.dispatch import bucket
 
     return _pick(backends, bucket(state.dense_backends["lengths"], length), mode)
@@ -213,7 +224,8 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     j = bucket(lengths, length)
     if j is not None and sparse[layer][j]:
         return None
-    return dense_first(state, mode, length) or _pick(plan["backends" if mode == "prefill" else "dense_backend"], j, mode)
+    return dense_first(state, mode, length, batch) or _pick(plan["backends" if mode == "prefill" else "dense_backend"],
+                                                            j, mode)
 
 
 _BACKENDS: dict = {}  # SDPBackend name -> the enum member (looked up once)
