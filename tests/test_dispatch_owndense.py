@@ -206,3 +206,26 @@ def test_where_the_project_kernel_runs_a_dense_decode_step(monkeypatch):
     assert not own_dense_runs(q, None, None, {"s_aux": torch.zeros(4)})
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not own_dense_runs(q, None, None, {})
+
+
+def test_a_forward_that_counts_nothing_zeroes_nothing(tiny_sdpa_model, tmp_path):
+    """Layer 0 zeroes the counts only when a layer wrote them since: under a plan that runs every
+    layer dense a forward launches no zero_ after the first, and counts written before (a sparse
+    forward's) still read zero after the next forward that counts nothing."""
+    exp = tiny_dispatch_export(tmp_path / "e", _record())
+    sparsecal.sparsify(tiny_sdpa_model, exp, method="bsfa", k=1, decode="topk")
+    ids = torch.randint(0, 300, (1, 300), generator=torch.Generator().manual_seed(1))
+
+    def zeroes():
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            tiny_sdpa_model(ids)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::zero_")
+
+    assert zeroes() == 4  # the first forward: every stats tensor once
+    assert zeroes() == 0
+    state, stats = tiny_sdpa_model._sparsecal_state, tiny_sdpa_model.sparsecal_stats
+    for t in stats.values():  # as a sparse forward leaves them
+        t.fill_(7)
+    state.counted = True
+    assert zeroes() == 4 and all(int(t.abs().sum()) == 0 for t in stats.values())
+    sparsecal.densify(tiny_sdpa_model)
