@@ -24,8 +24,8 @@ from sparsecal.kernels.sparse.reference import sparse_decode_ragged
 from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
-SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep{s}-h100-d{d}.json"   # the sweeps DENSE_TABLE is from: batch 16, 1
-          for s in ("4", "5-b1") for d in (128, 64)]
+SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep{s}-h100-d{d}.json"   # the sweeps DENSE_TABLE is from, oldest first:
+          for s in ("4", "5-b1", "6-b16") for d in (128, 64)]            # batch 16, batch 1, batch 16 at G 4/8 16K-32K
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)
@@ -93,7 +93,7 @@ def test_table_lookup_and_loop_tile():
     assert buckets(64, 7, 90000, 2) == (64, 8, 65536, 1) and buckets(64, 16, 4096, 3) == (64, 16, 16384, 16)
     assert buckets(128, 4, 100000) == (128, 4, 131072, 16)
     assert launch_for(64, 8, 65536) is DENSE_TABLE[(64, 8, 65536, 16)]
-    assert launch_for(128, 4, 32768, 1) != launch_for(128, 4, 32768, 16)
+    assert launch_for(128, 4, 65536, 1) != launch_for(128, 4, 65536, 16)
     DENSE_TABLE[(32, 4, 16384, 16)] = cfg = DenseLaunch(block_n=32)
     try:
         assert launch_for(32, 2, 20000, 8) is cfg and launch_for(32, 2, 30000) is DENSE_DEFAULT
@@ -109,18 +109,22 @@ NEAR = 0.005   # a table entry is at most this much slower than the shape's fast
 
 
 def test_committed_table_holds_near_winners_of_the_sweep():
-    """Every DENSE_TABLE entry is, at each swept shape of its key (batch 16 and batch 1), a launch the
-    sweep built and checked
-    (every ragged/paged check row of its name ok, its timed row ok) whose median is within NEAR of the
-    shape's fastest checked launch (DENSE_DEFAULT among them); and every swept shape has an entry."""
+    """Every DENSE_TABLE entry is, at each swept shape of its key (batch 16 and batch 1; a shape swept
+    again: its latest sweep), a launch the sweep built and checked (every ragged/paged check row of
+    its name ok, its timed row ok) whose median is within NEAR of the shape's fastest checked launch
+    (DENSE_DEFAULT among them); and every swept shape has an entry."""
+    latest = {}
     for path in SWEEPS:
         sweep = json.loads(path.read_text())
         checked = {r["config"] for r in sweep["check"]} - {r["config"] for r in sweep["check"] if not r["ok"]}
         for shape in sweep["shapes"]:
-            rows = {r["variant"]: r for r in shape["rows"] if r["kind"] == "dense" and r.get("ok") and r.get("ms")}
-            key = buckets(shape["d"], shape["group"], shape["length"], shape["batch"])
-            cfg = DENSE_TABLE[key]
-            name = cfg if cfg == ATTEND else cfg.name()
-            row = rows[f"dense_{name}"]
-            assert name in checked, key
-            assert row["ms"] <= (1 + NEAR) * min(r["ms"] for r in rows.values()), (key, cfg.name())
+            latest[(shape["d"], shape["group"], shape["length"], shape["batch"])] = (shape, checked)
+    assert len(latest) == 18 + 24  # batch 16: D 64/128 x G 1/4/8 x 16K-64K; batch 1: the same x 16K-128K
+    for shape, checked in latest.values():
+        rows = {r["variant"]: r for r in shape["rows"] if r["kind"] == "dense" and r.get("ok") and r.get("ms")}
+        key = buckets(shape["d"], shape["group"], shape["length"], shape["batch"])
+        cfg = DENSE_TABLE[key]
+        name = cfg if cfg == ATTEND else cfg.name()
+        row = rows[f"dense_{name}"]
+        assert name in checked, key
+        assert row["ms"] <= (1 + NEAR) * min(r["ms"] for r in rows.values()), (key, name)

@@ -114,14 +114,16 @@ LENGTH_BUCKETS = (16384, 32768, 65536, 131072)
 # Batch 16 (data/bench/decode-sweep4-h100-d128.json, -d64.json; B=16, H=32, graph replays, 3 rounds): n128w4s3W2 was
 # the fastest dense launch at all 9 D=128 shapes (+0.4-1.2 % over the previous entry, n128w8s2W2) and within 0.2 % of
 # the fastest at D=64 G=4/8; at D=64 G=1 n64w2s4p8 (+0.5-1.2 % over n64w4s3W1). Swept at 16K-64K: the 131072 bucket
-# takes the 65536 entry unmeasured.
+# takes the 65536 entry unmeasured. A later batch-16 sweep of G=4/8 at 16K-32K (decode-sweep6-b16-h100-d128.json,
+# -d64.json, with one-wave launches among the candidates) found n128w4s3W1 fastest at D=128 (+1.0-2.2 % over
+# n128w4s3W2) and within 0.2 % of the fastest at D=64: those 8 entries are n128w4s3W1.
 # Batch 1 (decode-sweep5-b1-h100-d128.json, -d64.json; B=1, H=32, 16K-128K, 2 rounds): one wave of 128-key splits
 # (n128w4s3W1) the fastest at all 12 D=128 shapes, 0.992-1.034x cuDNN where n128w4s3W2 ran 0.943-1.026x; at D=64 the
 # winner moves with G and length (per entry below), 0.961-1.055x cuDNN.
 _B1_D64 = {1: (DENSE_DEFAULT, ATTEND, ATTEND, ATTEND), 4: (ATTEND, _W1P32, DENSE_DEFAULT, DENSE_DEFAULT),
            8: (_N128, ATTEND, _W1P32, DENSE_DEFAULT)}
 DENSE_TABLE: dict[tuple[int, int, int, int], DenseLaunch | str] = {
-    **{(d, g, n, 16): (_W2P8 if (d, g) == (64, 1) else _N128)
+    **{(d, g, n, 16): (_W2P8 if (d, g) == (64, 1) else _N128W1 if g > 1 and n <= 32768 else _N128)
        for d in (64, 128) for g in (1, 4, 8) for n in LENGTH_BUCKETS},
     **{(128, g, n, 1): _N128W1 for g in (1, 4, 8) for n in LENGTH_BUCKETS},
     **{(64, g, n, 1): _B1_D64[g][i] for g in (1, 4, 8) for i, n in enumerate(LENGTH_BUCKETS)},
