@@ -11,9 +11,9 @@ CUDA device and the plain-torch reference (kernels/sparse/reference.py) elsewher
 auto | triton | reference; triton on a CPU needs TRITON_INTERPRET=1). After each forward,
 ``model.sparsecal_stats`` holds per layer and head the candidate tiles skipped and the reachable
 tiles of that forward, on the device the attention ran on:
-``{"skipped": [L, H] int64, "reachable": [L, H] int64}`` (and the same per batch row,
+``{"skipped": [L, H] int64, "reachable": [L, H] int64}`` (the sums over the batch of the per-row
 ``"row_skipped"`` / ``"row_reachable"`` [L, B, H], so a batch of prompts is counted prompt by
-prompt), and ``model.sparsecal_law`` the forward's
+prompt; sparsify_stats.py), and ``model.sparsecal_law`` the forward's
 ``{"mode", "length", "law"}`` (BLASST: below | interpolated | extrapolated; sparsify_laws.py).
 
 BLASST uses lambda = threshold_scale_factor[mode] / sequence length (prefill) or the current
@@ -62,6 +62,7 @@ from sparsecal.integrations.sparsify_dense import (  # noqa: F401 - dispatched_d
     dense_first,
     dispatched_dense,
 )
+from sparsecal.integrations.sparsify_stats import Stats
 
 METHODS = {"bsfa": "sparsecal_bsfa", "blasst": "sparsecal_blasst", "window": "sparsecal_window",
            "dense": "sparsecal_dense", **{m: f"sparsecal_{m}" for m in ("window_sink", "blasst_sl", "vfa", "vsa")}}
@@ -96,7 +97,7 @@ class _State:
     model_id: str | None = None                    # register(): the expected model id
     export_model: str | None = None                # the model id the export names (None: it names none)
     checked: bool = True                           # register(): False until checked against a model
-    stats: dict = field(default_factory=dict)     # {"skipped": [L, H], "reachable": [L, H]} int64
+    stats: Stats = field(default_factory=Stats)   # the counts of the last forward (sparsify_stats.py)
     layers: frozenset | None = None                # layers the export runs sparse (None: every layer)
     specs: dict = field(default_factory=dict)      # layer -> formats.layers.LayerSpec of the model
     said_fallback: bool = False                    # the head-dim fall-back to the reference was reported
@@ -124,17 +125,10 @@ class _State:
             self._on_device[key] = thr.to(device=device, dtype=torch.float32)
         return self._on_device[key]
 
-    def stats_on(self, device, layers: int, heads: int, batch: int = 1) -> dict:
-        """The stats tensors, (re)allocated on ``device`` for ``batch`` rows; the dict object stays
+    def stats_on(self, device, layers: int, heads: int, batch: int = 1) -> Stats:
+        """The stats, their tensors (re)allocated on ``device`` for ``batch`` rows; the object stays
         the same."""
-        sk, rows = self.stats.get("skipped"), self.stats.get("row_skipped")
-        if (sk is None or sk.device != torch.device(device) or sk.shape != (layers, heads)
-                or rows is None or rows.shape != (layers, batch, heads)):
-            zeros = torch.zeros(layers, heads, dtype=torch.int64, device=device)
-            row_zeros = torch.zeros(layers, batch, heads, dtype=torch.int64, device=device)
-            self.stats.update(skipped=zeros, reachable=zeros.clone(), row_skipped=row_zeros,
-                              row_reachable=row_zeros.clone())
-        return self.stats
+        return self.stats.on(device, layers, heads, batch)
 
 
 def _geometry(config) -> dict:
@@ -408,7 +402,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     geo = _state_geometry(state, module.config)
     stats = state.stats_on(query.device, geo["num_layers"], h, query.shape[0])
     if layer == 0 and state.counted:  # a new forward starts: the counts describe the last forward only
-        for counts in stats.values():
+        for counts in stats.held():
             counts.zero_()
         state.counted = False
     note_law(state, mode, nk)  # state.law = model.sparsecal_law: interpolated | extrapolated | below | None
@@ -438,10 +432,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     if counted:  # a layer the export leaves dense counts nothing; skipped [B, H], reach per row
         state.counted = True
-        stats["row_skipped"][layer] = skipped
-        stats["row_reachable"][layer].fill_(reach)  # a host number: filled, no tensor made of it
-        stats["skipped"][layer] = skipped.sum(dim=0)
-        stats["reachable"][layer].fill_(reach * query.shape[0])
+        stats.record(layer, skipped, reach)
     return (out.to(dtype) if state.precision == "fp32" else out), None
 
 

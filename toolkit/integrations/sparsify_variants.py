@@ -87,9 +87,10 @@ def run_vfa(state, mode: str, query, key, value, scale: float, kw: dict, stats: 
     out, c = run(fold(query), fold(key), fold(value), scale, state.block_m, state.block_n, **args)
     for name, key_name in VFA_STATS.items():
         t = stats.get(key_name)
-        if t is None or t.shape != stats["skipped"].shape or t.device != stats["skipped"].device:
+        rows = stats["row_skipped"]  # [L, B, H]: the layer and head counts are [L, H]
+        if t is None or t.shape != (rows.shape[0], rows.shape[2]) or t.device != rows.device:
             dtype = torch.float32 if name == "excess" else torch.int64
-            stats[key_name] = t = torch.zeros_like(stats["skipped"], dtype=dtype)
+            stats[key_name] = t = torch.zeros(rows.shape[0], rows.shape[2], dtype=dtype, device=rows.device)
         val = getattr(c, name).view(b, h)
         t[layer] = val.amax(dim=0) if name == "excess" else val.sum(dim=0)
     return out.view(b, h, *out.shape[2:]).transpose(1, 2).contiguous(), c.skipped.view(b, h), c.reachable
