@@ -329,7 +329,7 @@ def eval_(
     rounds: int = typer.Option(3, min=1, help="Timing phase: round-robin rounds over a length's variants (median kept)."),
     reps: int = typer.Option(5, min=1, help="Timing phase: timed prefill forwards per round (median)."),
     warmup: int = typer.Option(2, min=0, help="Timing phase: untimed forwards (and decode steps) before the timed ones."),
-    decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round (median per step)."),
+    decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round, eager and CUDA-graph replays (median per step)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Timing phase: also CUDA-graph replays of the prefill (CUDA only)."),
     time_lengths: Optional[str] = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
     batch: int = typer.Option(1, min=1, help="Prompts of one length evaluated together as one batch (rows stay per prompt and independent; a GPU's host-bound decode steps are shared): 16-32 on a GPU, one process per GPU (processes sharing one are time-sliced)."),

@@ -9,8 +9,10 @@ method; the noise floors ``dense:fp32`` and ``sdpa`` are not configurations anyo
            forward without a cache captured in a CUDA graph and replayed
     tpot   greedy decode steps from that prompt's cache: ``warmup`` untimed steps, then the median
            of ``decode_steps`` single-step times (eager), and with ``graph`` one decode step against
-           the prompt's cache captured in a CUDA graph and replayed (device time: what a serving
-           engine that replays decode graphs pays; the eager step of a small model is host-bound)
+           the prompt's cache captured in a CUDA graph, the median of ``decode_steps`` replays
+           (device time: what a serving engine that replays decode graphs pays; the eager step of a
+           small model is host-bound; a step is cheap next to a prefill, so it gets the decode
+           count, not ``reps``: with 2 replays the 8B graph TPOT read +-3 %)
 
 each against the best PyTorch SDPA on the same length: the model's own attention as causal SDPA
 in PyTorch's backend order (``sdpa``) and with cuDNN first (``sdpa_cudnn``, GPU only), the faster
@@ -60,7 +62,7 @@ class TimingOptions:
     reps: int = 5          # timed prefill forwards per round (median)
     warmup: int = 2        # untimed forwards (and decode steps) first
     graph: bool = True     # also CUDA-graph replays of the prefill and of a decode step (CUDA only)
-    decode_steps: int = 16  # timed decode steps per round (median per step)
+    decode_steps: int = 16  # timed decode steps (and decode-graph replays) per round (median per step)
 
 
 def ideal_speedup(share: float, sparsity: float) -> float:
@@ -312,7 +314,7 @@ def _measure(model, ids, opts: TimingOptions, sparse: bool) -> dict:
     got["tpot_ms"] = dec["ms"]
     if opts.graph and cuda:
         try:
-            got["tpot_graph_ms"] = decode_graph_ms(model, ids, opts.reps, opts.warmup)
+            got["tpot_graph_ms"] = decode_graph_ms(model, ids, opts.decode_steps, opts.warmup)
         except RuntimeError as e:  # recorded beside the prefill's: a decode capture can fail where eager runs
             got["tpot_graph_ms"] = None
             got["graph_error"] = got.get("graph_error") or f"decode {type(e).__name__}: {str(e)[:200]}"
