@@ -26,7 +26,8 @@ def test_quick_step_anatomy(tmp_path, seed):
     assert list(got) == ["sdpa", "bsfa:1:topk", "bsfa:1:topk+dispatch", "dense+dispatch"]  # no cuDNN on the CPU
     assert doc["best_sdpa"] == "sdpa" and got["sdpa"]["kernels_vs_best_sdpa"] == []
     for label, v in got.items():
-        assert len(v["rounds_ms"]) == 2 and v["ms"] > 0 and v["vs_best_sdpa"] > 0
+        assert len(v["rounds_ms"]) == len(v["eager_rounds_ms"]) == 2 and v["ms"] > 0 and v["vs_best_sdpa"] > 0
+        assert v["eager_ms"] > 0 and v["eager_vs_best_sdpa"] > 0
         assert v["kernels"]["aten::linear"][0] > 0, label
     for label in ("bsfa:1:topk", "bsfa:1:topk+dispatch", "dense+dispatch"):  # sparsecal's decode paths: no SDPA op
         delta = {name: n for name, n, _ in got[label]["kernels_vs_best_sdpa"]}

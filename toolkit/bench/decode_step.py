@@ -1,9 +1,10 @@
 """Where one decode step of a model goes (issue 28, the end-to-end TPOT row): per configuration (the
 timing phase's baselines ``sdpa`` and ``sdpa_cudnn``, then each method as `sparsecal eval` switches
-it on) the step's device time as CUDA-graph replays in round-robin rounds, and the kernels one
-eager step launches (torch.profiler: per kernel name its launches and device microseconds), with
-each configuration's kernels set against the faster baseline's, so a gap in TPOT is split into
-the attention kernel and the kernels around it.
+it on) the step's device time as CUDA-graph replays in round-robin rounds, its eager time (greedy
+steps from the prompt's cache, evaluation.timing.decode_ms: host launches included), and the
+kernels one eager step launches (torch.profiler: per kernel name its launches and device
+microseconds), with each configuration's kernels set against the faster baseline's, so a gap in
+TPOT is split into the attention kernel, the kernels around it, and the host.
 
     python -m sparsecal.bench.decode_step --model DIR --export DIR --length 32768
         [--methods dense,bsfa:128,blasst:0.5] [--dispatch both] [--rounds 5] [--reps 20] [--out FILE]
@@ -110,7 +111,7 @@ def _variants(model, args, model_id: str) -> dict:
 def run(args) -> dict:
     """Every configuration's step times (rounds) and kernels at ``args.length``."""
     from sparsecal.capture.models import load_model, resolve_model
-    from sparsecal.evaluation.timing import random_ids
+    from sparsecal.evaluation.timing import decode_ms, random_ids
     from sparsecal.formats.provenance import provenance
 
     ms = resolve_model(args.model)
@@ -119,22 +120,24 @@ def run(args) -> dict:
     ids = random_ids(model.get_output_embeddings().weight.shape[0], args.length, torch.device(device))
     cache, nxt = _prompt_cache(model, ids)
     table = _variants(model, args, ms.model_id)
-    got = {label: {"rounds_ms": []} for label in table}
+    got = {label: {"rounds_ms": [], "eager_rounds_ms": []} for label in table}
     for r in range(args.rounds):
         for label, (enter, leave) in table.items():
             enter()
             try:
                 got[label]["rounds_ms"].append(step_ms(model, cache, nxt, args.reps, args.quick))
+                got[label]["eager_rounds_ms"].append(decode_ms(model, ids, args.reps, 2)["ms"])
                 if r == 0:
                     got[label]["kernels"] = kernels(model, cache, nxt, args.quick)
             finally:
                 leave()
         log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v['rounds_ms'][-1]:.3f}" for k, v in got.items()))
     for v in got.values():
-        v["ms"] = statistics.median(v["rounds_ms"])
+        v["ms"], v["eager_ms"] = statistics.median(v["rounds_ms"]), statistics.median(v["eager_rounds_ms"])
     best = min(("sdpa", "sdpa_cudnn"), key=lambda n: got[n]["ms"] if n in got else float("inf"))
+    best_eager = min(got[n]["eager_ms"] for n in ("sdpa", "sdpa_cudnn") if n in got)
     for label, v in got.items():
-        v["vs_best_sdpa"] = got[best]["ms"] / v["ms"]
+        v["vs_best_sdpa"], v["eager_vs_best_sdpa"] = got[best]["ms"] / v["ms"], best_eager / v["eager_ms"]
         v["kernels_vs_best_sdpa"] = diff(v["kernels"], got[best]["kernels"])
     return {"benchmark": "decode_step", "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()},
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "best_sdpa": best,
@@ -145,7 +148,8 @@ def summary(doc: dict) -> str:
     """Per configuration its step time against the best SDPA and its largest kernel differences."""
     lines = [f"decode step at {doc['args']['length']} tokens on {doc['device']}; best SDPA {doc['best_sdpa']}"]
     for label, v in doc["variants"].items():
-        lines.append(f"  {label:24s} {v['ms']:.4f} ms  {v['vs_best_sdpa']:.3f}x best SDPA")
+        lines.append(f"  {label:24s} {v['ms']:.4f} ms  {v['vs_best_sdpa']:.3f}x best SDPA; eager {v['eager_ms']:.3f} ms "
+                     f"{v['eager_vs_best_sdpa']:.3f}x (rounds {min(v['eager_rounds_ms']):.3f}-{max(v['eager_rounds_ms']):.3f})")
         lines += [f"      {n:+3d} x  {us:+9.2f} us  {name}" for name, n, us in v["kernels_vs_best_sdpa"][:TOP]]
     return "\n".join(lines)
 
