@@ -227,6 +227,6 @@ def test_a_forward_that_counts_nothing_zeroes_nothing(tiny_sdpa_model, tmp_path)
     for t in stats.held():  # as a sparse forward leaves them
         t.fill_(7)
     assert int(stats["skipped"][0, 0]) == 7  # one row
-    state.counted = True
+    state.counts_written = True
     assert zeroes() == 2 and all(int(t.abs().sum()) == 0 for t in stats.values())
     sparsecal.densify(tiny_sdpa_model)

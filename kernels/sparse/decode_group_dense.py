@@ -336,12 +336,11 @@ def loop_tile(cfg: DenseLaunch, page: int) -> int:
 
 
 def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None, bound: int, page: int,
-                       splits: int | None = None, cfg: DenseLaunch | None = None, softcap: float = 0.0):
-    """Dense decode with the group kernel (decode_group.group_decode_triton's ``dense=True``, layout
-    checked there): q [B, H, 1, D]; k/v [B, Hkv, L, D] or page pools [P, Hkv, page, D] with
-    block_table [B, max_pages] and lengths [B]; bound the longest row's cache bound. ``cfg`` the
-    launch (default: ``launch_for`` this shape; not ATTEND). Returns (out [B, H, 1, D], zeros [B, H] i64, zeros
-    [B, Hkv] i64).
+                       cfg: DenseLaunch, splits: int | None = None, softcap: float = 0.0):
+    """Dense decode with the group kernel (decode_group.group_decode_triton's ``dense=True``: layout
+    checked and the launch ``cfg`` looked up there, ``launch_for``): q [B, H, 1, D]; k/v [B, Hkv, L, D]
+    or page pools [P, Hkv, page, D] with block_table [B, max_pages] and lengths [B]; bound the
+    longest row's cache bound. Returns (out [B, H, 1, D], zeros [B, H] i64, zeros [B, Hkv] i64).
 
     The split count is a function of the shape and the device alone, so every call of a shape sums
     the same partials in the same order (bit-identical results, the first call of a process too): a
@@ -349,9 +348,6 @@ def dense_group_decode(q, k, v, scale: float, *, lengths=None, block_table=None,
     read it, and that result is replaced by the launch with the wave-fitted splits."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
-    cfg = cfg or launch_for(d, h // hkv, bound, b)
-    if cfg == ATTEND:
-        raise ValueError("the attend pass is decode_group.group_decode_triton's (dense_launch='attend')")
     bn = loop_tile(cfg, page)
     dev = q.device
     n_tiles = triton.cdiv(bound, bn)

@@ -114,7 +114,7 @@ class _State:
     _on_device: dict = field(default_factory=dict)  # (device, decode) -> thresholds there
     geo: tuple = ()                                # (config, _geometry(config)) of the last config seen
     masks_ok: list = field(default_factory=list)   # weakrefs: this forward's masks found causal
-    counted: bool = True                           # stats written since they were last zeroed (layer 0 zeroes
+    counts_written: bool = True                    # stats written since they were last zeroed (layer 0 zeroes
     #                                                them only then: a forward that counts nothing launches nothing)
 
     def thresholds_on(self, device, decode: bool = False) -> torch.Tensor:
@@ -401,10 +401,10 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     _check_mask(state, attention_mask, nq, nk, layer)
     geo = _state_geometry(state, module.config)
     stats = state.stats_on(query.device, geo["num_layers"], h, query.shape[0])
-    if layer == 0 and state.counted:  # a new forward starts: the counts describe the last forward only
+    if layer == 0 and state.counts_written:  # a new forward starts: the counts describe the last forward only
         for counts in stats.held():
             counts.zero_()
-        state.counted = False
+        state.counts_written = False
     note_law(state, mode, nk)  # state.law = model.sparsecal_law: interpolated | extrapolated | below | None
     spec = state.specs.get(layer)
     window = kwargs.get("sliding_window") or (spec.window if spec else None)
@@ -431,7 +431,7 @@ def sparse_attention_fn(module, query, key, value, attention_mask, scaling=None,
     else:
         out, skipped, reach = _run_reference(state, mode, query, key, value, scale, kw)
     if counted:  # a layer the export leaves dense counts nothing; skipped [B, H], reach per row
-        state.counted = True
+        state.counts_written = True
         stats.record(layer, skipped, reach)
     return (out.to(dtype) if state.precision == "fp32" else out), None
 

@@ -7,6 +7,7 @@ sparsify.py; ``state`` is sparsify's per-model state (its ``plan``, ``dense_back
 ``precision``)."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 from pathlib import Path
 
@@ -156,14 +157,12 @@ def dense_first(state, mode: str, length: int, batch: int | None = None) -> str 
     every one, or no batch given: the smallest), Flash where the record picked cuDNN,
     formats.dispatch.decode_backend; OWN_DENSE: the project's dense decode kernel, _exact_dense),
     else the kernels with skipping off (None). Decode: only under a record with decode entries."""
-    import bisect
-
     backends = None if state.dense_backends is None else (
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
     if backends is None:
         return None
     if mode == "decode":
-        backends = backends["picks"][max(bisect.bisect_right(backends["batches"], batch or 0) - 1, 0)]
+        backends = backends["picks"][batch_index(backends["batches"], batch)]
     from sparsecal.formats.dispatch import bucket
 
     return _pick(backends, bucket(state.dense_backends["lengths"], length), mode)
@@ -190,8 +189,6 @@ def decode_entry(state, dec: dict, batch: int | None) -> dict:
     """The entry of the largest measured batch <= ``batch`` (below every measured batch, or no
     batch given: the smallest); a ``batch`` outside the measured ones is said once on stderr (the
     break-even moves with the batch). Python ints only: no tensor is read."""
-    import bisect
-
     got = dec["batches"]
     if not got or not batch:
         return dec["entries"][0]
@@ -203,7 +200,13 @@ def decode_entry(state, dec: dict, batch: int | None) -> dict:
               f"{', '.join(map(str, got))}, this decode runs batch {batch}: it follows batch {which}'s break-even "
               f"(measure it: sparsecal bench break-even --phases decode --decode-batch {batch}).", file=sys.stderr)
         state.said_batch = True
-    return dec["entries"][max(bisect.bisect_right(got, batch) - 1, 0)]
+    return dec["entries"][batch_index(got, batch)]
+
+
+def batch_index(batches: list, batch: int | None) -> int:
+    """Index of the largest measured batch <= ``batch`` in ascending ``batches`` (0 below every one,
+    with none measured, or without a batch)."""
+    return max(bisect.bisect_right(batches, batch or 0) - 1, 0)
 
 
 def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | None = None) -> str | None:
