@@ -15,7 +15,8 @@ kernel targets, in one run on one Hopper GPU.
 
 3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
-   form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off). A
+   form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
+   ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -36,6 +37,7 @@ from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds
 from sparsecal.kernels.dense import attention_dense, flops_causal
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
+from sparsecal.kernels.sparse.prefill_gluon_pair import sparse_attention_gluon_pair
 from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
 from sparsecal.kernels.sparse.reference import sparse_attention
 
@@ -43,11 +45,18 @@ TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # (N, Hkv, G, D, dtype, batch, transposed storage)
 CHECK_CASES = ((1000, 2, 4, 128, torch.bfloat16, 1, False), (777, 1, 8, 64, torch.float16, 1, True),
                (1300, 3, 1, 64, torch.bfloat16, 2, False), (640, 2, 4, 128, torch.float16, 1, True),
-               (2049, 1, 4, 128, torch.bfloat16, 1, True))
+               (2049, 1, 4, 128, torch.bfloat16, 1, True), (1500, 2, 4, 64, torch.bfloat16, 1, False))
 # Extra Gluon kernels (--variants): name -> callable with sparse_attention_gluon's arguments and results.
 EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_prod": functools.partial(sparse_attention_gluon_ws, producer=True),
-                  "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False)}
+                  "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
+                  "gluon_pair": sparse_attention_gluon_pair}
+VARIANT_DIMS = {"gluon_pair": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+
+
+def takes(name: str, d: int) -> bool:
+    """Whether kernel ``name`` takes head dim d (its check cases and timed shapes are those)."""
+    return d in VARIANT_DIMS.get(name, (d,))
 
 
 def _storage(t: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -87,7 +96,7 @@ def check_gluon(extra: tuple = ()) -> dict:
     for name in ("gluon", *extra):
         kern = sparse_attention_gluon if name == "gluon" else EXTRA_VARIANTS[name]
         rows, error = [], None
-        for case in CHECK_CASES:
+        for case in (c for c in CHECK_CASES if takes(name, c[3])):
             try:
                 got = _check_shape(kern, *case)
             except Exception as e:  # an extra variant's failure must not stop the run
@@ -141,7 +150,7 @@ def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
 
 def targets_shape(d: int, n: int, group: int, rounds: int, extra: dict | None = None) -> dict:
     q, k, v = structured_qkv(n, d, HEADS, HEADS // group, seed=n + d + group)
-    variants = _variants(q, k, v, d, n, extra or {})
+    variants = _variants(q, k, v, d, n, {x: e for x, e in (extra or {}).items() if takes(x, d)})
     ms = time_round_robin(variants, rounds)
     sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
     # the project's fastest dense kernel in this run: dense Triton or any Gluon kernel with skipping off

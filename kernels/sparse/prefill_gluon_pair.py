@@ -1,0 +1,263 @@
+"""Two query blocks a program for the Gluon Hopper prefill at head dim 64: each consumer warpgroup
+owns a whole query block, so a tile's decision never waits for the other warpgroup.
+
+Same semantics, arguments and results as ``prefill_gluon.sparse_attention_gluon`` (query blocks of
+BM = 128 rows, the BSFA / BLASST-forward / window rule over all 128 rows of a block, identical skip
+counts), for head dim 64 and key tiles of 64 rows; checked against the reference and timed on the GPU
+by bench/prefill_gluon.py (``--variants gluon_pair``), built for sm_90 on CPU machines by
+tests/test_prefill_gluon_pair.py.
+
+Why (data/bench/NOTES.md, "prefill-gluon-ws" and "prefill-pair"): in the warp-specialized kernel the
+two consumer warpgroups of a program split one block's 128 rows, so every decision (a max over the
+128 rows) meets them through a shared-memory exchange; at D = 64, where a tile's tensor work is half
+of D = 128's, that kernel with nothing skipped ran at 0.82-0.86 of its own skipping-off form. At
+D = 64 one warpgroup holds a whole block (S [128, 64] and the accumulator [128, 64] in f32, 64 + 64
+registers a thread), so here the decision is a reduction over the warpgroup's own 4 warps, and the
+two warpgroups, each on its own block, run out of step: one's decision under the other's wgmma.
+
+- Program p (heaviest first) owns query blocks 2p (warpgroup 0, the default partition) and 2p + 1
+  (warpgroup 1, a worker) of one (batch, head); the last program of an odd block count has only 2p.
+- One K/V ring serves both: a 1-warp producer copies the key tiles of the union of the two blocks'
+  ranges, in order, into NBUF slots (ready barriers by TMA byte counts, empty barriers with one
+  arrival per consumer warpgroup, K and V apart as in ``prefill_gluon_ws``). A warpgroup *passes*
+  the ring's tiles outside its own block's range (block 2p reaches two fewer tiles, as BM = 2 BN;
+  under a window block 2p + 1 starts two tiles later): it waits for the copies and releases them.
+- A warpgroup releases a slot only after that slot's copy of the same use has landed (a skipped tile
+  waits for its V): the two warpgroups run apart by up to NBUF tiles, and an empty barrier of count 2
+  must not take one warpgroup's release of use n for the other's of use n - 1. The producer issued
+  use n's copy only after use n - 1 was released by both, so waiting for the copy orders them.
+- One program per SM: 12 warps (2 consumer warpgroups + the producer warp's padded warpgroup) at
+  ``maxnreg`` registers, redistributed by setmaxnreg (CONFIG).
+
+Phases as in ``prefill_gluon_ws``: ring tile ordinal t (key tile lo + t) uses slot t % NBUF in use
+n = t // NBUF; consumers wait ready with parity n & 1, the producer waits empty and ready with parity
+(n - 1) & 1 before use n >= 1.
+
+Shape legend
+    B batch   H query heads   Hkv KV heads   N tokens   D head dim (64)   P = ceil(N/BM) query blocks
+    Pt threshold positions   BM = 128 query rows a warpgroup (2 BM a program)   BN = 64 key rows a
+    tile   NBUF ring slots
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from sparsecal.kernels.sparse.prefill_gluon import _attend, _coords, _scores, _tma_load, launch
+from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _issue
+
+# One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
+# gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
+CONFIG = {"NBUF": 4, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS, "num_warps": 4}
+HEAD_DIM, BLOCK_N = 64, 64  # the only geometry this kernel takes (BM = 128 as every Gluon kernel)
+
+
+@gluon.jit
+def _pass(ring, t0, count, NBUF: gl.constexpr):
+    """Release ring tiles t0 .. t0 + count - 1 unused, each once its K and V copies landed."""
+    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    for u in range(count):
+        slot = (t0 + u) % NBUF
+        phase = ((t0 + u) // NBUF) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot))
+
+
+@gluon.jit
+def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
+               DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
+    128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
+    release V. carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
+    acc, l_i, m_i, n_skip = carry
+    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    d: gl.constexpr = q_smem.shape[1]
+    slot = t % NBUF
+    phase = (t // NBUF) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(slot))
+    s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
+    m_new = gl.maximum(m_i, m_ij)
+    keep = True
+    if DECIDE == 1:
+        keep = gl.max(gl.where(row_ok, m_ij, float("-inf")), 0) >= thr
+    elif DECIDE == 2:
+        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
+        keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
+    if keep:
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           v_ready.index(slot), phase, MASKED, o_layout)
+        m_i = m_new
+    else:
+        mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(slot))
+    return acc, l_i, m_i, n_skip
+
+
+@gluon.jit
+def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
+                  DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 .."""
+    for u in range(count):
+        carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
+                           DECIDE, BM, BN, NBUF, s_layout, o_layout)
+    return carry
+
+
+@gluon.jit
+def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """(first key tile, first diagonal tile, end tile) of query block i."""
+    n_cand = (i * BM) // BN
+    j_lo = n_cand * 0
+    if METHOD == 3:
+        j_lo = gl.maximum(n_cand - window, 0)
+    return j_lo, n_cand, (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+
+
+@gluon.jit
+def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constexpr, NW: gl.constexpr,
+           o_layout: gl.constexpr):
+    """acc / l_i [BM, D] into rows i * BM .. of O [B, H, N, D] (by strides), through the block's
+    (dead) Q tile q_tile [BM, D] in shared memory."""
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    q_tile.store(o.to(q_tile.dtype))
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    o = q_tile.load(out_layout)
+    orow = i * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    ocol = gl.arange(0, q_tile.shape[1], layout=gl.SliceLayout(0, out_layout))
+    base = O + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
+    gl.store(base + orow.to(gl.int64)[:, None] * so_n + ocol[None, :], o.to(O.dtype.element_ty),
+             mask=(orow < n_ctx)[:, None])
+
+
+@gluon.jit
+def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
+                   qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
+    """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
+    outside its block's range (all of them when the block is past N), then stores its rows and skip
+    count (SKIP [B * H, P])."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    n_blocks = (n_ctx + BM - 1) // BM
+    i = 2 * pair + WG
+    j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
+    if i >= n_blocks:
+        j_lo = hi
+        n_cand = hi
+        n_reach = hi
+    thr = log_lambda2
+    if METHOD == 1:
+        thr = gl.load(THR + h * n_thr + gl.minimum(i, n_thr - 1)) * 1.4426950408889634
+    rows = i * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+    row_ok = rows < n_ctx
+    acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    carry = (acc, l_i, m_i, j_lo)
+    mbarrier.wait(q_bar.index(0), 0)
+    q_tile = q_buf.index(WG).reshape([BM, HEAD_DIM])
+    DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
+    _pass(ring, 0, j_lo - lo, NBUF)
+    carry = _pair_segment(carry, q_tile, ring, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx, qk_scale, thr,
+                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout)
+    carry = _pair_segment(carry, q_tile, ring, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
+                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout)
+    _pass(ring, n_reach - lo, hi - n_reach, NBUF)
+    acc, l_i, m_i, n_skip = carry
+    if i < n_blocks:
+        _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM, NW, o_layout)
+        gl.store(SKIP + bh.to(gl.int64) * n_blocks + i, n_skip)
+
+
+@gluon.jit
+def _pair_producer(q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS: gl.constexpr,
+                   KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   NBUF: gl.constexpr):
+    """1 warp: both query blocks (a block past N reads as zeros), then K and V of every ring tile in
+    order, as fast as the ring frees."""
+    mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(q_desc, _coords(src[2], h, (2 * pair + w) * BM, Q_ROWS, num_heads, HEAD_DIM), q_bar.index(0),
+                  q_buf.index(w))
+    for t in range(src[6]):
+        _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+
+
+@gluon.jit
+def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
+                     n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
+                     METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
+    default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
+    1-warp producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``."""
+    pair = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    n_blocks = (n_ctx + BM - 1) // BM
+    lo, n_cand0, reach0 = _block_range(2 * pair, n_ctx, window, METHOD, BM, BN)
+    hi = (gl.minimum((gl.minimum(2 * pair + 1, n_blocks - 1) + 1) * BM, n_ctx) - 1) // BN + 1
+    dtype: gl.constexpr = q_desc.dtype
+    q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM, HEAD_DIM], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
+    q_bar = _barriers(1, 1)
+    k_ready = _barriers(NBUF, 1)
+    v_ready = _barriers(NBUF, 1)
+    k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
+    v_empty = _barriers(NBUF, 2)
+    fence_async_shared()
+    ring = (k_ring, v_ring, k_ready, k_empty, v_ready, v_empty)
+    src = (k_desc, v_desc, b, h // group, num_kv, lo, hi - lo)
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize([
+        (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps)),
+        (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps)),
+        (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
+                          NBUF)),
+    ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
+
+
+def pair_config(nbuf: int | None = None) -> dict:
+    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"])
+
+
+def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
+                                log_lambda: float | None = None, window: int | None = None, order: str = "forward",
+                                dense: bool = False, out=None, nbuf: int | None = None):
+    """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
+    results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
+    ``gluon_supported`` must hold, with head dim 64 and block_n 64."""
+    if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
+        raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
+                         f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
+    grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
+                                           window, order, dense, out)
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf))
+    return out, skip.sum(dim=-1, dtype=torch.int64)
