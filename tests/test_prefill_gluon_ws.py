@@ -9,13 +9,9 @@ warp-specialized partitions with register reallocation, no register spills, no s
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from gluon_build import build
 
 from sparsecal.kernels.sparse import prefill_gluon_ws as pw
 
@@ -31,64 +27,10 @@ def programs_per_sm(d: int, producer: bool) -> int:
     return 1 if (d, producer) == (128, True) else 2
 
 
-# Run in a fresh process: the test session sets TRITON_INTERPRET=1, under which Triton's own jit
-# helpers (the reductions' combine functions) are interpreter objects that no compiler accepts.
-BUILD = """
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from sparsecal.kernels.sparse import prefill_gluon_ws as pw
-
-def desc(rows, d):
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
-    return f"tensordesc<bf16[1,{rows},{d}],{layout!r}>"
-
-def ptxas_v(ptx):
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
-                       capture_output=True, text=True)
-    os.unlink(f.name)
-    return r.stderr
-
-out = {}
-for d, method, producer in json.loads(sys.argv[1]):
-    sig = {"q_desc": desc(64, d), "k_desc": desc(64, d), "v_desc": desc(64, d), "O": "*bf16", "THR": "*fp32",
-           "SKIP": "*i32", "so_b": "i64", "so_h": "i64", "so_n": "i64", "n_ctx": "i32", "num_heads": "i32",
-           "num_kv": "i32", "group": "i32", "n_thr": "i32", "qk_scale": "fp32", "log_lambda2": "fp32", "window": "i32"}
-    kw = pw.ws_config(d, producer)
-    opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg") if k in kw}
-    consts = dict(METHOD=method, Q_ROWS=method % 2 == 0, KV_ROWS=method < 2, HEAD_DIM=d, BM=128, BN=64, **kw,
-                  num_warps=opts["num_warps"])
-    sig.update({k: "constexpr" for k in consts})
-    names = list(sig)
-    src = GluonASTSource(pw._ws_fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    ptx = k.asm["ptx"]
-    log = ptxas_v(ptx)
-    regs = re.search(r"Used (\\d+) registers", log)
-    spill = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log)
-    out[f"{d}-{method}-{int(producer)}"] = {
-        "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
-        "cubin": bool(k.asm.get("cubin")), "shared": k.metadata.shared, "warps": k.metadata.num_warps,
-        "regs": int(regs.group(1)) if regs else None,
-        "spills": int(spill.group(1)) + int(spill.group(2)) if spill else None,
-        "warnings": [x for x in log.splitlines() if "warning" in x.lower()]}
-print("RESULT" + json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def builds():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", BUILD, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                       timeout=900, check=False)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert line, f"the sm_90 build failed:\n{r.stderr[-3000:]}"
-    return json.loads(line[len("RESULT"):])
+    return build([{"key": f"{d}-{m}-{int(p)}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
+                   "q_rows": 64, "launch": pw.ws_config(d, p)} for d, m, p in CASES])
 
 
 @pytest.mark.parametrize("d,method,producer", CASES, ids=[f"d{d}-{m}-{'prod' if p else 'inline'}" for d, m, p in CASES])

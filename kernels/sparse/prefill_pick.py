@@ -1,16 +1,23 @@
 """Which sparse prefill kernel runs a call: ``sparse_prefill``, the one sparsify, the break-even
 bench and the model benchmarks call.
 
-The Gluon Hopper kernels measured fastest per head dim and sparsity (data/bench/NOTES.md,
-"prefill-gluon-ws"; one H100 run per head dim, bf16, causal, 16K-64K, G 1/4/8):
+The Gluon Hopper kernels measured fastest per head dim, method and sparsity (data/bench/NOTES.md,
+"prefill-gluon-ws" and "prefill-pair"; one H100 run per head dim, bf16, causal, 16K-64K, G 1/4/8):
 
-    D = 64   prefill_gluon_ws (warp-specialized, TMA producer warp) everywhere: ahead of the Triton
-             kernel at every sparsity and of the one-partition Gluon kernel at 50% and 75%
+    D = 64   prefill_gluon_pair (two query blocks a program) for BSFA where the call is expected
+             to skip at least PAIR_FROM = 0.25 of its tiles and the key tile is 64 rows: 0.85-0.88 of
+             the ideal at 50% and 75% against 0.81-0.85 for the warp-specialized kernel; its
+             skipping-off form is 0.90-0.93x the warp-specialized one's, so nothing-skipped and
+             little-skipping calls stay there. prefill_gluon_ws (warp-specialized, TMA producer
+             warp) for everything else: ahead of the Triton kernel at every sparsity and of the
+             one-partition Gluon kernel at 50% and 75%; BLASST stays on it (the pair kernel is
+             4-6% behind at 16K, 1-3% ahead at 32K-64K)
     D = 128  prefill_gluon_ws with skipping off (1.03-1.06x) and where the call is expected to skip
-             at least DENSE, WINDOW = 0, 3  # prefill.method_code
-WS_FROM = 0.25 of its tiles (ahead by 0-6% at 50% in 17 of 18 cells, 4-10% at
+             at least WS_FROM = 0.25 of its tiles (ahead by 0-6% at 50% in 17 of 18 cells, 4-10% at
              75%); prefill_gluon (one partition) otherwise, which is ahead by 0-9% when nothing is
              skipped, and for the window baseline (not timed against the other)
+
+PAIR_FROM and WS_FROM lie between measured points (0 and 0.5): interpolated, not measured.
 
 The expected sparsity is a hint: sparsify passes the layer's calibrated sparsity at the length
 bucket from the export's dispatch record (None without one), the break-even bench its operating
@@ -23,18 +30,24 @@ from __future__ import annotations
 
 from sparsecal.kernels.sparse.prefill import method_code, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import gluon_supported, sparse_attention_gluon
+from sparsecal.kernels.sparse.prefill_gluon_pair import BLOCK_N as PAIR_BLOCK_N
+from sparsecal.kernels.sparse.prefill_gluon_pair import sparse_attention_gluon_pair
 from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
 
-DENSE, WINDOW = 0, 3  # prefill.method_code
+DENSE, BSFA, WINDOW = 0, 1, 3  # prefill.method_code
 WS_FROM = 0.25  # at D = 128: the expected sparsity from which the warp-specialized kernel is faster
-GLUON_KERNELS = {"gluon": sparse_attention_gluon, "gluon_ws": sparse_attention_gluon_ws}
+PAIR_FROM = 0.25  # at D = 64, BSFA: the expected sparsity from which the paired kernel is faster
+GLUON_KERNELS = {"gluon": sparse_attention_gluon, "gluon_ws": sparse_attention_gluon_ws,
+                 "gluon_pair": sparse_attention_gluon_pair}
 
 
-def pick(head_dim: int, method: int, expected_sparsity: float | None = None) -> str:
-    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", or "triton" (a head
-    dim they were not measured at); ``method`` as ``prefill.method_code``."""
+def pick(head_dim: int, method: int, expected_sparsity: float | None = None, block_n: int = PAIR_BLOCK_N) -> str:
+    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair", or
+    "triton" (a head dim they were not measured at); ``method`` as ``prefill.method_code``."""
     if head_dim == 64:
-        return "gluon_ws"
+        paired = (method == BSFA and block_n == PAIR_BLOCK_N and expected_sparsity is not None
+                  and expected_sparsity >= PAIR_FROM)
+        return "gluon_pair" if paired else "gluon_ws"
     if head_dim != 128:
         return "triton"
     if method == DENSE or (method != WINDOW and expected_sparsity is not None and expected_sparsity >= WS_FROM):
@@ -53,7 +66,7 @@ def sparse_prefill(q, k, v, scale: float, block_m: int, block_n: int, *, thresho
     method = method_code(thresholds, log_lambda, window, dense, sink)
     kw = {"thresholds": thresholds, "log_lambda": log_lambda, "window": window, "order": order, "dense": dense,
           "out": out}
-    name = pick(q.shape[-1], method, expected_sparsity)
+    name = pick(q.shape[-1], method, expected_sparsity, block_n)
     if name != "triton" and not sink and gluon_supported(q, block_m, block_n, method, order, softcap):
         return GLUON_KERNELS[name](q, k, v, scale, block_m, block_n, **kw)
     return sparse_attention_triton(q, k, v, scale, block_m, block_n, softcap=softcap, sink=sink, **kw)
