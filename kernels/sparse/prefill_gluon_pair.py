@@ -63,7 +63,7 @@ HEAD_DIM, BLOCK_N = 64, 64  # the only geometry this kernel takes (BM = 128 as e
 @gluon.jit
 def _pass(ring, t0, count, NBUF: gl.constexpr):
     """Release ring tiles t0 .. t0 + count - 1 unused, each once its K and V copies landed."""
-    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    _, _, k_ready, k_empty, v_ready, v_empty = ring
     for u in range(count):
         slot = (t0 + u) % NBUF
         phase = ((t0 + u) // NBUF) & 1
@@ -217,7 +217,7 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     b = bh // num_heads
     h = bh % num_heads
     n_blocks = (n_ctx + BM - 1) // BM
-    lo, n_cand0, reach0 = _block_range(2 * pair, n_ctx, window, METHOD, BM, BN)
+    lo = _block_range(2 * pair, n_ctx, window, METHOD, BM, BN)[0]
     hi = (gl.minimum((gl.minimum(2 * pair + 1, n_blocks - 1) + 1) * BM, n_ctx) - 1) // BN + 1
     dtype: gl.constexpr = q_desc.dtype
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM, HEAD_DIM], q_desc.layout)
