@@ -129,11 +129,10 @@ def _scores(s, j, rows, n_ctx, qk_scale, MASKED: gl.constexpr, BN: gl.constexpr,
 
 @gluon.jit
 def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
-            o_layout: gl.constexpr, WAIT: gl.constexpr = True):
+            o_layout: gl.constexpr):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
     m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
-    shared memory, barrier v_ready at ``phase``) has landed; waited for unless not WAIT (the caller
-    then waits before it reads acc or reuses the V slot)."""
+    shared memory, barrier v_ready at ``phase``) has landed."""
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_ref[:, None])
@@ -146,8 +145,7 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
     p_op = gl.convert_layout(p.to(v_tile.dtype), gl.DotOperandLayout(0, o_layout, 2))
     mbarrier.wait(v_ready, phase)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    if WAIT:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+    acc = warpgroup_mma_wait(0, deps=(acc,))
     return acc, l_i
 
 

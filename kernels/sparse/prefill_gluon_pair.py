@@ -44,7 +44,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -57,9 +56,7 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, 
 
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
-CONFIG = {"NBUF": 4, "DEFER": False, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS,
-          "num_warps": 4}
-warpgroup_mma_init = getattr(hopper, "warpgroup_mma_init", None)  # DEFER only; a Triton without it has no DEFER
+CONFIG = {"NBUF": 4, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS, "num_warps": 4}
 HEAD_DIM, BLOCK_N = 64, 64  # the only geometry this kernel takes (BM = 128 as every Gluon kernel)
 
 
@@ -77,14 +74,12 @@ def _pass(ring, t0, count, NBUF: gl.constexpr):
 
 
 @gluon.jit
-def _pair_tile(carry, q_smem, ring, t, t_first, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
-               DECIDE: gl.constexpr, DEFER: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-               NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Key tile j (ring ordinal t; t_first the block's first) for this warpgroup's block: S = Q.K^T,
-    release K, decide over its 128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax
-    update and P.V when kept, release V. DEFER: P.V is left in flight and waited for under the next
-    tile's Q.K^T, which then releases this tile's V (``_pair_drain`` after the last tile).
-    carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
+def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
+               DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
+    128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
+    release V. carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
@@ -94,11 +89,6 @@ def _pair_tile(carry, q_smem, ring, t, t_first, j, rows, row_ok, n_ctx, qk_scale
     zero = gl.zeros([BM, BN], gl.float32, s_layout)
     s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
                       is_async=True)
-    cur = acc
-    if DEFER:  # acc is carried as an accumulator that may be in flight; cur is it, complete
-        cur = warpgroup_mma_wait(1, deps=(acc,))  # tile t - 1's P.V (groups complete in order)
-        if t > t_first:
-            mbarrier.arrive(v_empty.index((t - 1) % NBUF))
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
@@ -110,38 +100,24 @@ def _pair_tile(carry, q_smem, ring, t, t_first, j, rows, row_ok, n_ctx, qk_scale
         gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
         keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
     if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, cur, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           v_ready.index(slot), phase, MASKED, o_layout, not DEFER)
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           v_ready.index(slot), phase, MASKED, o_layout)
         m_i = m_new
     else:
         mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
         n_skip += 1
-        if DEFER:
-            acc = warpgroup_mma_init(cur)
-    if not DEFER:
-        mbarrier.arrive(v_empty.index(slot))
+    mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
 
 
 @gluon.jit
-def _pair_drain(acc, ring, t_last, DEFER: gl.constexpr, NBUF: gl.constexpr):
-    """After a block's last tile (ordinal t_last, -1 when it had none): with DEFER, wait for its
-    P.V and release its V slot. Returns acc, complete."""
-    if DEFER:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        if t_last >= 0:
-            mbarrier.arrive(ring[5].index(t_last % NBUF))
-    return acc
-
-
-@gluon.jit
-def _pair_segment(carry, q_smem, ring, t0, t_first, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
-                  MASKED: gl.constexpr, DECIDE: gl.constexpr, DEFER: gl.constexpr, BM: gl.constexpr,
-                  BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
+                  DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 .."""
     for u in range(count):
-        carry = _pair_tile(carry, q_smem, ring, t0 + u, t_first, j0 + u, rows, row_ok, n_ctx, qk_scale, thr,
-                           MASKED, DECIDE, DEFER, BM, BN, NBUF, s_layout, o_layout)
+        carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
+                           DECIDE, BM, BN, NBUF, s_layout, o_layout)
     return carry
 
 
@@ -174,7 +150,7 @@ def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constex
 @gluon.jit
 def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                    qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, DEFER: gl.constexpr, NW: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
     """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
     outside its block's range (all of them when the block is past N), then stores its rows and skip
     count (SKIP [B * H, P])."""
@@ -197,24 +173,17 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    if DEFER:  # carried as an accumulator that may be in flight (_pair_tile)
-        acc = warpgroup_mma_init(acc)
     carry = (acc, l_i, m_i, j_lo)
     mbarrier.wait(q_bar.index(0), 0)
     q_tile = q_buf.index(WG).reshape([BM, HEAD_DIM])
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     _pass(ring, 0, j_lo - lo, NBUF)
-    t_first = j_lo - lo
-    carry = _pair_segment(carry, q_tile, ring, t_first, t_first, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                          qk_scale, thr, False, DECIDE, DEFER, BM, BN, NBUF, s_layout, o_layout)
-    carry = _pair_segment(carry, q_tile, ring, n_cand - lo, t_first, n_cand, n_reach - n_cand, rows, row_ok,
-                          n_ctx, qk_scale, thr, True, 0, DEFER, BM, BN, NBUF, s_layout, o_layout)
-    acc, l_i, m_i, n_skip = carry
-    t_last = n_reach - lo - 1
-    if n_reach <= j_lo:
-        t_last = -1
-    acc = _pair_drain(acc, ring, t_last, DEFER, NBUF)
+    carry = _pair_segment(carry, q_tile, ring, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx, qk_scale, thr,
+                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout)
+    carry = _pair_segment(carry, q_tile, ring, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
+                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
+    acc, l_i, m_i, n_skip = carry
     if i < n_blocks:
         _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM, NW, o_layout)
         gl.store(SKIP + bh.to(gl.int64) * n_blocks + i, n_skip)
@@ -238,8 +207,8 @@ def _pair_producer(q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS: 
 def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, DEFER: gl.constexpr,
-                     WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
     1-warp producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``."""
@@ -266,23 +235,22 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, DEFER, num_warps)),
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps)),
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, DEFER, num_warps)),
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps)),
         (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                           NBUF)),
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, defer: bool | None = None) -> dict:
-    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots and
-    ``defer`` (P.V waited for under the next tile's Q.K^T) where given."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], DEFER=CONFIG["DEFER"] if defer is None else bool(defer))
+def pair_config(nbuf: int | None = None) -> dict:
+    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"])
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None, defer: bool | None = None):
+                                dense: bool = False, out=None, nbuf: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64."""
@@ -291,5 +259,5 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, defer))
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf))
     return out, skip.sum(dim=-1, dtype=torch.int64)
