@@ -5,13 +5,13 @@ The Gluon Hopper kernels measured fastest per head dim, method and sparsity (dat
 "prefill-gluon-ws" and "prefill-pair"; one H100 run per head dim, bf16, causal, 16K-64K, G 1/4/8):
 
     D = 64   prefill_gluon_pair (two query blocks a program) for BSFA where the call is expected
-             to skip at least PAIR_FROM = 0.25 of its tiles and the key tile is 64 rows: 0.85-0.88 of
+             to skip at least PAIR_FROM = 0.25 of its tiles and the key tile is 64 rows: 0.84-0.88 of
              the ideal at 50% and 75% against 0.81-0.85 for the warp-specialized kernel; its
              skipping-off form is 0.90-0.93x the warp-specialized one's, so nothing-skipped and
              little-skipping calls stay there. prefill_gluon_ws (warp-specialized, TMA producer
              warp) for everything else: ahead of the Triton kernel at every sparsity and of the
              one-partition Gluon kernel at 50% and 75%; BLASST stays on it (the pair kernel is
-             4-6% behind at 16K, 1-3% ahead at 32K-64K)
+             2-6% behind at 16K, 1-3% ahead at 32K-64K)
     D = 128  prefill_gluon_ws with skipping off (1.03-1.06x) and where the call is expected to skip
              at least WS_FROM = 0.25 of its tiles (ahead by 0-6% at 50% in 17 of 18 cells, 4-10% at
              75%); prefill_gluon (one partition) otherwise, which is ahead by 0-9% when nothing is
