@@ -15,6 +15,12 @@ D = 64 one warpgroup holds a whole block (S [128, 64] and the accumulator [128, 
 registers a thread), so here the decision is a reduction over the warpgroup's own 4 warps, and the
 two warpgroups, each on its own block, run out of step: one's decision under the other's wgmma.
 
+Measured on an H100 (NOTES.md "prefill-pair"): the decision now costs 8-11% of this kernel's own
+skipping-off form (13-18% in the warp-specialized one), but that form is 0.90-0.93x the
+warp-specialized kernel's (half the warpgroups per SM to hide latency); BSFA at 50% / 75% reaches
+0.84-0.88 of the ideal against 0.81-0.85, so ``prefill_pick`` runs it for D = 64 BSFA calls expected
+to skip a quarter of their tiles or more.
+
 - Program p (heaviest first) owns query blocks 2p (warpgroup 0, the default partition) and 2p + 1
   (warpgroup 1, a worker) of one (batch, head); the last program of an odd block count has only 2p.
 - One K/V ring serves both: a 1-warp producer copies the key tiles of the union of the two blocks'
