@@ -128,6 +128,27 @@ def _scores(s, j, rows, n_ctx, qk_scale, MASKED: gl.constexpr, BN: gl.constexpr,
 
 
 @gluon.jit
+def _qk(q_smem, k_tile, ROWS: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
+    """S [ROWS, BN] f32 = Q.K^T of q_smem [ROWS, D] and k_tile [BN, D] (shared memory) by wgmma, waited for."""
+    zero = gl.zeros([ROWS, BN], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _decide(m_ij, m_new, row_ok, thr, DECIDE: gl.constexpr):
+    """A tile's decision over rows the caller holds all of (m_ij its row maxima, m_new the running
+    maxima after it, both log2 units; rows past N masked by row_ok): DECIDE 1 BSFA (tile max >= thr),
+    2 BLASST (max of row max - running max >= thr)."""
+    if DECIDE == 1:
+        keep = gl.max(gl.where(row_ok, m_ij, float("-inf")), 0) >= thr
+    else:
+        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
+        keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
+    return keep
+
+
+@gluon.jit
 def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
             o_layout: gl.constexpr):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
@@ -164,18 +185,12 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_bar.index(slot), phase)
-    zero = gl.zeros([BM, BN], gl.float32, s_layout)
-    k_t = k_ring.index(slot).reshape([BN, q_smem.shape[1]]).permute((1, 0))
-    s = warpgroup_mma(q_smem, k_t, zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
+    s = _qk(q_smem, k_ring.index(slot).reshape([BN, q_smem.shape[1]]), BM, BN, s_layout)
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
     keep = True
-    if DECIDE == 1:
-        keep = gl.max(gl.where(row_ok, m_ij, float("-inf")), 0) >= thr
-    elif DECIDE == 2:
-        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
-        keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
+    if DECIDE != 0:
+        keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
     if DECIDE != 0:  # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
         _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     if keep:

@@ -50,14 +50,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from sparsecal.kernels.sparse.prefill_gluon import _attend, _coords, _scores, _tma_load, launch
+from sparsecal.kernels.sparse.prefill_gluon import _attend, _coords, _decide, _qk, _scores, _tma_load, launch
 from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _issue
 
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
@@ -92,19 +87,13 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
-    zero = gl.zeros([BM, BN], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
-                      is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
+    s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM, BN, s_layout)
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
     keep = True
-    if DECIDE == 1:
-        keep = gl.max(gl.where(row_ok, m_ij, float("-inf")), 0) >= thr
-    elif DECIDE == 2:
-        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
-        keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
+    if DECIDE != 0:
+        keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
                            v_ready.index(slot), phase, MASKED, o_layout)

@@ -46,14 +46,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _cta_barrier,
+    _qk,
     _scores,
     _tma_load,
     launch,
@@ -153,10 +152,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
-    zero = gl.zeros([BM // 2, BN], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, k_ring.index(slot).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
-                      is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
+    s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
