@@ -191,7 +191,7 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     keep = True
     if DECIDE != 0:
         keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-    if DECIDE != 0:  # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
+        # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
         _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, q_smem.shape[1]]),
