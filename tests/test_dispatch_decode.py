@@ -59,7 +59,8 @@ def _old_layout(rec, batch=True):
     for c in rec["configs"]:
         if c.get("decode"):
             ((_, view),) = D.decode_views(c["decode"])
-            c["decode"] = view if batch else {k: v for k, v in view.items() if k != "batch"}
+            drop = ("fastest_backend",) if batch else ("fastest_backend", "batch")  # both came later
+            c["decode"] = {k: v for k, v in view.items() if k not in drop}
     return rec
 
 
@@ -183,6 +184,45 @@ def test_a_dispatched_dense_decode_never_runs_cudnn_first(tiny_sdpa_model, tmp_p
     got, st = _prefill_then_step(tiny_sdpa_model, seed)
     assert torch.equal(got, want) and st["skipped"].sum() == 0
     sparsecal.densify(tiny_sdpa_model)
+
+
+def test_the_record_names_the_fastest_decode_backend_beside_the_reproducible_one():
+    """Where cuDNN's decode is the fastest, a decode entry's dense_backend is the fastest reproducible
+    backend (Flash) and fastest_backend cuDNN, the backend the break-even was measured against; a
+    damaged fastest_backend is refused in one line; a record written before it reads its dense_backend."""
+    rec = json.loads(json.dumps(_record((0.1, 0.7), _be_doc(cudnn_decode=True))))
+    D.check_dispatch("blasst.json", rec, 2)
+    e = rec["configs"][0]["decode"]["by_batch"]["1"]
+    assert e["dense_backend"] == ["FLASH_ATTENTION"] * 2 and e["fastest_backend"] == ["CUDNN_ATTENTION"] * 2
+    e["fastest_backend"] = ["CUDNN_ATTENTION", "XLA"]
+    with pytest.raises(UserError, match="configs\\[0\\] does not hold") as err:
+        D.check_dispatch("blasst.json", rec, 2)
+    assert "\n" not in str(err.value)
+    del e["fastest_backend"]
+    D.check_dispatch("blasst.json", rec, 2)
+    assert D.decode_views(rec["configs"][0]["decode"])[0][1]["fastest_backend"] == ["FLASH_ATTENTION"] * 2
+
+
+def test_decode_dense_fastest_runs_the_fastest_backend(tiny_sdpa_model, tmp_path, seed):
+    """sparsify(..., decode_dense="fastest"): a dense decode step under the record tries its fastest
+    backend first (cuDNN here), for ``dense`` and for layers the plan runs dense; the default stays
+    reproducible (Flash); prefill is not affected; an unknown choice is one line before any work."""
+    from sparsecal.integrations.sparsify import dense_first, dispatched_dense
+
+    exp = tiny_dispatch_export(tmp_path / "e", _record((0.1, 0.1), _be_doc(cudnn_decode=True), 0.2))
+    for choice, want in (("reproducible", "FLASH_ATTENTION"), ("fastest", "CUDNN_ATTENTION")):
+        sparsecal.sparsify(tiny_sdpa_model, exp, method="dense", decode_dense=choice)
+        state = tiny_sdpa_model._sparsecal_state
+        assert dense_first(state, "decode", 301) == want and dense_first(state, "prefill", 301) == "CUDNN_ATTENTION"
+        sparsecal.sparsify(tiny_sdpa_model, exp, method="bsfa", k=1, decode="topk", decode_dense=choice)
+        state = tiny_sdpa_model._sparsecal_state
+        assert [dispatched_dense(state, layer, "decode", 301, 1) for layer in (0, 1)] == [want] * 2
+    got, st = _prefill_then_step(tiny_sdpa_model, seed)  # runs on the CPU whatever comes first
+    assert torch.isfinite(got).all() and st["skipped"].sum() == 0
+    sparsecal.densify(tiny_sdpa_model)
+    with pytest.raises(UserError, match="unknown decode_dense 'cudnn'; use one of reproducible, fastest"):
+        sparsecal.sparsify(tiny_sdpa_model, exp, method="dense", decode_dense="cudnn")
+    assert not hasattr(tiny_sdpa_model, "_sparsecal_state")
 
 
 TWO_BATCHES = {1: 1.5, 16: 6.0}  # decode break-even: never at batch 1, 0.5 at batch 16

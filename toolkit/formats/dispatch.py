@@ -359,7 +359,8 @@ def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, grou
     decode mode its calibrated sparsity under that decision (the config's own DECODE_KEYS[decision];
     the same at every batch) and per measured batch of that decision's decode rows (``by_batch``,
     keyed by str(batch)) the break-even, extrapolation flag and dense backend per length (the fastest
-    reproducible one, decode_dense_pick; the break-even against the fastest of all) and
+    reproducible one, decode_dense_pick; the break-even against the fastest of all, which
+    ``fastest_backend`` names: what sparsify(..., decode_dense="fastest") runs) and
     per mode the sparse flags [L, NL]. None: no such decode rows for the method or no decode
     sparsity of the decision for the config."""
     batches = decode_batches(be_doc, c["method"], head_dim, group, timing, decision)
@@ -369,10 +370,10 @@ def _decode_entry(c: dict, be_doc: dict, lengths: list[int], head_dim: int, grou
     sparsity = {m: np.asarray(d["sparsity"], float) for m, d in modes.items()}
     by_batch = {}
     for b in batches:
-        be, ext, backends = break_even_at(rows_for(be_doc, c["method"], head_dim, group, "decode", timing, decision,
-                                                   b), lengths, decode_dense_pick)
+        rows = rows_for(be_doc, c["method"], head_dim, group, "decode", timing, decision, b)
+        be, ext, backends = break_even_at(rows, lengths, decode_dense_pick)
         by_batch[str(b)] = {"break_even": [_json_be(x) for x in be], "extrapolated": [bool(x) for x in ext],
-                            "dense_backend": backends,
+                            "dense_backend": backends, "fastest_backend": break_even_at(rows, lengths)[2],
                             "sparse": {m: plan(s, be, margin).tolist() for m, s in sparsity.items()}}
     return {"decision": decision, "batches": batches,
             "modes": {m: {"source": d["source"], "sparsity": _grid(sparsity[m])} for m, d in modes.items()},
@@ -450,16 +451,18 @@ def dispatch_record(configs: list[dict], lengths, be_doc: dict, name: str, head_
 
 def decode_views(dec: dict) -> list[tuple[int | None, dict]]:
     """A checked decode entry as [(batch, entry of one batch)], ascending in batch; each entry in the
-    single-batch layout {"decision", "batch", "break_even", "extrapolated", "dense_backend", "modes"
-    {mode: {"source", "sparsity", "sparse"}}}. A record written before ``by_batch`` is its own one
-    entry (batch: its ``batch``, or None where it does not say)."""
+    single-batch layout {"decision", "batch", "break_even", "extrapolated", "dense_backend",
+    "fastest_backend", "modes" {mode: {"source", "sparsity", "sparse"}}}. A record written before
+    ``by_batch`` is its own one entry (batch: its ``batch``, or None where it does not say); one
+    written before ``fastest_backend`` names its ``dense_backend`` there."""
     if "by_batch" not in dec:
-        return [(dec.get("batch"), dec)]
+        return [(dec.get("batch"), dict(dec, fastest_backend=dec.get("fastest_backend", dec.get("dense_backend"))))]
     out = []
     for b in dec["batches"]:
         e = dec["by_batch"][str(b)]
         out.append((b, {"decision": dec["decision"], "batch": b, "break_even": e["break_even"],
                         "extrapolated": e["extrapolated"], "dense_backend": e["dense_backend"],
+                        "fastest_backend": e.get("fastest_backend", e["dense_backend"]),
                         "modes": {m: dict(g, sparse=e["sparse"][m]) for m, g in dec["modes"].items()}}))
     return out
 
@@ -486,8 +489,9 @@ def _grids_ok(e, n_layers: int, n_len: int) -> bool:
 def _one_batch_ok(d, n_layers: int, n_len: int) -> bool:
     """A decode entry of one batch (decode_views' layout, and records written before ``by_batch``)."""
     modes = d.get("modes") if isinstance(d, dict) else None
+    fastest = d.get("fastest_backend", d.get("dense_backend"))
     return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len, DECODE_BACKENDS) and isinstance(modes, dict)
-            and bool(modes)
+            and bool(modes) and _per_length_ok(dict(d, dense_backend=fastest), n_len, DECODE_BACKENDS)
             and ("batch" not in d or _pos_int(d["batch"]))  # the decode rows' batch (older records lack it)
             and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
 

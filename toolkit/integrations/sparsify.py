@@ -104,6 +104,7 @@ class _State:
     said_batch: bool = False                       # a decode batch unlike the decode break-even's was reported
     decode: str = "sparse"                         # decode steps: sparse | dense | topk | thresholds (DECODES)
     decision: str = "head"                         # decode skip decision: head | group (reference.group_skip)
+    decode_dense: str = "reproducible"             # a dispatched dense decode step: DECODE_DENSE (_decode_dense)
     precision: str = "model"                       # attention from the model's dtype, or from fp32 Q, K, V
     topk: int | None = None                        # BSFA decode=topk: key blocks kept per decode row
     decode_thresholds: torch.Tensor | None = None  # BSFA decode=thresholds: [L, H, P] from decode rows
@@ -260,7 +261,7 @@ def _check_layers(state: _State, config) -> None:
 def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, target: float | None = None,
              model_id: str | None = None, blocks: int | None = None, backend: str = "auto",
              decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False,
-             decode_decision: str = "head"):
+             decode_decision: str = "head", decode_dense: str = "reproducible"):
     """Switch ``model`` to sparse attention with the thresholds in ``export_dir``; returns the model.
 
     BSFA needs ``k`` (one of the export's k values); BLASST takes ``target`` (default: the file's
@@ -278,11 +279,13 @@ def sparsify(model, export_dir, method: str = "bsfa", k: int | None = None, targ
     its law's longest validated length applies a/L (True) or runs what ``dense`` runs (False, the
     default); ``model.sparsecal_law`` flags each forward (integrations/sparsify_laws.py). ``decode_decision``: "head" (each query head skips by its own
     rule) or "group" (a KV group skips a tile only when all its heads would; the group decode kernel,
-    kernels/sparse/decode_group.py)."""
+    kernels/sparse/decode_group.py). ``decode_dense``: what a dense decode step under the dispatch
+    record runs first, DECODE_DENSE (``_decode_dense``)."""
     geo = _geometry(model.config)
+    dd = _decode_dense(decode_dense)
     state = load_state(export_dir, method, k, target, blocks, dict(geo, model=model_id), backend, decode, precision,
                        dispatch, extrapolate)
-    state.decision = _decision(decode_decision, state)
+    state.decision, state.decode_dense = _decision(decode_decision, state), dd
     if model_id is None:
         check_identity(state.export_model, model.config, export_dir)
     state.previous = model.config._attn_implementation
@@ -331,7 +334,7 @@ def densify(model):
 def register(export_dir=None, method: str = "bsfa", k: int | None = None, target: float | None = None,
              blocks: int | None = None, model_id: str | None = None, backend: str = "auto",
              decode: str | None = None, precision: str = "model", dispatch: bool = True, extrapolate: bool = False,
-             decode_decision: str = "head"):
+             decode_decision: str = "head", decode_dense: str = "reproducible"):
     """Register the sparse attention functions with transformers' AttentionInterface.
 
     With ``export_dir``, models loaded afterwards with ``from_pretrained(...,
@@ -347,11 +350,26 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
     source = {"export_dir": export_dir, "method": method, "k": k, "target": target, "blocks": blocks,
               "backend": backend, "decode": decode, "precision": precision, "dispatch": dispatch,
               "extrapolate": extrapolate}
+    dd = _decode_dense(decode_dense)
     state = load_state(**source, expect={"model": model_id})
     state.source, state.model_id, state.checked = source, model_id, False
-    state.decision = _decision(decode_decision, state)
+    state.decision, state.decode_dense = _decision(decode_decision, state), dd
     _REGISTERED[METHODS[method]] = state
     return state
+
+
+DECODE_DENSE = ("reproducible", "fastest")
+
+
+def _decode_dense(choice: str) -> str:
+    """What a dense decode step under a dispatch record runs first, checked: "reproducible" (the
+    record's ``dense_backend``: the fastest backend whose decode gives the same bits run to run, never
+    cuDNN; what evaluations need, so that paired outcomes differ only by the method) or "fastest" (its
+    ``fastest_backend``, cuDNN where it won: a decode step never slower than the best SDPA, at the
+    cost of run-to-run reproducibility; a record written before it runs the reproducible pick)."""
+    if choice not in DECODE_DENSE:
+        raise UserError(f"unknown decode_dense '{choice}'; use one of {', '.join(DECODE_DENSE)}.")
+    return choice
 
 
 def _decision(decision: str, state: _State) -> str:

@@ -58,8 +58,9 @@ def _dense_backends(export_dir, expect: dict, method: str) -> dict | None:
     for c in rec["configs"]:
         for d in decode_entries(c):
             for b, v in decode_views(d):
-                dec.setdefault(b or 0, []).append(v["dense_backend"])
-    decode = {"batches": sorted(dec), "picks": [_vote(dec[b], n) for b in sorted(dec)]} if dec else None
+                dec.setdefault(b or 0, []).append((v["dense_backend"], v["fastest_backend"]))
+    decode = {"batches": sorted(dec), "picks": [_vote([r for r, _ in dec[b]], n) for b in sorted(dec)],
+              "fastest": [_vote([f for _, f in dec[b]], n) for b in sorted(dec)]} if dec else None
     return {"lengths": list(rec["lengths"]), "backends": _vote([c["dense_backend"] for c in rec["configs"]], n),
             "decode": decode}
 
@@ -161,20 +162,22 @@ def dense_first(state, mode: str, length: int, batch: int | None = None) -> str 
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
     if backends is None:
         return None
+    fastest = mode == "decode" and state.decode_dense == "fastest"
     if mode == "decode":
-        backends = backends["picks"][batch_index(backends["batches"], batch)]
+        backends = backends["fastest" if fastest else "picks"][batch_index(backends["batches"], batch)]
     from sparsecal.formats.dispatch import bucket
 
-    return _pick(backends, bucket(state.dense_backends["lengths"], length), mode)
+    return _pick(backends, bucket(state.dense_backends["lengths"], length), mode, fastest)
 
 
-def _pick(backends: list, j: int | None, mode: str) -> str:
+def _pick(backends: list, j: int | None, mode: str, fastest: bool = False) -> str:
     """The bucket's backend (below the shortest length, the shortest's); decode: Flash where that is
-    cuDNN (formats.dispatch.decode_backend: its decode is not reproducible run to run)."""
+    cuDNN (formats.dispatch.decode_backend: its decode is not reproducible run to run), unless
+    ``fastest`` (sparsify's decode_dense="fastest": the record's fastest of all, cuDNN included)."""
     from sparsecal.formats.dispatch import decode_backend
 
     pick = backends[0 if j is None else j]
-    return decode_backend(pick) if mode == "decode" else pick
+    return decode_backend(pick) if mode == "decode" and not fastest else pick
 
 
 def decode_plan(state) -> dict | None:
@@ -227,8 +230,9 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     j = bucket(lengths, length)
     if j is not None and sparse[layer][j]:
         return None
-    return dense_first(state, mode, length, batch) or _pick(plan["backends" if mode == "prefill" else "dense_backend"],
-                                                            j, mode)
+    fastest = mode == "decode" and state.decode_dense == "fastest"
+    key = "backends" if mode == "prefill" else "fastest_backend" if fastest else "dense_backend"
+    return dense_first(state, mode, length, batch) or _pick(plan[key], j, mode, fastest)
 
 
 _BACKENDS: dict = {}  # SDPBackend name -> the enum member (looked up once)
