@@ -55,6 +55,8 @@ import torch
 
 from sparsecal.formats.errors import UserError
 from sparsecal.integrations.sparsify_dense import (  # noqa: F401 - dispatched_dense, _sdpa_first: public to tests
+    DECODE_DENSE,
+    _decode_dense,
     _dense_backends,
     _dispatch_plan,
     _exact_dense,
@@ -356,20 +358,6 @@ def register(export_dir=None, method: str = "bsfa", k: int | None = None, target
     state.decision, state.decode_dense = _decision(decode_decision, state), dd
     _REGISTERED[METHODS[method]] = state
     return state
-
-
-DECODE_DENSE = ("reproducible", "fastest")
-
-
-def _decode_dense(choice: str) -> str:
-    """What a dense decode step under a dispatch record runs first, checked: "reproducible" (the
-    record's ``dense_backend``: the fastest backend whose decode gives the same bits run to run, never
-    cuDNN; what evaluations need, so that paired outcomes differ only by the method) or "fastest" (its
-    ``fastest_backend``, cuDNN where it won: a decode step never slower than the best SDPA, at the
-    cost of run-to-run reproducibility; a record written before it runs the reproducible pick)."""
-    if choice not in DECODE_DENSE:
-        raise UserError(f"unknown decode_dense '{choice}'; use one of {', '.join(DECODE_DENSE)}.")
-    return choice
 
 
 def _decision(decision: str, state: _State) -> str:

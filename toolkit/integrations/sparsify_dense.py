@@ -141,6 +141,20 @@ def own_dense_runs(query, window, chunk, kwargs) -> bool:
             and (query.is_cuda or (query.device.type == "cpu" and interpreting())))
 
 
+DECODE_DENSE = ("reproducible", "fastest")
+
+
+def _decode_dense(choice: str) -> str:
+    """What a dense decode step under a dispatch record runs first, checked: "reproducible" (the
+    record's ``dense_backend``: the fastest backend whose decode gives the same bits run to run, never
+    cuDNN; what evaluations need, so that paired outcomes differ only by the method) or "fastest" (its
+    ``fastest_backend``, cuDNN where it won: the fastest dense decode the break-even file measured,
+    at the cost of run-to-run reproducibility; a record written before it runs the reproducible pick)."""
+    if choice not in DECODE_DENSE:
+        raise UserError(f"unknown decode_dense '{choice}'; use one of {', '.join(DECODE_DENSE)}.")
+    return choice
+
+
 def own_dense_decode(state, query, key, value, scale: float):
     """formats.dispatch.OWN_DENSE: kernels/sparse/decode_group.py ``group_decode_triton(..., dense=True)``
     (decode_group_dense.py's DENSE_TABLE launch: a fixed split count and merge order per shape, so
