@@ -5,6 +5,7 @@ beside the best baseline's are those of its attention path (SDPA's op gone where
 kernel runs instead; nothing differs for the other baseline)."""
 import json
 
+import pytest
 from test_dispatch_owndense import _record
 
 from sparsecal.bench import decode_step
@@ -33,3 +34,33 @@ def test_quick_step_anatomy(tmp_path, seed):
         delta = {name: n for name, n, _ in got[label]["kernels_vs_best_sdpa"]}
         assert delta["aten::scaled_dot_product_attention"] == -2, label  # one per layer
     assert "best SDPA" in decode_step.summary(doc)
+
+
+@INTERPRETER_WARNINGS
+def test_quick_step_anatomy_as_eval_times_it(tmp_path, seed, capsys, monkeypatch):
+    """--cache own --prefills-before 1: each configuration's steps run from its own prefill's cache
+    after an untimed prefill, as in eval's timing rounds (the prompt's cache made once for the shared
+    one, then once per configuration and round; one prefill without a cache before each); a negative
+    count is refused in one line."""
+    calls = {"cache": 0}
+    real = decode_step._prompt_cache
+
+    def counted(model, ids):
+        calls["cache"] += 1
+        return real(model, ids)
+
+    monkeypatch.setattr(decode_step, "_prompt_cache", counted)
+    model = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
+    exp = tiny_dispatch_export(tmp_path / "e", _record(), model=resolve_model(str(model)).model_id)
+    out = tmp_path / "step.json"
+    argv = ["--model", str(model), "--export", str(exp), "--length", "300", "--quick", "--rounds", "1", "--reps", "1",
+            "--methods", "bsfa:1:topk", "--dispatch", "on", "--dtype", "float32"]
+    decode_step.main([*argv, "--cache", "own", "--prefills-before", "1", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["args"]["cache"] == "own" and doc["args"]["prefills_before"] == "1"
+    assert list(doc["variants"]) == ["sdpa", "bsfa:1:topk+dispatch", "dense+dispatch"]  # dispatch on: its dense too
+    assert all(len(v["rounds_ms"]) == 1 and v["ms"] > 0 for v in doc["variants"].values())
+    assert calls["cache"] == 1 + 3  # the shared cache, then each of the 3 configurations' own (1 round)
+    with pytest.raises(SystemExit) as e:
+        decode_step.main([*argv, "--prefills-before", "-1"])
+    assert e.value.code == 2 and "--prefills-before must be >= 0" in capsys.readouterr().err

@@ -7,12 +7,18 @@ microseconds), with each configuration's kernels set against the faster baseline
 TPOT is split into the attention kernel, the kernels around it, and the host.
 
     python -m sparsecal.bench.decode_step --model DIR --export DIR --length 32768
-        [--methods dense,bsfa:128,blasst:0.5] [--dispatch both] [--rounds 5] [--reps 20] [--out FILE]
+        [--methods dense,bsfa:128,blasst:0.5] [--dispatch both] [--rounds 5] [--reps 20]
+        [--cache sdpa|own] [--prefills-before N] [--out FILE]
     TRITON_INTERPRET=1 python -m sparsecal.bench.decode_step --model DIR --export DIR --length 300 --quick
         (CPU: wall-clock eager steps and the profiler's CPU ops; a test)
 
 The step is that of `sparsecal eval`'s timing phase (evaluation/timing.py ``decode_graph_ms``): one
-token against the cache of a random prompt of ``length`` tokens, every replay the same step.
+token against the cache of a random prompt of ``length`` tokens, every replay the same step. By
+default every configuration steps from one cache made by a plain SDPA prefill and only steps are
+timed; ``--cache own`` makes each configuration's cache with its own prefill in each round, and
+``--prefills-before N`` runs N untimed prefills of the prompt under the configuration right before
+its steps, as eval's timing rounds do (its TTFT prefills come first): the two differences between
+this anatomy and eval's graph TPOT column (data/bench/NOTES.md, "8B rows, s38").
 
 Shape legend
     N prompt length (cached tokens)
@@ -108,6 +114,16 @@ def _variants(model, args, model_id: str) -> dict:
     return out
 
 
+def _before_steps(model, ids, shared: tuple, args):
+    """Under the configuration just switched on: ``args.prefills_before`` untimed prefills of ``ids``
+    (no cache kept), then the (cache, next token) its steps run from: ``shared`` (the plain SDPA
+    prefill's) or, with ``--cache own``, its own prefill's."""
+    with torch.no_grad():
+        for _ in range(args.prefills_before):
+            model(ids, logits_to_keep=1, use_cache=False)
+    return _prompt_cache(model, ids) if args.cache == "own" else shared
+
+
 def run(args) -> dict:
     """Every configuration's step times (rounds) and kernels at ``args.length``."""
     from sparsecal.capture.models import load_model, resolve_model
@@ -125,10 +141,11 @@ def run(args) -> dict:
         for label, (enter, leave) in table.items():
             enter()
             try:
-                got[label]["rounds_ms"].append(step_ms(model, cache, nxt, args.reps, args.quick))
+                c, x = _before_steps(model, ids, (cache, nxt), args)
+                got[label]["rounds_ms"].append(step_ms(model, c, x, args.reps, args.quick))
                 got[label]["eager_rounds_ms"].append(decode_ms(model, ids, args.reps, 2)["ms"])
                 if r == 0:
-                    got[label]["kernels"] = kernels(model, cache, nxt, args.quick)
+                    got[label]["kernels"] = kernels(model, c, x, args.quick)
             finally:
                 leave()
         log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v['rounds_ms'][-1]:.3f}" for k, v in got.items()))
@@ -165,9 +182,15 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cache", default="sdpa", choices=("sdpa", "own"),
+                    help="steps from one plain SDPA prefill's cache, or each configuration's own (as eval)")
+    ap.add_argument("--prefills-before", type=int, default=0,
+                    help="untimed prefills under each configuration before its steps (eval's rounds: 4+)")
     ap.add_argument("--quick", action="store_true", help="CPU under TRITON_INTERPRET=1: eager wall clock, CPU ops")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.prefills_before < 0:
+        ap.error("--prefills-before must be >= 0")
     doc = run(args)
     print(summary(doc))
     if args.out:
