@@ -472,12 +472,17 @@ def _grid_ok(grid, n_layers: int, n_len: int, cell) -> bool:
             and all(isinstance(r, list) and len(r) == n_len and all(map(cell, r)) for r in grid))
 
 
+def _backends_ok(backends, n_len: int, allowed: tuple) -> bool:
+    """A backend (one of ``allowed``) per length."""
+    return isinstance(backends, list) and len(backends) == n_len and all(b in allowed for b in backends)
+
+
 def _per_length_ok(e: dict, n_len: int, allowed: tuple = SDPA_BACKENDS) -> bool:
     """A break-even, extrapolation flag and dense backend (one of ``allowed``) per length."""
-    be, ext, backends = e.get("break_even"), e.get("extrapolated"), e.get("dense_backend")
+    be, ext = e.get("break_even"), e.get("extrapolated")
     return (isinstance(be, list) and len(be) == n_len and all(x is None or (_num(x) and 0 <= x <= 1) for x in be)
             and isinstance(ext, list) and len(ext) == n_len and all(isinstance(x, bool) for x in ext)
-            and isinstance(backends, list) and len(backends) == n_len and all(b in allowed for b in backends))
+            and _backends_ok(e.get("dense_backend"), n_len, allowed))
 
 
 def _grids_ok(e, n_layers: int, n_len: int) -> bool:
@@ -489,9 +494,9 @@ def _grids_ok(e, n_layers: int, n_len: int) -> bool:
 def _one_batch_ok(d, n_layers: int, n_len: int) -> bool:
     """A decode entry of one batch (decode_views' layout, and records written before ``by_batch``)."""
     modes = d.get("modes") if isinstance(d, dict) else None
-    fastest = d.get("fastest_backend", d.get("dense_backend"))
     return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len, DECODE_BACKENDS) and isinstance(modes, dict)
-            and bool(modes) and _per_length_ok(dict(d, dense_backend=fastest), n_len, DECODE_BACKENDS)
+            and bool(modes)
+            and ("fastest_backend" not in d or _backends_ok(d["fastest_backend"], n_len, DECODE_BACKENDS))
             and ("batch" not in d or _pos_int(d["batch"]))  # the decode rows' batch (older records lack it)
             and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
 

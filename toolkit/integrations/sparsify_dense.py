@@ -176,12 +176,17 @@ def dense_first(state, mode: str, length: int, batch: int | None = None) -> str 
         state.dense_backends["backends"] if mode == "prefill" else state.dense_backends.get("decode"))
     if backends is None:
         return None
-    fastest = mode == "decode" and state.decode_dense == "fastest"
+    fastest = _fastest(state, mode)
     if mode == "decode":
         backends = backends["fastest" if fastest else "picks"][batch_index(backends["batches"], batch)]
     from sparsecal.formats.dispatch import bucket
 
     return _pick(backends, bucket(state.dense_backends["lengths"], length), mode, fastest)
+
+
+def _fastest(state, mode: str) -> bool:
+    """A decode call whose dense step may run the record's fastest backend (decode_dense="fastest")."""
+    return mode == "decode" and state.decode_dense == "fastest"
 
 
 def _pick(backends: list, j: int | None, mode: str, fastest: bool = False) -> str:
@@ -244,7 +249,7 @@ def dispatched_dense(state, layer: int, mode: str, length: int, batch: int | Non
     j = bucket(lengths, length)
     if j is not None and sparse[layer][j]:
         return None
-    fastest = mode == "decode" and state.decode_dense == "fastest"
+    fastest = _fastest(state, mode)
     key = "backends" if mode == "prefill" else "fastest_backend" if fastest else "dense_backend"
     return dense_first(state, mode, length, batch) or _pick(plan[key], j, mode, fastest)
 
