@@ -64,3 +64,25 @@ def test_quick_step_anatomy_as_eval_times_it(tmp_path, seed, capsys, monkeypatch
     with pytest.raises(SystemExit) as e:
         decode_step.main([*argv, "--prefills-before", "-1"])
     assert e.value.code == 2 and "--prefills-before must be >= 0" in capsys.readouterr().err
+
+
+@INTERPRETER_WARNINGS
+def test_quick_step_anatomy_with_the_fastest_dense_decode(tmp_path, seed):
+    """--decode-dense both: each dispatched method also runs as sparsify(..., decode_dense="fastest"),
+    labelled "+dispatch fastest"; the undispatched method is timed once; --decode-dense fastest
+    leaves out the reproducible dispatched configurations."""
+    model = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
+    exp = tiny_dispatch_export(tmp_path / "e", _record(), model=resolve_model(str(model)).model_id)
+    out = tmp_path / "step.json"
+    decode_step.main(["--model", str(model), "--export", str(exp), "--length", "300", "--quick", "--rounds", "1",
+                      "--reps", "1", "--methods", "bsfa:1:topk", "--dtype", "float32", "--decode-dense", "both",
+                      "--out", str(out)])
+    got = json.loads(out.read_text())["variants"]
+    assert list(got) == ["sdpa", "bsfa:1:topk", "bsfa:1:topk+dispatch", "bsfa:1:topk+dispatch fastest",
+                         "dense+dispatch", "dense+dispatch fastest"]
+    assert all(v["ms"] > 0 for v in got.values())
+    decode_step.main(["--model", str(model), "--export", str(exp), "--length", "300", "--quick", "--rounds", "1",
+                      "--reps", "1", "--methods", "bsfa:1:topk", "--dtype", "float32", "--decode-dense", "fastest",
+                      "--dispatch", "on", "--out", str(out)])
+    assert list(json.loads(out.read_text())["variants"]) == ["sdpa", "bsfa:1:topk+dispatch fastest",
+                                                             "dense+dispatch fastest"]

@@ -8,7 +8,7 @@ TPOT is split into the attention kernel, the kernels around it, and the host.
 
     python -m sparsecal.bench.decode_step --model DIR --export DIR --length 32768
         [--methods dense,bsfa:128,blasst:0.5] [--dispatch both] [--rounds 5] [--reps 20]
-        [--cache sdpa|own] [--prefills-before N] [--out FILE]
+        [--cache sdpa|own] [--prefills-before N] [--decode-dense reproducible|fastest|both] [--out FILE]
     TRITON_INTERPRET=1 python -m sparsecal.bench.decode_step --model DIR --export DIR --length 300 --quick
         (CPU: wall-clock eager steps and the profiler's CPU ops; a test)
 
@@ -18,7 +18,10 @@ default every configuration steps from one cache made by a plain SDPA prefill an
 timed; ``--cache own`` makes each configuration's cache with its own prefill in each round, and
 ``--prefills-before N`` runs N untimed prefills of the prompt under the configuration right before
 its steps, as eval's timing rounds do (its TTFT prefills come first): the two differences between
-this anatomy and eval's graph TPOT column (data/bench/NOTES.md, "8B rows, s38").
+this anatomy and eval's graph TPOT column (data/bench/NOTES.md, "8B rows, s38"). ``--decode-dense
+fastest`` (or ``both``) adds, for each dispatched method, the configuration whose dense decode steps
+run the record's fastest backend (sparsify's ``decode_dense="fastest"``, cuDNN where it won), labelled
+``<method>+dispatch fastest``.
 
 Shape legend
     N prompt length (cached tokens)
@@ -109,9 +112,21 @@ def _variants(model, args, model_id: str) -> dict:
 
     out = {n: ev for n, ev in baseline_variants(model, not args.quick).items() if n != "rest"}
     for m in expand_dispatch(parse_methods(args.methods), args.dispatch):
-        out[m.label] = (lambda m=m: use_method(model, m, args.export, model_id, args.extrapolate),
-                        lambda: densify(model))
+        if args.decode_dense != "fastest" or not m.dispatch:
+            out[m.label] = (lambda m=m: use_method(model, m, args.export, model_id, args.extrapolate),
+                            lambda: densify(model))
+        if args.decode_dense != "reproducible" and m.dispatch:
+            out[f"{m.label} fastest"] = (lambda m=m: _fastest(model, m, args, model_id), lambda: densify(model))
     return out
+
+
+def _fastest(model, m, args, model_id: str):
+    """``m`` (dispatched) switched on as eval does, its dense decode steps on the record's fastest backend."""
+    from sparsecal.integrations.sparsify import densify, sparsify
+
+    densify(model)
+    sparsify(model, args.export, model_id=model_id, extrapolate=args.extrapolate, decode_dense="fastest",
+             **m.sparsify_kwargs)
 
 
 def _before_steps(model, ids, shared: tuple, args):
@@ -186,6 +201,8 @@ def main(argv=None) -> None:
                     help="steps from one plain SDPA prefill's cache, or each configuration's own (as eval)")
     ap.add_argument("--prefills-before", type=int, default=0,
                     help="untimed prefills under each configuration before its steps (eval's rounds: 4+)")
+    ap.add_argument("--decode-dense", default="reproducible", choices=("reproducible", "fastest", "both"),
+                    help="dispatched methods' dense decode steps: the reproducible pick, the record's fastest, or both")
     ap.add_argument("--quick", action="store_true", help="CPU under TRITON_INTERPRET=1: eager wall clock, CPU ops")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
