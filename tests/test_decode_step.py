@@ -30,6 +30,7 @@ def test_quick_step_anatomy(tmp_path, seed):
         assert len(v["rounds_ms"]) == len(v["eager_rounds_ms"]) == 2 and v["ms"] > 0 and v["vs_best_sdpa"] > 0
         assert v["eager_ms"] > 0 and v["eager_vs_best_sdpa"] > 0
         assert v["kernels"]["aten::linear"][0] > 0, label
+        assert v["vs_best_sdpa_interval"]["lo"] is None   # 2 rounds: too few for an interval
     for label in ("bsfa:1:topk", "bsfa:1:topk+dispatch", "dense+dispatch"):  # sparsecal's decode paths: no SDPA op
         delta = {name: n for name, n, _ in got[label]["kernels_vs_best_sdpa"]}
         assert delta["aten::scaled_dot_product_attention"] == -2, label  # one per layer
@@ -74,13 +75,16 @@ def test_quick_step_anatomy_with_the_fastest_dense_decode(tmp_path, seed):
     model = make_checkpoint(tmp_path / "tiny", seed, heads=4, kv_heads=2, layers=2)
     exp = tiny_dispatch_export(tmp_path / "e", _record(), model=resolve_model(str(model)).model_id)
     out = tmp_path / "step.json"
-    decode_step.main(["--model", str(model), "--export", str(exp), "--length", "300", "--quick", "--rounds", "1",
+    decode_step.main(["--model", str(model), "--export", str(exp), "--length", "300", "--quick", "--rounds", "4",
                       "--reps", "1", "--methods", "bsfa:1:topk", "--dtype", "float32", "--decode-dense", "both",
                       "--out", str(out)])
     got = json.loads(out.read_text())["variants"]
     assert list(got) == ["sdpa", "bsfa:1:topk", "bsfa:1:topk+dispatch", "bsfa:1:topk+dispatch fastest",
                          "dense+dispatch", "dense+dispatch fastest"]
-    assert all(v["ms"] > 0 for v in got.values())
+    for v in got.values():   # 4 rounds: each speedup has its interval (speed_stats.ratio_interval)
+        ci = v["vs_best_sdpa_interval"]
+        assert v["ms"] > 0 and ci["lo"] <= ci["ratio"] <= ci["hi"] and ci["level"] > 0.95
+    assert got["sdpa"]["vs_best_sdpa_interval"]["ratio"] == 1.0
     decode_step.main(["--model", str(model), "--export", str(exp), "--length", "300", "--quick", "--rounds", "1",
                       "--reps", "1", "--methods", "bsfa:1:topk", "--dtype", "float32", "--decode-dense", "fastest",
                       "--dispatch", "on", "--out", str(out)])

@@ -4,7 +4,9 @@ it on) the step's device time as CUDA-graph replays in round-robin rounds, its e
 steps from the prompt's cache, evaluation.timing.decode_ms: host launches included), and the
 kernels one eager step launches (torch.profiler: per kernel name its launches and device
 microseconds), with each configuration's kernels set against the faster baseline's, so a gap in
-TPOT is split into the attention kernel, the kernels around it, and the host.
+TPOT is split into the attention kernel, the kernels around it, and the host. Beside the ratio of
+median graph times, each configuration's speedup over the best baseline from the rounds, with its
+exact distribution-free 95% interval (evaluation/speed_stats.py; 4 rounds or more).
 
     python -m sparsecal.bench.decode_step --model DIR --export DIR --length 32768
         [--methods dense,bsfa:128,blasst:0.5] [--dispatch both] [--rounds 5] [--reps 20]
@@ -142,6 +144,7 @@ def _before_steps(model, ids, shared: tuple, args):
 def run(args) -> dict:
     """Every configuration's step times (rounds) and kernels at ``args.length``."""
     from sparsecal.capture.models import load_model, resolve_model
+    from sparsecal.evaluation.speed_stats import ratio_interval
     from sparsecal.evaluation.timing import decode_ms, random_ids
     from sparsecal.formats.provenance import provenance
 
@@ -170,6 +173,7 @@ def run(args) -> dict:
     best_eager = min(got[n]["eager_ms"] for n in ("sdpa", "sdpa_cudnn") if n in got)
     for label, v in got.items():
         v["vs_best_sdpa"], v["eager_vs_best_sdpa"] = got[best]["ms"] / v["ms"], best_eager / v["eager_ms"]
+        v["vs_best_sdpa_interval"] = ratio_interval(got[best]["rounds_ms"], v["rounds_ms"])
         v["kernels_vs_best_sdpa"] = diff(v["kernels"], got[best]["kernels"])
     return {"benchmark": "decode_step", "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()},
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "best_sdpa": best,
@@ -180,7 +184,10 @@ def summary(doc: dict) -> str:
     """Per configuration its step time against the best SDPA and its largest kernel differences."""
     lines = [f"decode step at {doc['args']['length']} tokens on {doc['device']}; best SDPA {doc['best_sdpa']}"]
     for label, v in doc["variants"].items():
-        lines.append(f"  {label:24s} {v['ms']:.4f} ms  {v['vs_best_sdpa']:.3f}x best SDPA; eager {v['eager_ms']:.3f} ms "
+        ci = v["vs_best_sdpa_interval"]
+        band = f"[{ci['lo']:.3f}, {ci['hi']:.3f}]" if ci["lo"] is not None else "[too few rounds]"
+        lines.append(f"  {label:24s} {v['ms']:.4f} ms  {v['vs_best_sdpa']:.3f}x best SDPA (HL {ci['ratio']:.3f}x {band}); "
+                     f"eager {v['eager_ms']:.3f} ms "
                      f"{v['eager_vs_best_sdpa']:.3f}x (rounds {min(v['eager_rounds_ms']):.3f}-{max(v['eager_rounds_ms']):.3f})")
         lines += [f"      {n:+3d} x  {us:+9.2f} us  {name}" for name, n, us in v["kernels_vs_best_sdpa"][:TOP]]
     return "\n".join(lines)
