@@ -101,8 +101,9 @@ def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
     """Accuracy relative to dense vs speedup over dense: one curve per (method, length) through its
     configurations (sorted by speedup), the points on each length's Pareto front ringed, the dense
     point at (1, 1). Where the rows carry accuracy_rel_dense_lo/_hi (the evaluation's paired
-    bootstrap 95% interval), each point gets that interval as an error bar. ``df``: results.curves
-    rows with both measures."""
+    bootstrap 95% interval) or speedup_lo/_hi (the timing rounds' 95% interval), each point gets
+    that interval as a vertical / horizontal error bar. ``df``: results.curves rows with both
+    measures."""
     title = "Accuracy vs speedup (relative to dense)"
     d = df.filter(pl.col("accuracy_rel_dense").is_not_null() & pl.col("speedup").is_not_null()) if df.height else df
     if not d.height:
@@ -117,7 +118,9 @@ def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
                 continue
             fig.add_trace(go.Scatter(
                 x=g["speedup"], y=g["accuracy_rel_dense"], mode="lines+markers", name=f"{method} @ {n:,}",
-                line={"color": color(i), "dash": dashes[j % len(dashes)]}, text=g["config"], error_y=_error_bars(g),
+                line={"color": color(i), "dash": dashes[j % len(dashes)]}, text=g["config"],
+                error_y=_error_bars(g, "accuracy_rel_dense"),
+                error_x=_error_bars(g, "speedup"),
                 customdata=g["sparsity"].fill_null(float("nan")),
                 hovertemplate=(f"{method} %{{text}}<br>{n} tokens<br>speedup %{{x:.2f}}x<br>accuracy / dense "
                                "%{y:.3f}<br>sparsity %{customdata:.3f}<extra></extra>")))
@@ -133,13 +136,13 @@ def accuracy_speedup(df: pl.DataFrame) -> go.Figure:
     return finish(fig, title, height=480)
 
 
-def _error_bars(g: pl.DataFrame) -> dict | None:
-    """Asymmetric error bars from accuracy_rel_dense_lo/_hi (none when the rows have no interval)."""
-    if "accuracy_rel_dense_lo" not in g.columns or g["accuracy_rel_dense_lo"].null_count() == g.height:
+def _error_bars(g: pl.DataFrame, col: str) -> dict | None:
+    """Asymmetric error bars of ``col`` from ``col``_lo/_hi (none when the rows have no interval)."""
+    if f"{col}_lo" not in g.columns or f"{col}_hi" not in g.columns or g[f"{col}_lo"].null_count() == g.height:
         return None
-    y = g["accuracy_rel_dense"]
-    up = (g["accuracy_rel_dense_hi"] - y).fill_null(0.0).clip(lower_bound=0.0)
-    down = (y - g["accuracy_rel_dense_lo"]).fill_null(0.0).clip(lower_bound=0.0)
+    y = g[col]
+    up = (g[f"{col}_hi"] - y).fill_null(0.0).clip(lower_bound=0.0)
+    down = (y - g[f"{col}_lo"]).fill_null(0.0).clip(lower_bound=0.0)
     return {"type": "data", "symmetric": False, "array": up.to_list(), "arrayminus": down.to_list(),
             "thickness": 1.2, "width": 4}
 

@@ -3,7 +3,8 @@ from the evaluation and benchmark result files of RUN/results/ and `--results DI
 toolkit/formats/results.py). Until such files exist the page says which commands make them.
 Controls: the result directory and the split (seen / held-out task families) where there are
 several, methods and lengths shown, and, where `sparsecal eval --time` timed the points themselves,
-whether the x axis is each point's own TTFT or TPOT speedup, eager or replayed as a CUDA graph."""
+whether the x axis is each point's own TTFT or TPOT speedup, eager or replayed as a CUDA graph
+(with its 95% interval from the timing rounds as a horizontal error bar where it has one)."""
 from __future__ import annotations
 
 import polars as pl
@@ -64,7 +65,8 @@ def render() -> None:
     timed = [k for k, c in SPEEDS.items() if shown[c].is_not_null().any()]
     if "TPOT (decode)" in timed:  # timed by `sparsecal eval --time`: each point's own speed
         of = ui.choose("Speedup of", timed, key="cu_speed")
-        shown = shown.with_columns(pl.col(SPEEDS[of]).alias("speedup"))
+        shown = shown.with_columns(pl.col(SPEEDS[of]).alias("speedup"), pl.col(f"{SPEEDS[of]}_lo").alias("speedup_lo"),
+                                   pl.col(f"{SPEEDS[of]}_hi").alias("speedup_hi"))   # its rounds' 95% interval
     ui.plot(charts_run.accuracy_speedup(shown), key="cu_chart")
     st.dataframe(shown, hide_index=True)
 

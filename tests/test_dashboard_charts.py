@@ -80,7 +80,7 @@ def test_lambda_law_draws_points_both_laws_and_residuals():
     a = float(fits.filter(pl.col("law") == "a/L")["a"][0])
     law = next(t for t in fig.data if (t.name or "").startswith("a/L"))
     np.testing.assert_allclose(np.array(law.y) * np.array(law.x), a, rtol=1e-9)  # lambda * L = a
-    res = [t for t in fig.data if t.name == "residual a/L"][0]
+    res = next(t for t in fig.data if t.name == "residual a/L")
     pts = lam.filter(pl.col("in_fit")).sort("length")
     np.testing.assert_allclose(res.y, np.log(pts["lambda_best"].to_numpy()) - np.log(a / pts["length"].to_numpy()))
     # a target no length reaches: a message instead of a chart
@@ -219,7 +219,7 @@ def test_results_join_eval_and_bench_rows_and_refuse_bad_files(tmp_path):
     with pytest.raises(results.UserError, match="not a result file"):
         results.read_result_file(tmp_path / "bad.json")
     pts = results.curves([results.read_result_file(p) for p in files[1:]])
-    row = pts.filter((pl.col("method") == "bsfa")).row(0, named=True)
+    row = pts.filter(pl.col("method") == "bsfa").row(0, named=True)
     assert row["accuracy_rel_dense"] == pytest.approx(0.95) and row["speedup"] == 1.5 and row["sparsity"] == 0.4
     assert row["sources"] == "bench.json, eval.parquet"
     assert pts.height == 3
@@ -263,6 +263,11 @@ def test_accuracy_speedup_error_bars_from_the_interval(tmp_path):
     pts = results.curves([results.read_result_file(p) for p in results.result_files([tmp_path])])
     trace = next(t for t in charts_run.accuracy_speedup(pts).data if t.name == "bsfa @ 512")
     assert trace.error_y.array == pytest.approx((0.05,)) and trace.error_y.arrayminus == pytest.approx((0.1,))
+    assert trace.error_x.array is None   # the bench speedup has no interval
+    # a timed point's speedup interval (the page aliases the chosen speed's _lo/_hi) is the horizontal bar
+    timed = pts.with_columns(pl.lit(1.4).alias("speedup_lo"), pl.lit(1.7).alias("speedup_hi"))
+    trace = next(t for t in charts_run.accuracy_speedup(timed).data if t.name == "bsfa @ 512")
+    assert trace.error_x.array == pytest.approx((0.2,)) and trace.error_x.arrayminus == pytest.approx((0.1,))
 
 
 def test_two_evaluations_and_two_splits_are_never_one_point(tmp_path):

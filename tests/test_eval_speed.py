@@ -82,6 +82,35 @@ def test_every_speed_point_is_the_evaluated_configuration(evaluated):
     wrong = method_record(Method("bsfa", 1, None, True), 256, t, base, by["bsfa:1+dispatch"]["prompt"], rows)
     assert wrong["sparsity_match"] is False
     assert own_speed(pl.DataFrame([wrong]).with_columns(pl.lit("cpu").alias("speed_device")))["speedup_ttft"][0] is None
+    assert all(rec["speedup_ttft_lo"] is None for rec in timing.to_dicts())   # one round: no interval
+
+
+def test_each_speedup_has_the_interval_of_its_rounds():
+    """method_record: with 5 rounds of the configuration and of the best SDPA, each speedup gets the
+    exact interval of speed_stats.ratio_interval from exactly those rounds; the graph rounds are kept;
+    a measure with a missing round (a graph that did not capture) has none; own_speed keeps an
+    interval only where it keeps the speedup."""
+    from sparsecal.evaluation.methods import Method
+    from sparsecal.evaluation.speed_stats import ratio_interval
+    from sparsecal.evaluation.summary import own_speed
+    from sparsecal.evaluation.timing import method_record
+
+    mine = {"ttft_ms": [10.0, 10.4, 9.9, 10.1, 10.2], "tpot_ms": [2.0, 2.1, 2.05, 1.95, 2.02],
+            "ttft_graph_ms": [9.0, 9.1, 9.2, 8.9, 9.05], "tpot_graph_ms": [1.5, None, 1.52, 1.49, 1.5]}
+    theirs = {"ttft_ms": [12.0, 12.2, 11.9, 12.5, 12.1], "tpot_ms": [2.2, 2.3, 2.25, 2.2, 2.28],
+              "ttft_graph_ms": [11.0, 11.2, 10.9, 11.1, 11.0], "tpot_graph_ms": [1.6, 1.61, 1.59, 1.62, 1.6]}
+    base = {m: {"best": "sdpa", "ms": sorted(v)[2], "rest": None, "share": None, "rounds": v} for m, v in theirs.items()}
+    rec = method_record(Method("bsfa", 1, None, True), 256, mine, base, None, [])
+    for name, m in (("speedup_ttft", "ttft_ms"), ("speedup_tpot", "tpot_ms"), ("speedup_ttft_graph", "ttft_graph_ms")):
+        want = ratio_interval(theirs[m], mine[m])
+        assert (rec[f"{name}_lo"], rec[f"{name}_hi"]) == (want["lo"], want["hi"]) and want["lo"] < want["hi"]
+    assert rec["speedup_ttft_lo"] > 1.0   # 10.1 against 12.1 ms in every round: faster, and the interval says so
+    assert rec["speedup_tpot_graph_lo"] is None and rec["tpot_graph_rounds_ms"] == mine["tpot_graph_ms"]
+    frame = pl.DataFrame([rec, {**rec, "label": "other", "sparsity_match": False}]).with_columns(
+        pl.lit("cpu").alias("speed_device"))
+    kept = own_speed(frame).to_dicts()
+    assert kept[0]["speedup_ttft_lo"] == rec["speedup_ttft_lo"] and kept[1]["speedup_ttft_lo"] is None
+    assert kept[1]["speedup_tpot_lo"] == rec["speedup_tpot_lo"]   # its decode still matched
 
 
 def _bench(path, rows):

@@ -153,6 +153,9 @@ SPEED = ["speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_gra
          "decode_sparsity_match", "speed_device"]
 
 
+SPEED_INTERVALS = [f"{s}_{e}" for s in SPEED[:4] for e in ("lo", "hi")]   # timing.py's 95% intervals
+
+
 def _col(frame: pl.DataFrame, name: str) -> pl.Expr:
     """A column, or nulls where an older timing file lacks it."""
     return pl.col(name) if name in frame.columns else pl.lit(None, pl.Float64)
@@ -160,8 +163,8 @@ def _col(frame: pl.DataFrame, name: str) -> pl.Expr:
 
 def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
     """Per (label, length) the timing phase's speed of that very configuration (timing.py): TTFT
-    speedups kept only where the timed prefill sparsity matched the evaluated one, TPOT where the
-    decode sparsity did (a --speed-only evaluation has nothing to match: kept)."""
+    speedups (and their intervals) kept only where the timed prefill sparsity matched the evaluated
+    one, TPOT where the decode sparsity did (a --speed-only evaluation has nothing to match: kept)."""
     ok = lambda c: pl.col(c).fill_null(True)  # null: no rows to compare with
     return timing.select(
         "label", "length",
@@ -169,6 +172,8 @@ def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
         pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft_graph")).alias("speedup_ttft_graph"),
         pl.when(ok("decode_sparsity_match")).then(pl.col("speedup_tpot")).alias("speedup_tpot"),
         pl.when(ok("decode_sparsity_match")).then(_col(timing, "speedup_tpot_graph")).alias("speedup_tpot_graph"),
+        *[pl.when(ok("sparsity_match" if "ttft" in c else "decode_sparsity_match")).then(_col(timing, c)).alias(c)
+          for c in SPEED_INTERVALS],
         "ideal_ttft", "ideal_tpot", "attention_share", "attention_share_decode",
         pl.col("sparsity").alias("timed_sparsity"), pl.col("decode_sparsity").alias("timed_decode_sparsity"),
         "sparse_layers", "sparsity_match", "decode_sparsity_match", "speed_device")

@@ -371,7 +371,27 @@ def _baseline(got: dict) -> dict:
         best = min(cands, key=cands.get) if cands else None
         rest = _median(got[("base", "rest")].get(measure))
         out[measure] = {"best": best, "ms": cands.get(best), "rest": rest,
-                        "share": 1.0 - rest / cands[best] if best and rest else None}
+                        "share": 1.0 - rest / cands[best] if best and rest else None,
+                        "rounds": got[("base", best)].get(measure) if best else None}
+    return out
+
+
+SPEEDUPS = {"speedup_ttft": "ttft_ms", "speedup_ttft_graph": "ttft_graph_ms", "speedup_tpot": "tpot_ms",
+            "speedup_tpot_graph": "tpot_graph_ms"}   # speedup -> the measure it is a ratio of
+
+
+def _intervals(t: dict, base: dict) -> dict:
+    """Each speedup's 95% interval (``<speedup>_lo``/``_hi``) from the best SDPA's rounds and the
+    configuration's own (speed_stats.ratio_interval: exact, distribution-free; null with fewer than
+    4 rounds of either or a round missing), and the graph rounds themselves."""
+    from sparsecal.evaluation.speed_stats import ratio_interval
+
+    out = {"ttft_graph_rounds_ms": t.get("ttft_graph_ms"), "tpot_graph_rounds_ms": t.get("tpot_graph_ms")}
+    for name, measure in SPEEDUPS.items():
+        mine, theirs = t.get(measure) or [], (base.get(measure) or {}).get("rounds") or []
+        ok = mine and theirs and all(v is not None and v > 0 for v in [*mine, *theirs])
+        ci = ratio_interval(theirs, mine) if ok else {"lo": None, "hi": None}
+        out[f"{name}_lo"], out[f"{name}_hi"] = ci["lo"], ci["hi"]
     return out
 
 
@@ -416,7 +436,8 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
             "decode_skipped": ds, "decode_reachable": dr, "decode_sparsity": sd,
             "point_sparsity": want, "point_decode_sparsity": want_d, "row_prefill_reachable": row_reach,
             "sparsity_match": None if want is None or s is None else abs(s - want) <= SPARSITY_TOL and pr == row_reach,
-            "decode_sparsity_match": None if want_d is None or sd is None else abs(sd - want_d) <= SPARSITY_TOL}
+            "decode_sparsity_match": None if want_d is None or sd is None else abs(sd - want_d) <= SPARSITY_TOL,
+            **_intervals(t, base)}
 
 
 def random_ids(vocab_size: int, length: int, device):
@@ -447,7 +468,7 @@ def run_timing(model, methods, lengths, export_dir, model_id: str, rows: list[di
             rec = method_record(m, n, got[("method", m.label)], base, prompt_of[m.label], rows)
             records.append(rec)
             say(f"  {n} tokens {m.label}: TTFT {rec['speedup_ttft'] or 0:.3f}x, TPOT {rec['speedup_tpot'] or 0:.3f}x "
-                f"(graph {_fmt(rec['speedup_tpot_graph'])}x) "
+                f"(graph {_fmt(rec['speedup_tpot_graph'])}x {_band(rec, 'speedup_tpot_graph')}) "
                 f"of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {rec['sparsity']:.3f} timed vs "
                 f"{_fmt(rec['point_sparsity'])} evaluated")
         if device.type == "cuda":
@@ -459,10 +480,15 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _band(rec: dict, name: str) -> str:
+    """A speedup's interval as "[lo, hi]", "" where it has none."""
+    lo, hi = rec.get(f"{name}_lo"), rec.get(f"{name}_hi")
+    return "" if lo is None or hi is None else f"[{lo:.3f}, {hi:.3f}]"
+
+
 # ----------------------------------------------------------------------------- the records
-SPEED_COLUMNS = ("speedup", "speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_graph", "ideal_ttft",
-                 "ideal_tpot",
-                 "attention_share", "timed_sparsity", "timed_decode_sparsity", "sparsity_match",
+SPEED_COLUMNS = ("speedup", *SPEEDUPS, *[f"{s}_{e}" for s in SPEEDUPS for e in ("lo", "hi")], "ideal_ttft",
+                 "ideal_tpot", "attention_share", "timed_sparsity", "timed_decode_sparsity", "sparsity_match",
                  "decode_sparsity_match", "speed_device", "accuracy_meaningful")
 
 

@@ -28,6 +28,9 @@ Row columns (the ones marked * are required, plus at least one of the two measur
                                 (`sparsecal eval --time`; optional; ``speedup`` is the TTFT one)
     speedup_ttft_graph, speedup_tpot_graph
                          float  the same replayed as CUDA graphs (device time; optional)
+    speedup_ttft_lo, speedup_ttft_hi (and _tpot, _ttft_graph, _tpot_graph)
+                         float  the 95% interval of each of those speedups (optional; `sparsecal
+                                eval` writes an exact distribution-free one from its timing rounds)
     task                 str    evaluation task (optional; accuracies are averaged over tasks)
     metric               str    what accuracy measures, e.g. "accuracy", "top1", "kl" (optional)
 
@@ -53,7 +56,8 @@ KEYS = ("method", "config", "length")
 POINT = KEYS + ("origin", "split")  # a chart point: one directory's rows of one split
 MEASURES = ("accuracy_rel_dense", "speedup")
 OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "speedup_ttft",
-            "speedup_tpot", "speedup_ttft_graph", "speedup_tpot_graph")
+            "speedup_tpot", "speedup_ttft_graph", "speedup_tpot_graph",
+            *[f"speedup_{m}_{e}" for m in ("ttft", "tpot", "ttft_graph", "tpot_graph") for e in ("lo", "hi")])
 KINDS = ("sparsecal-eval", "sparsecal-bench")
 PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
              "into DIR/curves.parquet) and `sparsecal bench --smollm2` on a GPU (speedup rows, "
