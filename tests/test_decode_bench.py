@@ -18,7 +18,8 @@ def test_quick_run(tmp_path):
     rows = {r["variant"]: r for r in shape["rows"]}
     assert {"old_dense", "group_dense", "old_blasst_s50", "group_bsfa_group_s75", "group_blasst_head_s50"} <= set(rows)
     for name, r in rows.items():
-        assert r["ms"] > 0
+        assert r["ms"] > 0 and len(r["rounds_ms"]) == 1 and r["graph_rounds_ms"] is None   # one round, no GPU
+        assert r["speedup_vs_sdpa_lo"] is None   # one round: no interval
         if name not in ("old_dense", "group_dense"):
             assert 0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 and r["err_row0"] < 3e-2, name  # bf16 inputs
             assert r["ideal"] == 1.0 / (1.0 - r["v_skip"] / 2.0)
@@ -39,3 +40,18 @@ def test_quick_sweep(tmp_path):
     assert any(r["config"] != "attend" and r["config"]["fuse"] for r in shape["rows"] if r["kind"] == "dense")
     assert {"dense", "s75"} <= set(shape["winners"]) and list(doc["table"]) == ["64,4,16384,1"]
     assert all(0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 for r in shape["rows"] if r["kind"] == "sparse")
+
+
+def test_speedups_carry_the_interval_of_their_rounds():
+    """bench.decode.speedups: ratios of medians against the best SDPA, each with speed_stats'
+    interval from exactly the rounds given; graph speedups only where both have graph rounds."""
+    from sparsecal.evaluation.speed_stats import ratio_interval
+
+    best, mine = [1.00, 1.02, 0.99, 1.01, 1.00], [0.95, 0.96, 0.94, 0.97, 0.95]
+    gbest, gmine = [0.90, 0.91, 0.92, 0.90, 0.91], [0.93, 0.92, 0.94, 0.93, 0.95]
+    row = bench_decode.speedups({}, mine, gmine, best, gbest)
+    assert row["speedup_vs_sdpa"] == 1.00 / 0.95
+    want = ratio_interval(best, mine)
+    assert (row["speedup_vs_sdpa_lo"], row["speedup_vs_sdpa_hi"]) == (want["lo"], want["hi"]) and want["lo"] > 1.0
+    assert row["graph_speedup_vs_sdpa"] == 0.91 / 0.93 and row["graph_speedup_vs_sdpa_hi"] < 1.0   # slower, surely
+    assert "graph_speedup_vs_sdpa" not in bench_decode.speedups({}, mine, "not captured: X", best, gbest)

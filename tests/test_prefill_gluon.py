@@ -94,3 +94,24 @@ def test_tma_views_address_both_storages(seed):
     odd = torch.randn(3, 2, 40, 64, generator=g).transpose(0, 1)  # batch and heads swapped in storage
     view, heads_in_rows = pg._tma_view(odd, 64)
     assert heads_in_rows and view.is_contiguous() and torch.equal(view.view(2, 3, 40, 64), odd)
+
+
+def test_a_targets_row_carries_the_intervals_of_its_rounds():
+    """bench.prefill_gluon.target_row (CPU: fabricated round times): each ratio is the ratio of
+    medians against its baseline (best SDPA, the project's fastest dense, the faster of the two),
+    with speed_stats' interval from exactly those rounds, divided by the ideal for the of_ideal ones."""
+    from sparsecal.bench.prefill_gluon import target_row
+    from sparsecal.bench.sparse import ideal
+    from sparsecal.evaluation.speed_stats import ratio_interval
+
+    times = {"sdpa_cudnn": [3.9, 3.86, 3.88, 3.87, 3.9], "sdpa_flash": [6.5, 6.6, 6.55, 6.5, 6.52],
+             "dense_triton": [4.5, 4.46, 4.47, 4.5, 4.49], "gluon_ws_off": [4.1, 4.12, 4.11, 4.13, 4.1],
+             "gluon_ws_bsfa_s75": [3.0, 2.98, 3.01, 2.99, 3.02]}
+    row = target_row("gluon_ws_bsfa_s75", times, 0.75, {"target": 0.75}, 16384, 128)
+    got = ratio_interval(times["sdpa_cudnn"], times["gluon_ws_bsfa_s75"])
+    assert row["vs_sdpa"] == 3.88 / 3.0 and (row["vs_sdpa_lo"], row["vs_sdpa_hi"]) == (got["lo"], got["hi"])
+    dense = ratio_interval(times["gluon_ws_off"], times["gluon_ws_bsfa_s75"])
+    assert row["of_ideal"] == 4.11 / 3.0 / ideal(0.75) and row["of_ideal_lo"] == dense["lo"] / ideal(0.75)
+    assert row["of_ideal_best"] == 3.88 / 3.0 / ideal(0.75)   # cuDNN the faster dense here
+    assert row["of_ideal_best_lo"] < row["of_ideal_best"] < row["of_ideal_best_hi"]
+    assert "of_ideal" not in target_row("sdpa_flash", times, None, {}, 16384, 128)

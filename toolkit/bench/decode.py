@@ -16,7 +16,10 @@ against the group kernel of kernels/sparse/decode_group.py and the best SDPA.
    share from the kernel's counters (tiles every head of a group skips / tiles), the ideal
    1 / (1 - v/2) from it (a skipped tile saves its V load: half of its K + V bytes), speedups over
    the best SDPA (eager and graph) and the share of the ideal reached; one row of each sparse
-   output is checked against the reference.
+   output is checked against the reference. Graph replays are timed in the same rounds as the
+   eager calls (captured anew each round); every speedup carries the exact distribution-free 95%
+   interval of its rounds against the best SDPA's (``_lo``/``_hi``, evaluation/speed_stats.py; from
+   4 rounds: --rounds 5 for the targets).
 
     python -m sparsecal.bench.decode [--dims 128,64] [--groups 1,4,8] [--lengths 16384,32768,65536]
         [--batch 16] [--rounds 3] [--out data/bench/decode-h100.json]
@@ -146,26 +149,53 @@ def describe(name: str, fn, info: dict, q, k, v) -> dict:
     return out
 
 
+def timed_rounds(variants: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
+    """(eager, graph): name -> ms per round, round-robin over the variants, each round timing every
+    variant's call and (on a GPU) its call captured in a CUDA graph and replayed (graph_ms: captured
+    anew each round and freed after, so no two variants' graph memory is held at once; where the
+    capture fails, its reason in place of the list)."""
+    eager = {name: [] for name in variants}
+    graph = {} if quick else {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, _) in variants.items():
+            eager[name].append(time_ms(fn, quick))
+            if isinstance(graph.get(name), list):
+                got = graph_ms(fn)
+                graph[name] = graph[name] + [got] if isinstance(got, float) else got
+    return eager, graph
+
+
+def speedups(row: dict, eager: list, graph, best_eager: list, best_graph) -> dict:
+    """``row`` with its speedups over the best SDPA (ratios of medians), each with the exact 95%
+    interval of its rounds (evaluation.speed_stats.ratio_interval; lo and hi None below 4 rounds)."""
+    from sparsecal.evaluation.speed_stats import ratio_interval
+
+    row["speedup_vs_sdpa"] = statistics.median(best_eager) / statistics.median(eager)
+    ci = ratio_interval(best_eager, eager)
+    row["speedup_vs_sdpa_lo"], row["speedup_vs_sdpa_hi"] = ci["lo"], ci["hi"]
+    if isinstance(graph, list) and graph and isinstance(best_graph, list) and best_graph:
+        row["graph_speedup_vs_sdpa"] = statistics.median(best_graph) / statistics.median(graph)
+        ci = ratio_interval(best_graph, graph)
+        row["graph_speedup_vs_sdpa_lo"], row["graph_speedup_vs_sdpa_hi"] = ci["lo"], ci["hi"]
+    return row
+
+
 def decode_shape(d: int, group: int, batch: int, length: int, rounds: int, quick: bool, device) -> dict:
-    """Every variant of one shape, round-robin, plus graph replays on a GPU."""
+    """Every variant of one shape, round-robin, eager calls and (on a GPU) graph replays."""
     q, k, v = decode_qkv(batch, length, d, group, seed=length + 7 * group + d, dtype=torch.bfloat16, device=device,
                          heads=HEADS if not quick else 4)
     variants = shape_variants(q, k, v, quick)
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (fn, _) in variants.items():
-            times[name].append(time_ms(fn, quick))
+    times, graphs = timed_rounds(variants, rounds, quick)
     ms = {name: statistics.median(t) for name, t in times.items()}
-    graphs = {} if quick else {name: graph_ms(fn) for name, (fn, _) in variants.items()}
     sdpa = {n: t for n, t in ms.items() if n.startswith("sdpa")}
     best = min(sdpa, key=sdpa.get) if sdpa else "old_dense"
-    best_graph = graphs.get(best) if isinstance(graphs.get(best), float) else None
     rows = []
     for name, (fn, info) in variants.items():
-        row = describe(name, fn, info, q, k, v) | {"ms": ms[name], "graph_ms": graphs.get(name)}
-        row["speedup_vs_sdpa"] = ms[best] / ms[name]
-        if best_graph and isinstance(row["graph_ms"], float):
-            row["graph_speedup_vs_sdpa"] = best_graph / row["graph_ms"]
+        g = graphs.get(name)
+        row = describe(name, fn, info, q, k, v) | {
+            "ms": ms[name], "rounds_ms": times[name], "graph_rounds_ms": g if isinstance(g, list) else None,
+            "graph_ms": statistics.median(g) if isinstance(g, list) and g else g}
+        row = speedups(row, times[name], g, times[best], graphs.get(best))
         if "ideal" in row:
             row["of_ideal"] = row["speedup_vs_sdpa"] / row["ideal"]
             row["of_ideal_vs_group_dense"] = ms["group_dense"] / ms[name] / row["ideal"]
@@ -317,6 +347,8 @@ def summary(shape: dict) -> str:
         extra = (f" s={r['sparsity']:.2f} v_skip={r['v_skip']:.2f} ideal={r['ideal']:.2f} of_ideal={r['of_ideal']:.2f}"
                  if "sparsity" in r else "")
         g = f"{r['graph_ms']:.3f}" if isinstance(r.get("graph_ms"), float) else "-"
+        if r.get("graph_speedup_vs_sdpa_lo") is not None:
+            g += f" x{r['graph_speedup_vs_sdpa']:.3f} [{r['graph_speedup_vs_sdpa_lo']:.3f}, {r['graph_speedup_vs_sdpa_hi']:.3f}]"
         lines.append(f"  {r['variant']:<28} {r['ms']:.3f} ms (graph {g}) x{r['speedup_vs_sdpa']:.2f} vs sdpa{extra}")
     return "\n".join(lines)
 

@@ -11,7 +11,9 @@ kernel targets, in one run on one Hopper GPU.
    kernel (skipping off, the same BSFA / BLASST points). Each sparse row carries
    the sparsity its kernel counted, the ideal 1 / (1 - s/2) and its ratio to the dense baseline:
    the fastest of the project's dense kernels in the run (dense Triton, every Gluon kernel with
-   skipping off; ``dense_variant`` names it).
+   skipping off; ``dense_variant`` names it), and ``of_ideal_best`` against the faster of that and
+   the best SDPA; every ratio with ``_lo``/``_hi``, the exact 95% interval of the two variants'
+   rounds (``rounds_ms``; evaluation/speed_stats.py, from 4 rounds: ``--rounds 5`` for the targets).
 
 3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
@@ -29,11 +31,12 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
 
 import torch
 
 from sparsecal.bench.harness import log, result_file, run_section
-from sparsecal.bench.sparse import BM, BN, HEADS, SPARSITIES, ideal, time_round_robin
+from sparsecal.bench.sparse import BM, BN, HEADS, SPARSITIES, ideal, round_robin_times
 from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
 from sparsecal.kernels.dense import attention_dense, flops_causal
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
@@ -150,21 +153,46 @@ def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
     return variants
 
 
+def _ratio(times: dict, base: str, name: str, over: float = 1.0) -> tuple:
+    """(median ratio base / name, lo, hi) / ``over``: lo and hi the exact 95% interval of the two
+    variants' rounds (evaluation.speed_stats.ratio_interval; None below 4 rounds)."""
+    from sparsecal.evaluation.speed_stats import ratio_interval
+
+    ci = ratio_interval(times[base], times[name])
+    point = statistics.median(times[base]) / statistics.median(times[name]) / over
+    return point, *(None if x is None else x / over for x in (ci["lo"], ci["hi"]))
+
+
+def target_row(name: str, times: dict, sp: float | None, info: dict, n: int, d: int) -> dict:
+    """One variant's row of a targets shape from every variant's round times (name -> ms per round):
+    against the best SDPA (``vs_sdpa``), the project's fastest dense kernel (``vs_dense``,
+    ``of_ideal``) and the faster of the two (``of_ideal_best``: the issue's "against the best dense
+    kernel"), each with ``_lo``/``_hi``, its rounds' exact 95% interval."""
+    ms = {x: statistics.median(t) for x, t in times.items()}
+    sdpa = min((x for x in ms if x.startswith("sdpa")), key=ms.get)
+    # the project's fastest dense kernel in this run: dense Triton or any Gluon kernel with skipping off
+    dense = min(["dense_triton"] + [x for x in ms if x.startswith("gluon") and x.endswith("_off")], key=ms.get)
+    best = min((sdpa, dense), key=ms.get)
+    row = {"variant": name, "ms": ms[name], "rounds_ms": times[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
+           "vs_dense_triton": ms["dense_triton"] / ms[name], **info}
+    row["vs_sdpa"], row["vs_sdpa_lo"], row["vs_sdpa_hi"] = _ratio(times, sdpa, name)
+    if sp is not None:
+        row.update(sparsity=sp, ideal=ideal(sp))
+        row["vs_dense"], row["vs_dense_lo"], row["vs_dense_hi"] = _ratio(times, dense, name)
+        row["of_ideal"], row["of_ideal_lo"], row["of_ideal_hi"] = _ratio(times, dense, name, ideal(sp))
+        row["of_ideal_best"], row["of_ideal_best_lo"], row["of_ideal_best_hi"] = _ratio(times, best, name, ideal(sp))
+    return row
+
+
 def targets_shape(d: int, n: int, group: int, rounds: int, extra: dict | None = None) -> dict:
     q, k, v = structured_qkv(n, d, HEADS, HEADS // group, seed=n + d + group)
     variants = _variants(q, k, v, d, n, {x: e for x, e in (extra or {}).items() if takes(x, d)})
-    ms = time_round_robin(variants, rounds)
+    times = round_robin_times(variants, rounds)
+    ms = {name: statistics.median(t) for name, t in times.items()}
     sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
-    # the project's fastest dense kernel in this run: dense Triton or any Gluon kernel with skipping off
     dense_name = min(["dense_triton"] + [x for x in ms if x.startswith("gluon") and x.endswith("_off")], key=ms.get)
     dense = ms[dense_name]
-    rows = []
-    for name, (_, sp, info) in variants.items():
-        row = {"variant": name, "ms": ms[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
-               "vs_sdpa": sdpa / ms[name], "vs_dense_triton": ms["dense_triton"] / ms[name], **info}
-        if sp is not None:
-            row.update(sparsity=sp, ideal=ideal(sp), vs_dense=dense / ms[name], of_ideal=dense / ms[name] / ideal(sp))
-        rows.append(row)
+    rows = [target_row(name, times, sp, info, n, d) for name, (_, sp, info) in variants.items()]
     del q, k, v
     torch.cuda.empty_cache()
     log(f"D={d} N={n} G={group}: sdpa {sdpa:.3f} ms, dense {dense_name} {dense:.3f}, "

@@ -133,12 +133,18 @@ def prefill_variants(q, k, v, d: int, n: int, launch) -> dict:
     return variants
 
 
-def time_round_robin(variants: dict, rounds: int) -> dict:
+def round_robin_times(variants: dict, rounds: int) -> dict:
+    """name -> its bench_ms of each round, the variants timed in turn, ``rounds`` times."""
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, (fn, _, _) in variants.items():
             times[name].append(bench_ms(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def time_round_robin(variants: dict, rounds: int) -> dict:
+    """name -> the median of its round_robin_times."""
+    return {name: statistics.median(t) for name, t in round_robin_times(variants, rounds).items()}
 
 
 def prefill_shape(d: int, n: int, group: int, rounds: int, launch) -> dict:
