@@ -63,10 +63,14 @@ def render() -> None:
     lengths = ui.choose_many("Lengths", sorted(set(pts["length"])), key="cu_lengths", where=c2, fmt=ui.fmt_len)
     shown = pts.filter(pl.col("method").is_in(methods) & pl.col("length").is_in(lengths))
     timed = [k for k, c in SPEEDS.items() if shown[c].is_not_null().any()]
+    of = None
     if "TPOT (decode)" in timed:  # timed by `sparsecal eval --time`: each point's own speed
-        of = ui.choose("Speedup of", timed, key="cu_speed")
-        shown = shown.with_columns(pl.col(SPEEDS[of]).alias("speedup"), pl.col(f"{SPEEDS[of]}_lo").alias("speedup_lo"),
-                                   pl.col(f"{SPEEDS[of]}_hi").alias("speedup_hi"))   # its rounds' 95% interval
+        of = SPEEDS[ui.choose("Speedup of", timed, key="cu_speed")]
+        shown = shown.with_columns(pl.col(of).alias("speedup"))
+    # the interval of the point's own timed speed (the default speedup is its own TTFT where timed)
+    own = pl.col("speedup") == pl.col(of or "speedup_ttft")
+    shown = shown.with_columns(*[pl.when(own).then(pl.col(f"{of or 'speedup_ttft'}_{e}")).alias(f"speedup_{e}")
+                                 for e in ("lo", "hi")])
     ui.plot(charts_run.accuracy_speedup(shown), key="cu_chart")
     st.dataframe(shown, hide_index=True)
 

@@ -234,20 +234,24 @@ def test_curves_chart_from_result_files(monkeypatch, tmp_path):
 
 def test_curves_shows_each_points_own_ttft_and_tpot_speedup(monkeypatch, tmp_path):
     """An evaluation timed by `sparsecal eval --time` carries each point's own TTFT and TPOT speedup:
-    the page plots either (TTFT first)."""
+    the page plots either (TTFT first), each with its rounds' interval where the rows have one."""
     rows = [{"method": "bsfa", "config": f"k={k}", "length": 512, "accuracy_rel_dense": 1 - k / 100,
              "speedup": 1 + k / 10, "speedup_ttft": 1 + k / 10, "speedup_tpot": 1 + k / 50,
-             "speedup_tpot_graph": 1 + k / 20} for k in (1, 2)]
+             "speedup_tpot_graph": 1 + k / 20, "speedup_ttft_lo": 1 + k / 10 - 0.05, "speedup_ttft_hi": 1 + k / 10 + 0.05,
+             "speedup_tpot_graph_lo": 1.0, "speedup_tpot_graph_hi": 1.2} for k in (1, 2)]
     (tmp_path / "results.json").write_text(json.dumps({"kind": "sparsecal-eval", "rows": rows, "provenance": {}}))
     at = _page(_app(monkeypatch, FIXTURE, results=tmp_path), "curves")
     _ok(at, 1)
     assert list(at.dataframe[0].value["speedup"]) == [1.1, 1.2]
+    assert list(at.dataframe[0].value["speedup_lo"]) == pytest.approx([1.05, 1.15])
     # only the measures the points carry are offered (no graph TTFT here)
     assert at.selectbox(key="cu_speed").options == ["TTFT (prefill)", "TPOT (decode)", "TPOT, CUDA graph (device time)"]
     _set(at, "selectbox", "cu_speed", "TPOT (decode)", 1)
     assert list(at.dataframe[0].value["speedup"]) == [1.02, 1.04]
+    assert at.dataframe[0].value["speedup_lo"].isna().all()   # no interval of eager TPOT in these rows
     _set(at, "selectbox", "cu_speed", "TPOT, CUDA graph (device time)", 1)
     assert list(at.dataframe[0].value["speedup"]) == [1.05, 1.1]
+    assert list(at.dataframe[0].value["speedup_hi"]) == [1.2, 1.2]
 
 
 @pytest.fixture
