@@ -326,7 +326,8 @@ def eval_(
     time_: bool = typer.Option(False, "--time", help="After the rows, the timing phase: TTFT and TPOT of every evaluated configuration against the best SDPA, one process with the GPU's lock held exclusively (OUT/data/timing.parquet)."),
     time_only: bool = typer.Option(False, "--time-only", help="Only the timing phase, on the rows OUT holds (after an evaluation run by several processes or torchrun)."),
     speed_only: Optional[bool] = typer.Option(None, "--speed-only/--no-speed-only", help="No accuracy rows (a random-weight checkpoint: accuracy is meaningless, and labelled so): time random prompt ids of --lengths; with --time."),
-    rounds: int = typer.Option(3, min=1, help="Timing phase: round-robin rounds over a length's variants (median kept)."),
+    rounds: int = typer.Option(5, min=1, help="Timing phase: round-robin rounds over a length's variants (median kept; "
+                               "from 4, each speedup also gets its 95% interval)."),
     reps: int = typer.Option(5, min=1, help="Timing phase: timed prefill forwards per round (median)."),
     warmup: int = typer.Option(2, min=0, help="Timing phase: untimed forwards (and decode steps) before the timed ones."),
     decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round, eager and CUDA-graph replays (median per step)."),

@@ -58,7 +58,7 @@ PROMPT_SEED = 20261123  # random prompt ids of --speed-only evaluations
 
 @dataclass
 class TimingOptions:
-    rounds: int = 3        # round-robin rounds over the variants of a length (median kept)
+    rounds: int = 5        # round-robin rounds over the variants of a length (median kept; from 4: intervals)
     reps: int = 5          # timed prefill forwards per round (median)
     warmup: int = 2        # untimed forwards (and decode steps) first
     graph: bool = True     # also CUDA-graph replays of the prefill and of a decode step (CUDA only)
