@@ -55,3 +55,14 @@ def test_speedups_carry_the_interval_of_their_rounds():
     assert (row["speedup_vs_sdpa_lo"], row["speedup_vs_sdpa_hi"]) == (want["lo"], want["hi"]) and want["lo"] > 1.0
     assert row["graph_speedup_vs_sdpa"] == 0.91 / 0.93 and row["graph_speedup_vs_sdpa_hi"] < 1.0   # slower, surely
     assert "graph_speedup_vs_sdpa" not in bench_decode.speedups({}, mine, "not captured: X", best, gbest)
+
+
+def test_each_speedup_is_against_the_sdpa_fastest_that_way():
+    """The eager and the graph baselines are picked separately (cuDNN can win eager and Flash as a
+    graph); capture errors and non-SDPA variants never are."""
+    eager = {"sdpa_cudnn_native": [1.0, 1.01, 0.99], "sdpa_flash_native": [1.02, 1.03, 1.02], "group_dense": [0.5]}
+    graph = {"sdpa_cudnn_native": [0.95, 0.96, 0.95], "sdpa_flash_native": [0.94, 0.95, 0.94],
+             "sdpa_efficient_native": "not captured: RuntimeError: x", "group_dense": [0.1]}
+    assert bench_decode.fastest_sdpa(eager) == "sdpa_cudnn_native"
+    assert bench_decode.fastest_sdpa(graph) == "sdpa_flash_native"
+    assert bench_decode.fastest_sdpa({"group_dense": [0.1]}) is None
