@@ -158,3 +158,29 @@ def test_speed_only_labels_accuracy_meaningless(evaluated, tmp_path):
     assert "accuracy: meaningless" in res.output
     assert_user_error(cli("eval", export, "--out", tmp_path / "x", "--model", ck, "--lengths", "256",
                           "--methods", "bsfa:1", "--dispatch", "sometimes"), "--dispatch 'sometimes'")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("bytes", "is not readable"),
+    ("nan", "column speedup_tpot holds a value that is not a finite positive number"),
+    ("crossed", "speedup_ttft_lo exceeds speedup_ttft_hi"),
+    ("column", "lacks columns speed_device"),
+])
+def test_a_damaged_timing_table_is_one_line(evaluated, tmp_path, damage, needle):
+    """timing.parquet is checked when read: a file that is not Parquet, a speedup that is not a
+    finite positive number, an interval whose ends cross, a missing column: one line, exit 2."""
+    out = tmp_path / "ev"
+    shutil.copytree(evaluated[0], out)
+    path = out / "data" / "timing.parquet"
+    t = pl.read_parquet(path)
+    if damage == "bytes":
+        path.write_bytes(b"PAR1 not a table")
+    elif damage == "nan":
+        t.with_columns(pl.lit(float("nan")).alias("speedup_tpot")).write_parquet(path)
+    elif damage == "crossed":
+        t.with_columns(pl.lit(1.2).alias("speedup_ttft_lo"), pl.lit(1.1).alias("speedup_ttft_hi")).write_parquet(path)
+    else:
+        t.drop("speed_device").write_parquet(path)
+    res = cli("eval", evaluated[2], "--out", out)
+    last = res.stderr.strip().splitlines()[-1]  # the progress lines first, then the refusal in one line
+    assert res.exit_code == 2 and last.startswith("error: ") and needle in last and "time again" in last, res.output
