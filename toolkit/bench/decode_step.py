@@ -170,10 +170,11 @@ def run(args) -> dict:
     for v in got.values():
         v["ms"], v["eager_ms"] = statistics.median(v["rounds_ms"]), statistics.median(v["eager_rounds_ms"])
     best = min(("sdpa", "sdpa_cudnn"), key=lambda n: got[n]["ms"] if n in got else float("inf"))
-    best_eager = min(got[n]["eager_ms"] for n in ("sdpa", "sdpa_cudnn") if n in got)
+    eager = min(("sdpa", "sdpa_cudnn"), key=lambda n: got[n]["eager_ms"] if n in got else float("inf"))
     for label, v in got.items():
-        v["vs_best_sdpa"], v["eager_vs_best_sdpa"] = got[best]["ms"] / v["ms"], best_eager / v["eager_ms"]
+        v["vs_best_sdpa"], v["eager_vs_best_sdpa"] = got[best]["ms"] / v["ms"], got[eager]["eager_ms"] / v["eager_ms"]
         v["vs_best_sdpa_interval"] = ratio_interval(got[best]["rounds_ms"], v["rounds_ms"])
+        v["eager_vs_best_sdpa_interval"] = ratio_interval(got[eager]["eager_rounds_ms"], v["eager_rounds_ms"])
         v["kernels_vs_best_sdpa"] = diff(v["kernels"], got[best]["kernels"])
     return {"benchmark": "decode_step", "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()},
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "best_sdpa": best,
