@@ -20,7 +20,8 @@ against the group kernel of kernels/sparse/decode_group.py and the best SDPA.
    output is checked against the reference. Graph replays are timed in the same rounds as the
    eager calls (captured anew each round); every speedup carries the exact distribution-free 95%
    interval of its rounds against the best SDPA's (``_lo``/``_hi``, evaluation/speed_stats.py; from
-   4 rounds: --rounds 5 for the targets).
+   4 rounds: --rounds 5 for the targets). Group-kernel rows record their main kernel's registers,
+   spills and shared memory as the device's Triton built it (``compiled``).
 
     python -m sparsecal.bench.decode [--dims 128,64] [--groups 1,4,8] [--lengths 16384,32768,65536]
         [--batch 16] [--rounds 3] [--out data/bench/decode-h100.json]
@@ -51,7 +52,7 @@ from sparsecal.bench.decode_inputs import (
     sdpa_variants,
 )
 from sparsecal.bench.decode_sweep import run as run_sweep
-from sparsecal.bench.harness import graph_replay, log
+from sparsecal.bench.harness import compiled_info, graph_replay, log
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -181,6 +182,17 @@ def speedups(row: dict, eager: list, graph, best_eager: list, best_graph) -> dic
     return row
 
 
+def _compiled(name: str, fn, quick: bool) -> dict:
+    """{"compiled": registers, spills, shared memory} of a group-kernel variant's main kernel as the
+    device's Triton built it (its last launch: ``fn`` is run once more), {} for the others and on
+    the CPU."""
+    kernel = "group_dense" if name == "group_dense" else "group_attend" if name.startswith("group_") else None
+    if quick or kernel is None:
+        return {}
+    fn()
+    return {"compiled": compiled_info(kernel)}
+
+
 def fastest_sdpa(rounds: dict) -> str | None:
     """The SDPA variant with the lowest median of its rounds (name -> ms per round; a capture error
     in place of the list is left out), None without one."""
@@ -201,7 +213,7 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int, quick
     rows = []
     for name, (fn, info) in variants.items():
         g = graphs.get(name)
-        row = describe(name, fn, info, q, k, v) | {
+        row = describe(name, fn, info, q, k, v) | _compiled(name, fn, quick) | {
             "ms": ms[name], "rounds_ms": times[name], "graph_rounds_ms": g if isinstance(g, list) else None,
             "graph_ms": statistics.median(g) if isinstance(g, list) and g else g}
         row = speedups(row, times[name], g, times[best], graphs.get(best_graph))
