@@ -87,6 +87,32 @@ def test_fused_merge_leaves_counters_zero(rng):
     torch.testing.assert_close(first, old, atol=2e-5, rtol=1e-5)
 
 
+def test_fused_merge_over_several_chunks(rng):
+    """The fused merge takes MERGE_CHUNK splits at a time: 19 splits (3 chunks, the last partial) on a
+    ragged batch whose short rows leave most splits empty, contiguous and paged: the reference's
+    output, the unfused merge's within rounding, the same bits on a second call."""
+    from sparsecal.kernels.sparse.decode_group_dense import MERGE_CHUNK
+
+    lens_l = [1, 37, 300]
+    q = torch.randn(3, 8, 1, 64, generator=rng)
+    k, v = (torch.randn(3, 1, 300, 64, generator=rng) for _ in range(2))
+    lens = torch.tensor(lens_l, dtype=torch.int32)
+    pk, pv, table = paged(k, v, lens_l, 32, rng)
+    want, *_ = sparse_decode_ragged(q, k, v, lens, 0.125, 32, 16, log_lambda=-math.inf)
+    fused, plain = DenseLaunch(block_n=16, fuse=True), DenseLaunch(block_n=16)
+    assert 2 * MERGE_CHUNK < 19
+    for kk, vv, bt in ((k, v, None), (pk, pv, table)):
+        got, *_ = group_decode_triton(q, kk, vv, 0.125, 32, 16, dense=True, lengths=lens, block_table=bt, splits=19,
+                                      dense_launch=fused)
+        again, *_ = group_decode_triton(q, kk, vv, 0.125, 32, 16, dense=True, lengths=lens, block_table=bt, splits=19,
+                                        dense_launch=fused)
+        unfused, *_ = group_decode_triton(q, kk, vv, 0.125, 32, 16, dense=True, lengths=lens, block_table=bt,
+                                          splits=19, dense_launch=plain)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got, unfused, atol=2e-6, rtol=1e-6)
+        assert torch.equal(got, again)
+
+
 def test_table_lookup_and_loop_tile():
     """Buckets of G, length and batch, the table's entry or the default, the page-fitted loop tile."""
     assert buckets(64, 1, 16384) == (64, 1, 16384, 16) and buckets(128, 3, 30000, 1) == (128, 4, 32768, 1)
@@ -128,3 +154,40 @@ def test_committed_table_holds_near_winners_of_the_sweep():
         row = rows[f"dense_{name}"]
         assert name in checked, key
         assert row["ms"] <= (1 + NEAR) * min(r["ms"] for r in rows.values()), (key, name)
+
+
+def _build_case(key: str, d: int, cfg: DenseLaunch, group: int) -> dict:
+    """The dense kernel as a contiguous bf16 launch of ``cfg`` builds it (the GPU's specialization:
+    16-divisible pointers and strides)."""
+    from sparsecal.kernels.jit import next_pow2
+
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "LENS": "*i32", "ACC": "*fp32", "M": "*fp32",
+            "LS": "*fp32", "CNT": "*i64", "VCNT": "*i64", "CTR": "*i32", "O": "*bf16"}
+    ints = ["sq_b", "sq_h", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "s_bt", "so_b", "so_h", "length",
+            "tiles_per_split", "n_split", "num_heads", "group"]
+    sig = {**ptrs, **dict.fromkeys(ints, "i32"), "qk_scale": "fp32", "softcap": "fp32"}
+    consts = {"HEAD_DIM": d, "BLOCK_N": cfg.block_n, "GP": next_pow2(group, 16 if cfg.dot else 1), "PAGE": 1,
+              "PAGED": False, "RAGGED": False, "USE_DOT": cfg.dot, "EVICT": cfg.evict, "DIRECT": False,
+              "FUSE": cfg.fuse, "SOFTCAP": False, "PREC": None, "UPCAST": False}
+    return {"key": key, "module": "sparsecal.kernels.sparse.decode_group_dense", "kernel": "_group_dense_kernel",
+            "signature": sig, "constexprs": consts, "divisible": [*ptrs, *ints[:11]],
+            "options": {"num_warps": cfg.warps, "num_stages": cfg.stages}}
+
+
+def test_the_tables_launches_build_for_sm90_without_spills():
+    """Every distinct launch of DENSE_TABLE at batch 16 (and the fused merge at the same launch), built
+    for sm_90 through ptxas with this machine's Triton: no register spills, one SM's shared memory.
+    The GPU runs another Triton (3.6 on the project's H100s), so this is a guard, not its build."""
+    from triton_build import build
+
+    cases = []
+    for (d, g, _, batch), cfg in DENSE_TABLE.items():
+        if batch == 16 and isinstance(cfg, DenseLaunch):
+            for c in (cfg, DenseLaunch(**{**cfg.as_dict(), "fuse": True})):
+                cases.append(_build_case(f"D{d}-G{g}-{c.name()}", d, c, g))
+    same = lambda c: json.dumps([c["constexprs"], c["options"]], sort_keys=True)   # waves, pps: not the build
+    cases = list({same(c): c for c in cases}.values())
+    got = build(cases)
+    assert set(got) == {c["key"] for c in cases} and len(got) >= 6
+    for key, r in got.items():
+        assert r["spills"] == 0 and r["regs"] <= 255 and 0 < r["shared"] <= 232448, (key, r)

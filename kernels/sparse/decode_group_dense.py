@@ -20,8 +20,9 @@ Launch options (``DenseLaunch``)
     dot      True: q.K and p.V on tensor cores (G rows padded to 16); False: CUDA-core products
              (broadcast-multiply-sum, G padded to a power of two >= 1: no padding at G = 1)
     evict    K/V loads with eviction_policy="evict_first" (streamed once: keep L2 for others)
-    fuse     the last program of a group to finish (an atomic counter per group) merges the splits:
-             no merge launch (the counter is a cached workspace reset by that program)
+    fuse     the last program of a group to finish (an atomic counter per group) merges the splits,
+             MERGE_CHUNK splits' partials loaded at once: no merge launch (the counter is a cached
+             workspace reset by that program)
 
 ``launch_for(d, group, length, batch)`` looks the configuration up in ``DENSE_TABLE`` keyed by (D,
 G bucket, length bucket, batch bucket) (``buckets``), else ``DENSE_DEFAULT``: the configuration the
@@ -189,26 +190,36 @@ def _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, km
     return acc, m_new, l_i
 
 
+MERGE_CHUNK = tl.constexpr(8)   # splits whose partials the fused merge loads at once
+
+
 @triton.jit
 def _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_split, HEAD_DIM: tl.constexpr,
-                 GP: tl.constexpr):
+                 GP: tl.constexpr, CH: tl.constexpr):
     """The last program of a group: O rows of its heads from the S partials (L1 bypassed: the other
-    programs wrote them)."""
+    programs wrote them), CH splits at a time: a chunk's loads (M, LS [GP, CH], each split's ACC
+    rows) depend on nothing computed, so they are in flight together and the merge, which sits on
+    the group's critical path after the atomic, pays about S / CH memory latencies instead of S."""
+    offs_c = tl.arange(0, CH)
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    m = tl.full(bh.shape, float("-inf"), tl.float32)
-    ls = tl.zeros(bh.shape, tl.float32)
-    for s in range(n_split):
-        part = bh * n_split + s
-        m_s = tl.load(M + part, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(LS + part, mask=g_ok, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0,
-                      cache_modifier=".cg")
-        m_new = tl.maximum(m, m_s)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    ls = tl.zeros([GP], tl.float32)
+    for c in range(0, n_split, CH):
+        ok = g_ok[:, None] & (c + offs_c < n_split)[None, :]
+        idx = bh[:, None] * n_split + c + offs_c[None, :]
+        m_c = tl.load(M + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(LS + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(m_c, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_c = tl.math.exp2(m_c - m_ref[:, None])   # [GP, CH]; 0 past S
         w_old = tl.math.exp2(m - m_ref)
-        w_s = tl.math.exp2(m_s - m_ref)
-        acc = acc * w_old[:, None] + a_s * w_s[:, None]
-        ls = ls * w_old + l_s * w_s
+        ls = ls * w_old + tl.sum(w_c * l_c, 1)
+        acc = acc * w_old[:, None]
+        for i in tl.static_range(CH):
+            part = bh * n_split + c + i
+            a_i = tl.load(ACC + part[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=(g_ok & (part < (bh + 1) * n_split))[:, None], other=0.0, cache_modifier=".cg")
+            acc += a_i * tl.sum(tl.where(offs_c[None, :] == i, w_c, 0.0), 1)[:, None]
         m = m_new
     heads = bh % num_heads
     tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :], (acc / ls[:, None]).to(O.dtype.element_ty),
@@ -273,7 +284,8 @@ def _group_dense_kernel(Q, K, V, BT, LENS, ACC, M, LS, CNT, VCNT, CTR, O,
             done = tl.atomic_add(CTR + bk, 1, sem="acq_rel")
             if done == n_split - 1:
                 tl.debug_barrier()
-                _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_split, HEAD_DIM, GP)
+                _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_split, HEAD_DIM, GP,
+                             MERGE_CHUNK)
                 tl.store(CNT + bh, tl.zeros([GP], tl.int64), mask=g_ok)
                 tl.store(VCNT + bk, tl.zeros([], tl.int64))
                 tl.atomic_xchg(CTR + bk, 0)
