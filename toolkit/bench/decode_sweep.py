@@ -44,9 +44,9 @@ SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(wa
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
-    """name -> DenseLaunch or "attend" (<= 12): the attend pass (before the table), the default
+    """name -> DenseLaunch or "attend" (<= 14): the attend pass (before the table), the default
     launch in the new loop, then wave-fitted splits with larger tiles (one wave or two, 3 or 4
-    stages, the fused merge: for batch 1, where the splits are short and the merge launch is a
+    stages, the fused merge, with one wave or two: where the calls are short the merge launch is a
     larger share), more stages, evict-first loads, and more programs per SM with 1, 2 or 4 warps
     (the CUDA-core products, slower everywhere in the first sweep, are left out)."""
     big = DenseLaunch(block_n=128, warps=8, stages=3 if d <= 64 else 2, waves=2)
@@ -55,7 +55,8 @@ def dense_candidates(d: int, group: int, quick: bool) -> dict:
              DenseLaunch(warps=2, stages=3, pps=16), DenseLaunch(warps=1, stages=4, pps=16),
              DenseLaunch(warps=1, stages=3, pps=32), DenseLaunch(block_n=128, warps=4, stages=4, waves=2),
              DenseLaunch(block_n=128, warps=4, stages=3, waves=1), DenseLaunch(block_n=128, warps=4, stages=3, waves=2,
-                                                                             fuse=True)]
+                                                                             fuse=True),
+             DenseLaunch(block_n=128, warps=4, stages=3, waves=1, fuse=True)]   # the chunked fused merge (s39)
     if quick:
         cands = [DENSE_DEFAULT, DenseLaunch(block_n=32, dot=False, waves=2, fuse=True, evict=True)]
     return {"attend": "attend"} | {c.name(): c for c in cands}
