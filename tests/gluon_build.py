@@ -8,10 +8,7 @@ helpers (the reductions' combine functions) are interpreter objects that no comp
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from triton_build import run
 
 SCRIPT = """
 import importlib, json, os, re, subprocess, sys, tempfile
@@ -66,9 +63,4 @@ print("RESULT" + json.dumps(out))
 def build(cases: list[dict]) -> dict:
     """key -> build facts, for cases {key, module, kernel (the @gluon.jit name), d, method, q_rows (Q's
     TMA box rows), launch (the kernel's constexpr launch keywords, num_warps and maxnreg included)}."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
-                       timeout=900, check=False)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert line, f"the sm_90 build failed:\n{r.stderr[-3000:]}"
-    return json.loads(line[len("RESULT"):])
+    return run(SCRIPT, cases)

@@ -42,13 +42,19 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def build(cases: list[dict]) -> dict:
-    """key -> {regs, spills, shared} for cases {key, module, kernel (the @triton.jit name), signature
-    {arg: type} in argument order (constexprs last), constexprs {name: value}, divisible [arg names],
-    options {num_warps, num_stages}}."""
+def run(script: str, cases: list[dict]) -> dict:
+    """A build ``script`` run on ``cases`` in a fresh process without the interpreter: the JSON it
+    prints after "RESULT" (also tests/gluon_build.py's runner)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
                        timeout=900, check=False)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line, f"the sm_90 build failed:\n{r.stderr[-3000:]}"
     return json.loads(line[len("RESULT"):])
+
+
+def build(cases: list[dict]) -> dict:
+    """key -> {regs, spills, shared} for cases {key, module, kernel (the @triton.jit name), signature
+    {arg: type} in argument order (constexprs last), constexprs {name: value}, divisible [arg names],
+    options {num_warps, num_stages}}."""
+    return run(SCRIPT, cases)
