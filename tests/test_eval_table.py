@@ -23,6 +23,11 @@ def test_markdown_table_of_the_committed_evaluation():
     assert "5.2e-03 [5.1e-03, 5.3e-03]; +0/-23 p=2.4e-07" in row and "| text, text_stdlib |" in row
     assert "| 0.57 / 0.62 | 0.667 / 0.975 | - / - |" in row  # TPOT: its decode sparsity did not match
     assert rows[("dense", "1024")].count("+0/-0 p=1") == 4 and "| no |" in rows[("dense", "1024")]
+    # a timing with intervals (eval --time from 4 rounds) shows each speedup's interval beside it
+    speed = own_speed(pl.read_parquet(EVAL / "timing.parquet")).with_columns(
+        pl.lit(0.601).alias("speedup_ttft_lo"), pl.lit(0.7).alias("speedup_ttft_hi"))
+    ci = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in markdown_table(summary, speed).splitlines()[2:]}
+    assert "| 0.57 / 0.62 | 0.667 [0.601, 0.700] / 0.975 | - / - |" in ci[("blasst:0.5", "8192")]
     # without timings the speed cells are empty, the rest unchanged
     bare = markdown_table(summary).splitlines()
     assert bare[3].rsplit("|", 3)[0] == lines[3].rsplit("|", 3)[0] and bare[3].endswith("| - / - | - / - |")

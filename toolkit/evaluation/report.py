@@ -80,7 +80,8 @@ def markdown_table(summary, speed=None) -> str:
     perplexity rose / fell against dense with the exact sign test's p; the tasks where the
     cell differs from the rounding floor (``distinguishable``); the counted prefill / decode
     sparsity (mean over tasks); and, with ``speed`` (summary.own_speed of timing.parquet), the
-    configuration's own TTFT and TPOT speedups against the best SDPA, eager / CUDA-graph replay."""
+    configuration's own TTFT and TPOT speedups against the best SDPA, eager / CUDA-graph replay,
+    each with its 95% interval [lo, hi] where the timing phase had enough rounds for one."""
     import polars as pl
 
     tasks = [(t, m == "accuracy") for t, m in summary.select("task", "metric").unique().sort("task").rows()]
@@ -100,9 +101,15 @@ def markdown_table(summary, speed=None) -> str:
         lines.append("| " + " | ".join([
             label, str(n), *parts, ", ".join(apart) or "no",
             f"{_fmt(cell['sparsity'].mean(), '.2f')} / {_fmt(cell['decode_sparsity'].mean(), '.2f')}",
-            f"{_fmt(s.get('speedup_ttft'), '.3f')} / {_fmt(s.get('speedup_ttft_graph'), '.3f')}",
-            f"{_fmt(s.get('speedup_tpot'), '.3f')} / {_fmt(s.get('speedup_tpot_graph'), '.3f')}"]) + " |")
+            f"{_speed(s, 'speedup_ttft')} / {_speed(s, 'speedup_ttft_graph')}",
+            f"{_speed(s, 'speedup_tpot')} / {_speed(s, 'speedup_tpot_graph')}"]) + " |")
     return "\n".join(lines)
+
+
+def _speed(s: dict, name: str) -> str:
+    """A speedup with its rounds' 95% interval where the timing has one: 1.052 [1.041, 1.074]."""
+    lo, hi = s.get(f"{name}_lo"), s.get(f"{name}_hi")
+    return _fmt(s.get(name), ".3f") + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
 
 
 def _task_cell(r: dict | None, answers: bool) -> str:
