@@ -172,13 +172,12 @@ def speedups(row: dict, eager: list, graph, best_eager: list, best_graph) -> dic
     interval of its rounds (evaluation.speed_stats.ratio_interval; lo and hi None below 4 rounds)."""
     from sparsecal.evaluation.speed_stats import ratio_interval
 
-    row["speedup_vs_sdpa"] = statistics.median(best_eager) / statistics.median(eager)
-    ci = ratio_interval(best_eager, eager)
-    row["speedup_vs_sdpa_lo"], row["speedup_vs_sdpa_hi"] = ci["lo"], ci["hi"]
+    pairs = [("speedup_vs_sdpa", best_eager, eager)]
     if isinstance(graph, list) and graph and isinstance(best_graph, list) and best_graph:
-        row["graph_speedup_vs_sdpa"] = statistics.median(best_graph) / statistics.median(graph)
-        ci = ratio_interval(best_graph, graph)
-        row["graph_speedup_vs_sdpa_lo"], row["graph_speedup_vs_sdpa_hi"] = ci["lo"], ci["hi"]
+        pairs.append(("graph_speedup_vs_sdpa", best_graph, graph))
+    for key, base, mine in pairs:
+        ci = ratio_interval(base, mine)
+        row[key], row[f"{key}_lo"], row[f"{key}_hi"] = ci["median_ratio"], ci["lo"], ci["hi"]
     return row
 
 
@@ -207,7 +206,7 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int, quick
     variants = shape_variants(q, k, v, quick)
     times, graphs = timed_rounds(variants, rounds, quick)
     ms = {name: statistics.median(t) for name, t in times.items()}
-    sdpa = any(n.startswith("sdpa") for n in ms)
+    has_sdpa = any(n.startswith("sdpa") for n in ms)
     best = fastest_sdpa(times) or "old_dense"
     best_graph = fastest_sdpa(graphs) or best   # graph speedups against the SDPA fastest as a graph
     rows = []
@@ -226,7 +225,7 @@ def decode_shape(d: int, group: int, batch: int, length: int, rounds: int, quick
                     row[f"graph_of_ideal{key}"] = x / row["ideal"]
         rows.append(row)
     dense_err = None
-    if sdpa:
+    if has_sdpa:
         dense_err = float((variants["group_dense"][0]()[0].double() - variants[best][0]().double()).abs().max())
     del q, k, v, variants
     if device == "cuda":

@@ -159,20 +159,25 @@ def _ratio(times: dict, base: str, name: str, over: float = 1.0) -> tuple:
     from sparsecal.evaluation.speed_stats import ratio_interval
 
     ci = ratio_interval(times[base], times[name])
-    point = statistics.median(times[base]) / statistics.median(times[name]) / over
-    return point, *(None if x is None else x / over for x in (ci["lo"], ci["hi"]))
+    return tuple(None if x is None else x / over for x in (ci["median_ratio"], ci["lo"], ci["hi"]))
 
 
-def target_row(name: str, times: dict, sp: float | None, info: dict, n: int, d: int) -> dict:
+def baselines(ms: dict) -> tuple[str, str, str]:
+    """(best SDPA, the project's fastest dense kernel in this run: dense Triton or any Gluon kernel
+    with skipping off, the faster of the two) from the variants' median ms."""
+    sdpa = min((x for x in ms if x.startswith("sdpa")), key=ms.get)
+    dense = min(["dense_triton"] + [x for x in ms if x.startswith("gluon") and x.endswith("_off")], key=ms.get)
+    return sdpa, dense, min((sdpa, dense), key=ms.get)
+
+
+def target_row(name: str, times: dict, sp: float | None, info: dict, n: int, d: int, base: tuple | None = None) -> dict:
     """One variant's row of a targets shape from every variant's round times (name -> ms per round):
     against the best SDPA (``vs_sdpa``), the project's fastest dense kernel (``vs_dense``,
     ``of_ideal``) and the faster of the two (``of_ideal_best``: the issue's "against the best dense
-    kernel"), each with ``_lo``/``_hi``, its rounds' exact 95% interval."""
+    kernel"), each with ``_lo``/``_hi``, its rounds' exact 95% interval; ``base``: ``baselines`` of
+    the shape when the caller has it."""
     ms = {x: statistics.median(t) for x, t in times.items()}
-    sdpa = min((x for x in ms if x.startswith("sdpa")), key=ms.get)
-    # the project's fastest dense kernel in this run: dense Triton or any Gluon kernel with skipping off
-    dense = min(["dense_triton"] + [x for x in ms if x.startswith("gluon") and x.endswith("_off")], key=ms.get)
-    best = min((sdpa, dense), key=ms.get)
+    sdpa, dense, best = base or baselines(ms)
     row = {"variant": name, "ms": ms[name], "rounds_ms": times[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
            "vs_dense_triton": ms["dense_triton"] / ms[name], **info}
     row["vs_sdpa"], row["vs_sdpa_lo"], row["vs_sdpa_hi"] = _ratio(times, sdpa, name)
@@ -189,10 +194,10 @@ def targets_shape(d: int, n: int, group: int, rounds: int, extra: dict | None = 
     variants = _variants(q, k, v, d, n, {x: e for x, e in (extra or {}).items() if takes(x, d)})
     times = round_robin_times(variants, rounds)
     ms = {name: statistics.median(t) for name, t in times.items()}
-    sdpa = min(t for name, t in ms.items() if name.startswith("sdpa"))
-    dense_name = min(["dense_triton"] + [x for x in ms if x.startswith("gluon") and x.endswith("_off")], key=ms.get)
+    base = baselines(ms)
+    sdpa, dense_name = ms[base[0]], base[1]
     dense = ms[dense_name]
-    rows = [target_row(name, times, sp, info, n, d) for name, (_, sp, info) in variants.items()]
+    rows = [target_row(name, times, sp, info, n, d, base) for name, (_, sp, info) in variants.items()]
     del q, k, v
     torch.cuda.empty_cache()
     log(f"D={d} N={n} G={group}: sdpa {sdpa:.3f} ms, dense {dense_name} {dense:.3f}, "

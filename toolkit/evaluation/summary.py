@@ -38,6 +38,7 @@ from sparsecal.capture.prompts.tasks import TEXT_TASKS
 from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, POINT_STATS, cell_keys, cells, with_split
 from sparsecal.evaluation.paired import mover
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.results import SPEED_INTERVALS
 
 KEYS = ["method", "config", "length"]
 BENCH_SPARSITY_TOL = 0.02  # a bench row joins a point only within this counted sparsity
@@ -151,9 +152,6 @@ def _bench_table(path: Path) -> tuple[pl.DataFrame, dict]:
 SPEED = ["speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_graph", "ideal_ttft", "ideal_tpot", "attention_share",
          "attention_share_decode", "timed_sparsity", "timed_decode_sparsity", "sparse_layers", "sparsity_match",
          "decode_sparsity_match", "speed_device"]
-
-
-SPEED_INTERVALS = [f"{s}_{e}" for s in SPEED[:4] for e in ("lo", "hi")]   # timing.py's 95% intervals
 
 
 def _col(frame: pl.DataFrame, name: str) -> pl.Expr:

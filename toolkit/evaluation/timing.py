@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsecal.formats.results import SPEED_INTERVALS, SPEEDS
+
 SPARSITY_TOL = 0.02
 PROMPT_SEED = 20261123  # random prompt ids of --speed-only evaluations
 
@@ -376,8 +378,7 @@ def _baseline(got: dict) -> dict:
     return out
 
 
-SPEEDUPS = {"speedup_ttft": "ttft_ms", "speedup_ttft_graph": "ttft_graph_ms", "speedup_tpot": "tpot_ms",
-            "speedup_tpot_graph": "tpot_graph_ms"}   # speedup -> the measure it is a ratio of
+SPEEDUPS = dict(zip(SPEEDS, ("ttft_ms", "ttft_graph_ms", "tpot_ms", "tpot_graph_ms")))   # speedup -> its measure
 
 
 def _intervals(t: dict, base: dict) -> dict:
@@ -487,7 +488,7 @@ def _band(rec: dict, name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the records
-SPEED_COLUMNS = ("speedup", *SPEEDUPS, *[f"{s}_{e}" for s in SPEEDUPS for e in ("lo", "hi")], "ideal_ttft",
+SPEED_COLUMNS = ("speedup", *SPEEDUPS, *SPEED_INTERVALS, "ideal_ttft",
                  "ideal_tpot", "attention_share", "timed_sparsity", "timed_decode_sparsity", "sparsity_match",
                  "decode_sparsity_match", "speed_device", "accuracy_meaningful")
 

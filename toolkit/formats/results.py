@@ -55,9 +55,10 @@ from sparsecal.formats.errors import UserError
 KEYS = ("method", "config", "length")
 POINT = KEYS + ("origin", "split")  # a chart point: one directory's rows of one split
 MEASURES = ("accuracy_rel_dense", "speedup")
-OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", "speedup_ttft",
-            "speedup_tpot", "speedup_ttft_graph", "speedup_tpot_graph",
-            *[f"speedup_{m}_{e}" for m in ("ttft", "tpot", "ttft_graph", "tpot_graph") for e in ("lo", "hi")])
+SPEEDS = ("speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_graph")   # a point's own timed speeds
+SPEED_INTERVALS = tuple(f"{s}_{e}" for s in SPEEDS for e in ("lo", "hi"))            # their 95% intervals
+OPTIONAL = ("sparsity", "decode_sparsity", "accuracy_rel_dense_lo", "accuracy_rel_dense_hi", *SPEEDS,
+            *SPEED_INTERVALS)
 KINDS = ("sparsecal-eval", "sparsecal-bench")
 PRODUCERS = ("`sparsecal eval EXPORT --out DIR` (accuracy relative to dense; `--bench FILE` joins speedups "
              "into DIR/curves.parquet) and `sparsecal bench --smollm2` on a GPU (speedup rows, "
