@@ -25,7 +25,7 @@ from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
 SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep{s}-h100-d{d}.json"   # the sweeps DENSE_TABLE is from, oldest first:
-          for s in ("4", "5-b1", "6-b16") for d in (128, 64)]            # batch 16, batch 1, batch 16 at G 4/8 16K-32K
+          for s in ("4", "5-b1", "6-b16", "7-b16") for d in (128, 64)]  # b16, b1, b16 G 4/8 16K-32K, b16 (fused merge)
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)

@@ -109,7 +109,6 @@ DENSE_DEFAULT = DenseLaunch()                                    # n64w4s3p4
 ATTEND = "attend"   # the group kernel's attend pass with skipping off (decode_group.py), as a table entry
 _N128 = DenseLaunch(block_n=128, warps=4, stages=3, waves=2)    # n128w4s3W2
 _N128W1 = DenseLaunch(block_n=128, warps=4, stages=3, waves=1)  # n128w4s3W1
-_W2P8 = DenseLaunch(warps=2, stages=4, pps=8)                   # n64w2s4p8
 _W1P32 = DenseLaunch(warps=1, stages=3, pps=32)                 # n64w1s3p32
 LENGTH_BUCKETS = (16384, 32768, 65536, 131072)
 # Batch 16 (data/bench/decode-sweep4-h100-d128.json, -d64.json; B=16, H=32, graph replays, 3 rounds): n128w4s3W2 was
@@ -123,8 +122,15 @@ LENGTH_BUCKETS = (16384, 32768, 65536, 131072)
 # winner moves with G and length (per entry below), 0.961-1.055x cuDNN.
 _B1_D64 = {1: (DENSE_DEFAULT, ATTEND, ATTEND, ATTEND), 4: (ATTEND, _W1P32, DENSE_DEFAULT, DENSE_DEFAULT),
            8: (_N128, ATTEND, _W1P32, DENSE_DEFAULT)}
+# Batch 16 again with the chunked fused merge among the candidates (decode-sweep7-b16-h100-d64.json, -d128.json; s40):
+# n128w4s3W1-fuse the fastest or within 0.1 % of it at every G = 4/8 shape and at D=128 G=1 (D=64 G=8: 0.977-0.979x
+# cuDNN, +0.5-1.1 % over the unfused entries) and at D=128 G=1 16K-32K; at D=64 G=1 n128w4s4W2 (0.994-1.000x, +0.7-1.5 %
+# over n64w2s4p8); at D=128 G=1 64K n64w2s3p16 (1.000x; the fused launch 0.994x).
+_N128S4 = DenseLaunch(block_n=128, warps=4, stages=4, waves=2)   # n128w4s4W2
+_N128W1F = DenseLaunch(block_n=128, warps=4, stages=3, waves=1, fuse=True)   # n128w4s3W1-fuse
+_W2P16 = DenseLaunch(warps=2, stages=3, pps=16)                  # n64w2s3p16
 DENSE_TABLE: dict[tuple[int, int, int, int], DenseLaunch | str] = {
-    **{(d, g, n, 16): (_W2P8 if (d, g) == (64, 1) else _N128W1 if g > 1 and n <= 32768 else _N128)
+    **{(d, g, n, 16): (_N128S4 if (d, g) == (64, 1) else _W2P16 if (d, g) == (128, 1) and n >= 65536 else _N128W1F)
        for d in (64, 128) for g in (1, 4, 8) for n in LENGTH_BUCKETS},
     **{(128, g, n, 1): _N128W1 for g in (1, 4, 8) for n in LENGTH_BUCKETS},
     **{(64, g, n, 1): _B1_D64[g][i] for g in (1, 4, 8) for i, n in enumerate(LENGTH_BUCKETS)},
