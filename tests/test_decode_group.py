@@ -80,6 +80,34 @@ def test_group_kernel_matches_reference(case, seed):
     check(case, q, k, v, 1, "head", dense=True)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"G{c[2] // c[3]}-D{c[4]}-{str(c[7])[6:]}")
+def test_fused_merge_matches_the_merge_launch(case, seed):
+    """SparseLaunch(fuse=c): the group's last program merges, c splits at a time (no merge launch).
+    At 2, 3 and 9 splits (9: one tile each, chunks of 2 and 8 with a partial last chunk) every method
+    and decision gives the reference's output and the merge kernel's exact counts, the same bits
+    twice (the group counters left zero)."""
+    from sparsecal.kernels.sparse.decode_group_dense import _COUNTERS
+
+    q, k, v, far = decode_inputs(seed, case)
+    thr, ll = cuts(q, k, far, case[6])
+    *_, d, bm, bn, dtype = case
+    runs = ((2, {"thresholds": thr}, 2), (3, {"log_lambda": ll}, 8), (9, {"topk": 2}, 2), (9, {"thresholds": thr}, 8))
+    for splits, kw, chunk in runs:
+        fused = SparseLaunch(warps=1, pps=4, fuse=chunk)
+        for decision in ("head", "group"):
+            want, counts = sparse_decode(q, k, v, d ** -0.5, bm, bn, decision=decision, **kw)
+            plain = group_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=splits, decision=decision, **kw)
+            got = group_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=splits, decision=decision, launch=fused, **kw)
+            again = group_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=splits, decision=decision, launch=fused,
+                                        **kw)
+            torch.testing.assert_close(got[0].float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+            torch.testing.assert_close(got[0].float(), plain[0].float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+            assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2]), (splits, decision)
+            assert torch.equal(got[1].sum(0), counts.skipped) and torch.equal(got[2].sum(0), counts.v_skipped)
+            assert all(torch.equal(a, b) for a, b in zip(got, again))
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+
+
 def test_group_skip_rule():
     """The group decision of the reference: a tile is skipped by the group only when all its heads
     skip it, and then by every head (heads of a group adjacent)."""
@@ -103,6 +131,7 @@ def test_launch_table_buckets():
     assert sparse_launch_for(64, 1) == SPARSE_TABLE[(64, 1)]
     assert sparse_launch_for(96, 4) == SPARSE_DEFAULT
     assert SparseLaunch(warps=2, pps=8).name() == "w2s3p8"
+    assert SparseLaunch(warps=1, pps=16, fuse=2).name() == "w1s3p16-fuse2"
 
 
 def test_sparse_table_holds_the_targets_runs_fastest_launches():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparsecal.kernels.sparse.decode_group import group_decode_triton
+from sparsecal.kernels.sparse.decode_group import SparseLaunch, group_decode_triton
 from sparsecal.kernels.sparse.decode_group_dense import DenseLaunch
 from sparsecal.kernels.sparse.reference import paged_to_rows, sparse_decode_ragged
 
@@ -67,14 +67,17 @@ def test_ragged_and_paged_match_reference(case, seed):
     q, kp, vp, table, kc, vc, lens = serving_batch(seed, case)
     _, _, d, bm, bn, _, dtype = case
     scale = d ** -0.5
-    runs = [({"thresholds": thresholds(q, kc, bn)}, "head", True, 2),
-            ({"log_lambda": -2.0}, "group", False, 2),
-            ({"topk": 2}, "head", True, 1)]
-    for kw, decision, paged, splits in runs:
+    fused = SparseLaunch(warps=1, pps=4, fuse=2)   # the last program of a group merges (rows past a split: empty)
+    runs = [({"thresholds": thresholds(q, kc, bn)}, "head", True, 2, None),
+            ({"log_lambda": -2.0}, "group", False, 2, None),
+            ({"topk": 2}, "head", True, 1, None),
+            ({"log_lambda": -2.0}, "group", True, 3, fused),
+            ({"thresholds": thresholds(q, kc, bn)}, "head", False, 5, fused)]
+    for kw, decision, paged, splits, launch in runs:
         k, v, bt = (kp, vp, table) if paged else (kc, vc, None)
         want, sk, vsk, _ = sparse_decode_ragged(q, k, v, lens, scale, bm, bn, block_table=bt, decision=decision, **kw)
         got, skipped, v_skipped = group_decode_triton(q, k, v, scale, bm, bn, lengths=lens, block_table=bt,
-                                                      decision=decision, splits=splits, **kw)
+                                                      decision=decision, splits=splits, launch=launch, **kw)
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
         assert torch.equal(skipped, sk) and torch.equal(v_skipped, vsk), (kw, decision)
         assert sk[-1].sum() > 0 and sk[0].sum() == 0            # the long row skips, the one-key row cannot

@@ -25,7 +25,11 @@ Passes
             after both loads. Counts per head (candidates skipped) and per group (tiles every head
             skips: V tiles not loaded), per split.
     merge   ``_group_merge_kernel`` (grid B*H) combines the splits and sums the counts; with one
-            split the attend pass writes the output and the counts itself (one launch in all).
+            split the attend pass writes the output and the counts itself (one launch in all); with
+            ``SparseLaunch.fuse`` the group's last attend program to finish (an atomic counter per
+            group, left zero) merges its heads' splits in split order and sums the counts (no merge
+            launch; decode_group_dense's fused merge, ``fuse`` splits' partials at a time: with one
+            or two warps a chunk of 8 [GP, D] f32 partials in flight spills registers).
 
 Launch (``SparseLaunch``, per (D, G bucket) from ``SPARSE_TABLE``): num_warps / num_stages of the
 tmax and attend passes, ``pps`` the split-K target (about pps attend programs per SM, each split at
@@ -57,6 +61,8 @@ from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lam
 from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask, sm_count
 from sparsecal.kernels.sparse.decode_group_dense import (
     ATTEND,
+    _counters,
+    _fused_merge,
     _group_merge_kernel,
     _row,
     _tile_base,
@@ -75,10 +81,11 @@ class SparseLaunch:
     warps: int = 4
     stages: int = 3
     pps: int = 4
+    fuse: int = 0     # the fused merge, this many splits' partials at a time (0: the merge kernel)
 
     def name(self) -> str:
-        """A short label: w4s3p8."""
-        return f"w{self.warps}s{self.stages}p{self.pps}"
+        """A short label: w4s3p8 (-fuse2 with the fused merge, 2 splits at a time)."""
+        return f"w{self.warps}s{self.stages}p{self.pps}" + (f"-fuse{self.fuse}" if self.fuse else "")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -213,18 +220,20 @@ def _group_tmax_kernel(Q, K, BT, LENS, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, s_bt,
 
 
 @triton.jit
-def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VCNT, O,
+def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VCNT, CTR, SKD, VSKD, O,
                          sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_bt, so_b, so_h, length, n_kb,
                          tiles_per_split, n_split, num_heads, group, qk_scale, softcap, block_m, n_thr, ll2, window,
                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                          PAGE: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, DECIDE: tl.constexpr,
-                         GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr,
+                         FCH: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (S, B * Hkv): one split of one KV group (module docstring). DECIDE 0 dense, 1 torch mask
     SKIP [B, H, Kb] i8, 2 BSFA (THR [H, n_thr] natural units), 3 BLASST forward (TMAX [B, H, Kb],
     ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
     and counts CNT [B, H, S], VCNT [B, Hkv, S] i32; DIRECT (S = 1): O [B, H, 1, D] and the counts
-    (CNT [B, H], VCNT [B, Hkv] i64) written here."""
+    (CNT [B, H], VCNT [B, Hkv] i64) written here; FUSE: the partials, then the group's last program
+    (CTR [B * Hkv] i32, zero between calls) writes O and the summed counts SKD [B, H], VSKD [B, Hkv] i64,
+    FCH splits' partials at a time."""
     split, bk, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
     length = _row(LENS, b, length, RAGGED)
     offs_n = tl.arange(0, BLOCK_N)
@@ -280,6 +289,32 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
         tl.store(LS + part, l_i, mask=g_ok)
         tl.store(CNT + part, n_skip, mask=g_ok)
         tl.store(VCNT + bk.to(tl.int64) * n_split + split, v_skip)
+        if FUSE:
+            tl.debug_barrier()    # every thread's partial stores before the release below
+            done = tl.atomic_add(CTR + bk, 1, sem="acq_rel")
+            if done == n_split - 1:
+                tl.debug_barrier()
+                _fused_merge(ACC, M, LS, O, bh, g_ok, offs_d, b, so_b, so_h, num_heads, n_split, HEAD_DIM, GP, FCH)
+                _fused_counts(CNT, VCNT, SKD, VSKD, bh, bk, g_ok, n_split, FCH)
+                tl.atomic_xchg(CTR + bk, 0)
+
+
+@triton.jit
+def _fused_counts(CNT, VCNT, SKD, VSKD, bh, bk, g_ok, n_split, CH: tl.constexpr):
+    """The group's last program: SKD [B, H] each head's skipped candidates and VSKD [B, Hkv] the
+    group's V tiles not loaded (i64), the sums of the S splits' counts CNT [B, H, S], VCNT [B, Hkv, S]
+    (L1 bypassed: the other programs wrote them), CH splits at a time."""
+    offs_c = tl.arange(0, CH)
+    sk = tl.zeros(bh.shape, tl.int64)
+    vs = tl.zeros([CH], tl.int64)
+    for c in range(0, n_split, CH):
+        s_ok = (c + offs_c) < n_split
+        sk += tl.sum(tl.load(CNT + bh[:, None] * n_split + c + offs_c[None, :], mask=g_ok[:, None] & s_ok[None, :],
+                             other=0, cache_modifier=".cg").to(tl.int64), 1)
+        vs += tl.load(VCNT + bk.to(tl.int64) * n_split + c + offs_c, mask=s_ok, other=0,
+                      cache_modifier=".cg").to(tl.int64)
+    tl.store(SKD + bh, sk, mask=g_ok)
+    tl.store(VSKD + bk, tl.sum(vs, 0))
 
 
 def group_splits(batch_kv: int, n_kb: int, device, pps: int = SPARSE_DEFAULT.pps) -> int:
@@ -397,21 +432,32 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
         skip = _mask_for(tmax, lengths, bound, block_m, block_n,
                          {"log_lambda": log_lambda, "order": order, "topk": topk})
     thr = thresholds.to(device=dev, dtype=f32).contiguous() if decide == BSFA else q
+    tail = (bound, kb, tps, n_split, h, h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
+            0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0))
+    flags = {"DECIDE": decide, "GROUP": decision == "group", "PRE": decide in (MASK, BLASST), **common}
+    return _attend(q, k, v, (bt, lens, thr, tmax, skip), strides + (v.stride(0), v.stride(1), v.stride(2),
+                   bt.stride(0) if block_table is not None else 0), tail, flags, cfg.fuse)
+
+
+def _attend(q, k, v, inputs: tuple, strides: tuple, tail: tuple, flags: dict, chunk: int) -> tuple:
+    """The attend pass (grid S x B*Hkv) and the merge: one launch when S = 1 or ``chunk`` (the last
+    program of a group merges, ``chunk`` splits at a time), else the merge kernel. inputs (BT, LENS, THR, TMAX, SKIP); strides up
+    to s_bt; tail the kernel's scalars from ``length``. Returns (out, skipped [B, H], v_skipped [B, Hkv])."""
+    b, h, _, d = q.shape
+    hkv, n_split = k.shape[1], tail[3]
+    dev = q.device
     out = torch.empty_like(q)
-    direct = n_split == 1
+    direct, fuse = n_split == 1, chunk > 0 and n_split > 1
     part, cnt, vcnt = _split_buffers(q, hkv, n_split)
+    skipped = torch.empty((b, h), dtype=torch.int64, device=dev) if not direct else cnt
+    v_skipped = torch.empty((b, hkv), dtype=torch.int64, device=dev) if not direct else vcnt
+    ctr = _counters(b * hkv, dev) if fuse else q
     LAST_COMPILED["group_attend"] = _group_attend_kernel[(n_split, b * hkv)](
-        q2, k, v, bt, lens, thr, tmax, skip, *part, cnt, vcnt, out, *strides, v.stride(0), v.stride(1), v.stride(2),
-        bt.stride(0) if block_table is not None else 0, out.stride(0), out.stride(1), bound, kb, tps, n_split, h,
-        h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
-        0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0),
-        DECIDE=decide, GROUP=decision == "group", PRE=decide in (MASK, BLASST), DIRECT=direct, **common)
-    if direct:
-        return out, cnt, vcnt
-    skipped = torch.empty((b, h), dtype=torch.int64, device=dev)
-    v_skipped = torch.empty((b, hkv), dtype=torch.int64, device=dev)
-    _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
-                                  h // hkv, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
+        q[:, :, 0], k, v, *inputs, *part, cnt, vcnt, ctr, skipped, v_skipped, out, *strides, out.stride(0),
+        out.stride(1), *tail, DIRECT=direct, FUSE=fuse, FCH=max(chunk, 1), **flags)
+    if not (direct or fuse):
+        _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
+                                      h // hkv, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
     return out, skipped, v_skipped
 
 

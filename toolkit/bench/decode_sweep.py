@@ -34,13 +34,27 @@ from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsf
 from sparsecal.bench.harness import graph_replay, log
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
-from sparsecal.kernels.sparse.decode_group import SPARSE_DEFAULT, SparseLaunch, decode_tile_maxima, group_decode_triton
+from sparsecal.kernels.sparse.decode_group import (
+    SPARSE_DEFAULT,
+    SparseLaunch,
+    decode_tile_maxima,
+    group_decode_triton,
+    sparse_launch_for,
+)
 from sparsecal.kernels.sparse.decode_group_dense import DENSE_DEFAULT, DenseLaunch, buckets
 from sparsecal.kernels.sparse.reference import sparse_decode, sparse_decode_ragged
 
 TOL_BF16 = 3e-2
 SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(warps=2, pps=16),
                    SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32))   # the decision passes' candidates (decode_group.SparseLaunch)
+FUSE_CHUNKS = (2, 8)   # the table's sparse launch again with the fused merge, these many splits at a time (s40)
+
+
+def sparse_candidates(d: int, group: int, quick: bool) -> tuple:
+    """The decision passes' launches for one shape: SPARSE_LAUNCHES and the table's launch with the
+    fused merge (FUSE_CHUNKS); quick: the default, the last and one fused launch."""
+    fused = tuple(SparseLaunch(**{**sparse_launch_for(d, group).as_dict(), "fuse": c}) for c in FUSE_CHUNKS)
+    return (SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0]) if quick else SPARSE_LAUNCHES + fused
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
@@ -153,7 +167,7 @@ def shape_candidates(q, k, v, quick: bool) -> dict:
                                 {"kind": "dense", "config": cfg if cfg == "attend" else cfg.as_dict()})
     for s in SPARSITIES[-1:] if quick else SPARSITIES:
         thr = _bsfa_point(q, k, v, scale, s)
-        for cfg in (SPARSE_DEFAULT, SPARSE_LAUNCHES[-1]) if quick else SPARSE_LAUNCHES:
+        for cfg in sparse_candidates(d, h // hkv, quick):
             out[f"bsfa_group_s{int(s * 100)}_{cfg.name()}"] = (
                 lambda thr=thr, cfg=cfg: group_decode_triton(q, k, v, scale, BM, BN, thresholds=thr, decision="group",
                                                              launch=cfg),
