@@ -276,6 +276,16 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
         vm_prev = kmask & _spread(gkeep, offs_n)
     v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
     acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)
+    _epilogue(ACC, M, LS, CNT, VCNT, CTR, SKD, VSKD, O, acc, m_i, l_i, n_skip, v_skip, b, bk, bh, g_ok, offs_d, split,
+              n_split, so_b, so_h, num_heads, HEAD_DIM, GP, DIRECT, FUSE, FCH)
+
+
+@triton.jit
+def _epilogue(ACC, M, LS, CNT, VCNT, CTR, SKD, VSKD, O, acc, m_i, l_i, n_skip, v_skip, b, bk, bh, g_ok, offs_d, split,
+              n_split, so_b, so_h, num_heads, HEAD_DIM: tl.constexpr, GP: tl.constexpr, DIRECT: tl.constexpr,
+              FUSE: tl.constexpr, FCH: tl.constexpr):
+    """An attend program's end (``_group_attend_kernel``'s outputs): DIRECT the output and the
+    counts; else its split's partials and counts, then with FUSE the group's last program merges."""
     if DIRECT:
         out = acc / l_i[:, None]
         heads = bh % num_heads

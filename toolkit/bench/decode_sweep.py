@@ -48,13 +48,17 @@ TOL_BF16 = 3e-2
 SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(warps=2, pps=16),
                    SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32))   # the decision passes' candidates (decode_group.SparseLaunch)
 FUSE_CHUNKS = (2, 8)   # the table's sparse launch again with the fused merge, these many splits at a time (s40)
+STAGES = (2, 4)        # and with these K-load pipeline depths (the conditional V load is not pipelined)
 
 
 def sparse_candidates(d: int, group: int, quick: bool) -> tuple:
-    """The decision passes' launches for one shape: SPARSE_LAUNCHES and the table's launch with the
-    fused merge (FUSE_CHUNKS); quick: the default, the last and one fused launch."""
-    fused = tuple(SparseLaunch(**{**sparse_launch_for(d, group).as_dict(), "fuse": c}) for c in FUSE_CHUNKS)
-    return (SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0]) if quick else SPARSE_LAUNCHES + fused
+    """The decision passes' launches for one shape: SPARSE_LAUNCHES, the table's launch with the
+    fused merge (FUSE_CHUNKS) and with other stage counts (STAGES); quick: the default, the last and
+    one fused launch."""
+    table = sparse_launch_for(d, group).as_dict()
+    fused = tuple(SparseLaunch(**{**table, "fuse": c}) for c in FUSE_CHUNKS)
+    staged = tuple(SparseLaunch(**{**table, "stages": n}) for n in STAGES if n != table["stages"])
+    return (SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0]) if quick else SPARSE_LAUNCHES + fused + staged
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
