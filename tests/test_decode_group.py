@@ -82,18 +82,20 @@ def test_group_kernel_matches_reference(case, seed):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"G{c[2] // c[3]}-D{c[4]}-{str(c[7])[6:]}")
 def test_fused_merge_matches_the_merge_launch(case, seed):
-    """SparseLaunch(fuse=c): the group's last program merges, c splits at a time (no merge launch).
-    At 2, 3 and 9 splits (9: one tile each, chunks of 2 and 8 with a partial last chunk) every method
-    and decision gives the reference's output and the merge kernel's exact counts, the same bits
-    twice (the group counters left zero)."""
+    """SparseLaunch(fuse=c): the group's last program merges, c splits at a time (no merge launch);
+    step_if: a tile's softmax step only when some head keeps it. At 2, 3 and 9 splits (9: one tile
+    each, chunks of 2 and 8 with a partial last chunk) every method and decision gives the
+    reference's output and the merge kernel's exact counts, the same bits twice (the group counters
+    left zero)."""
     from sparsecal.kernels.sparse.decode_group_dense import _COUNTERS
 
     q, k, v, far = decode_inputs(seed, case)
     thr, ll = cuts(q, k, far, case[6])
     *_, d, bm, bn, dtype = case
-    runs = ((2, {"thresholds": thr}, 2), (3, {"log_lambda": ll}, 8), (9, {"topk": 2}, 2), (9, {"thresholds": thr}, 8))
-    for splits, kw, chunk in runs:
-        fused = SparseLaunch(warps=1, pps=4, fuse=chunk)
+    runs = ((2, {"thresholds": thr}, 2, False), (3, {"log_lambda": ll}, 8, True), (9, {"topk": 2}, 2, True),
+            (9, {"thresholds": thr}, 8, False), (3, {"thresholds": thr}, 0, True))
+    for splits, kw, chunk, step_if in runs:
+        fused = SparseLaunch(warps=1, pps=4, fuse=chunk, step_if=step_if)
         for decision in ("head", "group"):
             want, counts = sparse_decode(q, k, v, d ** -0.5, bm, bn, decision=decision, **kw)
             plain = group_decode_triton(q, k, v, d ** -0.5, bm, bn, splits=splits, decision=decision, **kw)
@@ -132,6 +134,7 @@ def test_launch_table_buckets():
     assert sparse_launch_for(96, 4) == SPARSE_DEFAULT
     assert SparseLaunch(warps=2, pps=8).name() == "w2s3p8"
     assert SparseLaunch(warps=1, pps=16, fuse=2).name() == "w1s3p16-fuse2"
+    assert SparseLaunch(warps=2, pps=8, step_if=True).name() == "w2s3p8-if"
 
 
 def test_sparse_table_holds_the_targets_runs_fastest_launches():

@@ -72,7 +72,8 @@ def test_ragged_and_paged_match_reference(case, seed):
             ({"log_lambda": -2.0}, "group", False, 2, None),
             ({"topk": 2}, "head", True, 1, None),
             ({"log_lambda": -2.0}, "group", True, 3, fused),
-            ({"thresholds": thresholds(q, kc, bn)}, "head", False, 5, fused)]
+            ({"thresholds": thresholds(q, kc, bn)}, "head", False, 5, fused),
+            ({"log_lambda": -2.0}, "group", True, 2, SparseLaunch(warps=1, pps=4, step_if=True))]
     for kw, decision, paged, splits, launch in runs:
         k, v, bt = (kp, vp, table) if paged else (kc, vc, None)
         want, sk, vsk, _ = sparse_decode_ragged(q, k, v, lens, scale, bm, bn, block_table=bt, decision=decision, **kw)

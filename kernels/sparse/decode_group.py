@@ -82,10 +82,12 @@ class SparseLaunch:
     stages: int = 3
     pps: int = 4
     fuse: int = 0     # the fused merge, this many splits' partials at a time (0: the merge kernel)
+    step_if: bool = False   # the softmax step of a tile only when some head of the group keeps it
 
     def name(self) -> str:
-        """A short label: w4s3p8 (-fuse2 with the fused merge, 2 splits at a time)."""
-        return f"w{self.warps}s{self.stages}p{self.pps}" + (f"-fuse{self.fuse}" if self.fuse else "")
+        """A short label: w4s3p8 (-fuse2 with the fused merge, 2 splits at a time; -if with step_if)."""
+        return (f"w{self.warps}s{self.stages}p{self.pps}" + (f"-fuse{self.fuse}" if self.fuse else "")
+                + ("-if" if self.step_if else ""))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -201,6 +203,19 @@ def _prefix_max(TMAX, bh, g_ok, j0, n_kb, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _kept_step(acc, m_i, l_i, s, v, kept, STEP_IF: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The online-softmax step of one tile (``_decode_step``); with STEP_IF only when some head kept
+    the tile (``kept``): a tile no head keeps has all scores -inf and zero V rows, its step changes
+    nothing, and skipping it saves the exp2 of the score tile and the P.V product."""
+    if STEP_IF:
+        if kept:
+            acc, m_i, l_i = _decode_step(acc, m_i, l_i, s, v, PREC, UPCAST)
+    else:
+        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s, v, PREC, UPCAST)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _group_tmax_kernel(Q, K, BT, LENS, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, s_bt, length, n_kb, tiles_per_split,
                        num_heads, group, qk_scale, softcap, HEAD_DIM: tl.constexpr, BN: tl.constexpr,
                        BLOCK_N: tl.constexpr, GP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
@@ -226,7 +241,8 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                          PAGE: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, DECIDE: tl.constexpr,
                          GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr,
-                         FCH: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                         FCH: tl.constexpr, STEP_IF: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                         UPCAST: tl.constexpr):
     """Grid (S, B * Hkv): one split of one KV group (module docstring). DECIDE 0 dense, 1 torch mask
     SKIP [B, H, Kb] i8, 2 BSFA (THR [H, n_thr] natural units), 3 BLASST forward (TMAX [B, H, Kb],
     ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
@@ -255,6 +271,7 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
     s_prev = tl.full([GP, BLOCK_N], float("-inf"), tl.float32)    # tile j - 1's kept scores
     v_prev = _tile_base(V, BT, b, hk, j0 * 0, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
     vm_prev = offs_n < 0                                             # tile j - 1's V rows to load
+    gk_prev = tl.zeros([], tl.int32) > 0                             # some head keeps tile j - 1
     for j in range(j0, j1):
         v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
         k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
@@ -268,14 +285,15 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
             s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
                                offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
             keep, gkeep, run = _keep(tl.max(s, 1), g_ok, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
-        acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)   # tile j - 1
+        acc, m_i, l_i = _kept_step(acc, m_i, l_i, s_prev, v, gk_prev, STEP_IF, PREC, UPCAST)   # tile j - 1
         n_skip += (g_ok & ~keep).to(tl.int32)
         v_skip += (~gkeep).to(tl.int32)
         s_prev = tl.where(keep[:, None], s, float("-inf"))
         v_prev = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BN, PAGE, PAGED)
         vm_prev = kmask & _spread(gkeep, offs_n)
+        gk_prev = gkeep
     v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
-    acc, m_i, l_i = _decode_step(acc, m_i, l_i, s_prev, v, PREC, UPCAST)
+    acc, m_i, l_i = _kept_step(acc, m_i, l_i, s_prev, v, gk_prev, STEP_IF, PREC, UPCAST)
     _epilogue(ACC, M, LS, CNT, VCNT, CTR, SKD, VSKD, O, acc, m_i, l_i, n_skip, v_skip, b, bk, bh, g_ok, offs_d, split,
               n_split, so_b, so_h, num_heads, HEAD_DIM, GP, DIRECT, FUSE, FCH)
 
@@ -444,7 +462,8 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     thr = thresholds.to(device=dev, dtype=f32).contiguous() if decide == BSFA else q
     tail = (bound, kb, tps, n_split, h, h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
             0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0))
-    flags = {"DECIDE": decide, "GROUP": decision == "group", "PRE": decide in (MASK, BLASST), **common}
+    flags = {"DECIDE": decide, "GROUP": decision == "group", "PRE": decide in (MASK, BLASST), "STEP_IF": cfg.step_if,
+             **common}
     return _attend(q, k, v, (bt, lens, thr, tmax, skip), strides + (v.stride(0), v.stride(1), v.stride(2),
                    bt.stride(0) if block_table is not None else 0), tail, flags, cfg.fuse)
 
