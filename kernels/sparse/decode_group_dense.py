@@ -305,7 +305,9 @@ _COUNTERS: dict = {}   # device -> int32 workspace of the fused merge's group co
 
 def _counters(n: int, device) -> torch.Tensor:
     """At least n zeroed group counters on ``device`` (allocated once per device and size: the
-    kernel leaves them zero, so CUDA-graph replays need no memset)."""
+    kernels leave them zero, so CUDA-graph replays need no memset, and an eager warm-up's buffer
+    serves a later capture). One workspace a device: fused calls on one stream run one after
+    another; two fused calls running at once on two streams of a device would share counters."""
     key = str(device)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
