@@ -470,8 +470,9 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
 
 def _attend(q, k, v, inputs: tuple, strides: tuple, tail: tuple, flags: dict, chunk: int) -> tuple:
     """The attend pass (grid S x B*Hkv) and the merge: one launch when S = 1 or ``chunk`` (the last
-    program of a group merges, ``chunk`` splits at a time), else the merge kernel. inputs (BT, LENS, THR, TMAX, SKIP); strides up
-    to s_bt; tail the kernel's scalars from ``length``. Returns (out, skipped [B, H], v_skipped [B, Hkv])."""
+    program of a group merges, ``chunk`` splits at a time), else the merge kernel. inputs (BT, LENS,
+    THR, TMAX, SKIP); strides up to s_bt; tail the kernel's scalars from ``length``. Returns (out,
+    skipped [B, H], v_skipped [B, Hkv])."""
     b, h, _, d = q.shape
     hkv, n_split = k.shape[1], tail[3]
     dev = q.device

@@ -123,9 +123,9 @@ LENGTH_BUCKETS = (16384, 32768, 65536, 131072)
 _B1_D64 = {1: (DENSE_DEFAULT, ATTEND, ATTEND, ATTEND), 4: (ATTEND, _W1P32, DENSE_DEFAULT, DENSE_DEFAULT),
            8: (_N128, ATTEND, _W1P32, DENSE_DEFAULT)}
 # Batch 16 again with the chunked fused merge among the candidates (decode-sweep7-b16-h100-d64.json, -d128.json; s40):
-# n128w4s3W1-fuse the fastest or within 0.1 % of it at every G = 4/8 shape and at D=128 G=1 (D=64 G=8: 0.977-0.979x
-# cuDNN, +0.5-1.1 % over the unfused entries) and at D=128 G=1 16K-32K; at D=64 G=1 n128w4s4W2 (0.994-1.000x, +0.7-1.5 %
-# over n64w2s4p8); at D=128 G=1 64K n64w2s3p16 (1.000x; the fused launch 0.994x).
+# n128w4s3W1-fuse the fastest or within 0.1 % of it at every G = 4/8 shape (D=64 G=8: 0.977-0.979x cuDNN, +0.5-1.1 %
+# over the unfused entries) and at D=128 G=1 16K-32K; at D=64 G=1 n128w4s4W2 (0.994-1.000x, +0.7-1.5 % over
+# n64w2s4p8); at D=128 G=1 64K n64w2s3p16 (1.000x; the fused launch 0.994x).
 _N128S4 = DenseLaunch(block_n=128, warps=4, stages=4, waves=2)   # n128w4s4W2
 _N128W1F = DenseLaunch(block_n=128, warps=4, stages=3, waves=1, fuse=True)   # n128w4s3W1-fuse
 _W2P16 = DenseLaunch(warps=2, stages=3, pps=16)                  # n64w2s3p16

@@ -48,7 +48,7 @@ TOL_BF16 = 3e-2
 SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(warps=2, pps=16),
                    SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32))   # the decision passes' candidates (decode_group.SparseLaunch)
 FUSE_CHUNKS = (2, 8)   # the table's sparse launch again with the fused merge, these many splits at a time (s40)
-STAGES = (2, 4)        # and with these K-load pipeline depths (the conditional V load is not pipelined)
+STAGES = (2, 4)        # and with these pipeline depths (a V load waits on the previous tile's decision)
 
 
 def sparse_candidates(d: int, group: int, quick: bool) -> tuple:
