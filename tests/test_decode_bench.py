@@ -38,6 +38,7 @@ def test_quick_sweep(tmp_path):
     kinds = {r["kind"] for r in shape["rows"]}
     assert kinds == {"dense", "sparse"} and all(r["ok"] and r["ms"] > 0 for r in shape["rows"])
     assert any(r["config"] != "attend" and r["config"]["fuse"] for r in shape["rows"] if r["kind"] == "dense")
+    assert any(r["config"] != "attend" and r["config"]["tma"] for r in shape["rows"] if r["kind"] == "dense")
     assert any(r["config"]["fuse"] and r["config"]["step_if"] for r in shape["rows"] if r["kind"] == "sparse")
     assert {"dense", "s75"} <= set(shape["winners"]) and list(doc["table"]) == ["64,4,16384,1"]
     assert all(0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 for r in shape["rows"] if r["kind"] == "sparse")

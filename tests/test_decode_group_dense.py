@@ -35,7 +35,8 @@ CASES = [  # (H, Hkv, D, page, dtype)
 ]
 LAUNCHES = [DenseLaunch(block_n=32, dot=False, fuse=True, evict=True, waves=2),
             DenseLaunch(block_n=128, stages=2, fuse=True),
-            DenseLaunch(block_n=16, warps=8, waves=1)]
+            DenseLaunch(block_n=16, warps=8, waves=1),
+            DenseLaunch(block_n=32, fuse=True, tma=True)]
 
 
 def paged(k, v, lens, page, g):
@@ -72,6 +73,33 @@ def test_dense_launches_match_reference(case, rng):
                                                splits=splits, dense_launch=cfg)
             torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
             assert sk.shape == (b, h) and vsk.shape == (b, hkv) and not sk.any() and not vsk.any()
+
+
+def test_tma_reads_only_the_rows_keys(rng):
+    """TMA launches (``tma``): the keys past a row's length, in the cache and in a page's unused rows,
+    hold NaN and change nothing; k/v whose strides a TMA descriptor cannot take run the per-thread
+    loads (the same result)."""
+    from sparsecal.kernels.sparse.decode_group_dense import _kv_args
+
+    h, hkv, d, page = 4, 2, 64, 32
+    lens = [5, 37, 64, 70]
+    q = torch.randn(len(lens), h, 1, d, generator=rng).to(torch.bfloat16)
+    k, v = (torch.randn(len(lens), hkv, 96, d, generator=rng).to(torch.bfloat16) for _ in range(2))
+    want, *_ = sparse_decode_ragged(q, k, v, torch.tensor(lens), d ** -0.5, 32, 16, log_lambda=-math.inf)
+    pk, pv, table = paged(k, v, lens, page, rng)
+    for i, n in enumerate(lens):
+        k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
+        last = int(table[i, (n - 1) // page])
+        if n % page:
+            pk[last, :, n % page:], pv[last, :, n % page:] = float("nan"), float("nan")
+    cfg = DenseLaunch(block_n=32, tma=True)
+    odd = torch.randn(len(lens), hkv, 96, d + 4, generator=rng).to(torch.bfloat16)[..., :d]   # 136-byte rows
+    odd.copy_(k)
+    assert _kv_args(k, v, cfg, 32)[2] and not _kv_args(odd, v, cfg, 32)[2]
+    for kk, vv, bt in ((k, v, None), (pk, pv, table), (odd, v, None)):
+        got, *_ = group_decode_triton(q, kk, vv, d ** -0.5, 32, 16, dense=True, lengths=torch.tensor(lens),
+                                      block_table=bt, splits=2, dense_launch=cfg)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.bfloat16][0], rtol=TOL[torch.bfloat16][1])
 
 
 def test_fused_merge_leaves_counters_zero(rng):
@@ -161,16 +189,17 @@ def _build_case(key: str, d: int, cfg: DenseLaunch, group: int) -> dict:
     16-divisible pointers and strides)."""
     from sparsecal.kernels.jit import next_pow2
 
-    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "LENS": "*i32", "ACC": "*fp32", "M": "*fp32",
+    kv = f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>" if cfg.tma else "*bf16"
+    ptrs = {"Q": "*bf16", "K": kv, "V": kv, "BT": "*i32", "LENS": "*i32", "ACC": "*fp32", "M": "*fp32",
             "LS": "*fp32", "CNT": "*i64", "VCNT": "*i64", "CTR": "*i32", "O": "*bf16"}
     ints = ["sq_b", "sq_h", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "s_bt", "so_b", "so_h", "length",
             "tiles_per_split", "n_split", "num_heads", "group"]
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), "qk_scale": "fp32", "softcap": "fp32"}
     consts = {"HEAD_DIM": d, "BLOCK_N": cfg.block_n, "GP": next_pow2(group, 16 if cfg.dot else 1), "PAGE": 1,
               "PAGED": False, "RAGGED": False, "USE_DOT": cfg.dot, "EVICT": cfg.evict, "DIRECT": False,
-              "FUSE": cfg.fuse, "SOFTCAP": False, "PREC": None, "UPCAST": False}
+              "FUSE": cfg.fuse, "TMA": cfg.tma, "SOFTCAP": False, "PREC": None, "UPCAST": False}
     return {"key": key, "module": "sparsecal.kernels.sparse.decode_group_dense", "kernel": "_group_dense_kernel",
-            "signature": sig, "constexprs": consts, "divisible": [*ptrs, *ints[:11]],
+            "signature": sig, "constexprs": consts, "divisible": [p for p in ptrs if ptrs[p][0] == "*"] + ints[:11],
             "options": {"num_warps": cfg.warps, "num_stages": cfg.stages}}
 
 

@@ -23,6 +23,9 @@ Launch options (``DenseLaunch``)
     fuse     the last program of a group to finish (an atomic counter per group) merges the splits,
              MERGE_CHUNK splits' partials loaded at once: no merge launch (the counter is a cached
              workspace reset by that program)
+    tma      (with dot) K/V tiles read by TMA through descriptors over k/v or the page pool (block
+             [1, 1, BLOCK_N, D]) instead of per-thread loads; where the tensors' strides or base
+             addresses are not 16-byte aligned, the per-thread loads
 
 ``launch_for(d, group, length, batch)`` looks the configuration up in ``DENSE_TABLE`` keyed by (D,
 G bucket, length bucket, batch bucket) (``buckets``), else ``DENSE_DEFAULT``: the configuration the
@@ -94,10 +97,12 @@ class DenseLaunch:
     evict: bool = False
     fuse: bool = False
     waves: int = 0
+    tma: bool = False
 
     def name(self) -> str:
-        """A short label: n64w4s3p4 (or W2 for waves=2) plus -nodot / -evict / -fuse."""
+        """A short label: n64w4s3p4 (or W2 for waves=2) plus -nodot / -evict / -fuse / -tma."""
         flags = ("" if self.dot else "-nodot") + ("-evict" if self.evict else "") + ("-fuse" if self.fuse else "")
+        flags += "-tma" if self.tma else ""
         split = f"W{self.waves}" if self.waves else f"p{self.pps}"
         return f"n{self.block_n}w{self.warps}s{self.stages}{split}{flags}"
 
@@ -184,6 +189,13 @@ def _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, km
     if MASKED:
         s = tl.where(kmask[None, :], s, float("-inf"))
     v = _load(v_base + offs_n[:, None] * sv_n + offs_d[None, :], kmask[:, None], MASKED, EVICT)
+    return _softmax_pv(acc, m_i, l_i, s, v, USE_DOT, PREC, UPCAST)
+
+
+@triton.jit
+def _softmax_pv(acc, m_i, l_i, s, v, USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The online-softmax update from a tile's scores s [GP, BLOCK_N] (log2 units) and its V rows
+    v [BLOCK_N, D]: (acc [GP, D], m_i, l_i [GP])."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_ref[:, None])
@@ -194,6 +206,39 @@ def _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, km
     else:
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _tma_tile(X, BT, b, hk, j, s_bt, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+              PAGED: tl.constexpr):
+    """Tile j [BLOCK_N, D] of (row b, KV head hk) through a TMA descriptor X (block [1, 1, BLOCK_N,
+    D]) over k/v [B, Hkv, L, D] or, PAGED, the pool [P, Hkv, PAGE, D] through BT [B, max_pages];
+    keys past the tensor read as 0."""
+    key0 = j * BLOCK_N
+    if PAGED:
+        page = tl.load(BT + b * s_bt + key0 // PAGE)
+        x = X.load([page, hk.to(tl.int32), (key0 % PAGE).to(tl.int32), 0])
+    else:
+        x = X.load([b.to(tl.int32), hk.to(tl.int32), key0.to(tl.int32), 0])
+    return tl.reshape(x, [BLOCK_N, HEAD_DIM])
+
+
+@triton.jit
+def _dense_tile_tma(acc, m_i, l_i, q, K, V, BT, b, hk, j, s_bt, kmask, qk_scale, softcap, MASKED: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """``_dense_tile`` on tensor cores with K and V tiles read by TMA (descriptors K, V); MASKED: the
+    keys outside kmask [BLOCK_N] score -inf and their V rows (another row's keys, or a page's unused
+    rows) count as 0."""
+    k = _tma_tile(K, BT, b, hk, j, s_bt, BLOCK_N, HEAD_DIM, PAGE, PAGED)
+    v = _tma_tile(V, BT, b, hk, j, s_bt, BLOCK_N, HEAD_DIM, PAGE, PAGED)
+    s = dot(q, tl.trans(k), None, PREC, UPCAST) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
+    if MASKED:
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        v = tl.where(kmask[:, None], v, 0.0)
+    return _softmax_pv(acc, m_i, l_i, s, v, True, PREC, UPCAST)
 
 
 MERGE_CHUNK = tl.constexpr(8)   # splits whose partials the fused merge loads at once
@@ -238,9 +283,9 @@ def _group_dense_kernel(Q, K, V, BT, LENS, ACC, M, LS, CNT, VCNT, CTR, O,
                         tiles_per_split, n_split, num_heads, group, qk_scale, softcap,
                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, PAGE: tl.constexpr,
                         PAGED: tl.constexpr, RAGGED: tl.constexpr, USE_DOT: tl.constexpr, EVICT: tl.constexpr,
-                        DIRECT: tl.constexpr, FUSE: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-                        UPCAST: tl.constexpr):
-    """Grid (S, B * Hkv): one split of one KV group, no decision. DIRECT (S = 1) writes O [B, H, 1,
+                        DIRECT: tl.constexpr, FUSE: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+                        PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (S, B * Hkv): one split of one KV group, no decision (TMA: K, V are TMA descriptors). DIRECT (S = 1) writes O [B, H, 1,
     D] and zero counts CNT [B, H], VCNT [B, Hkv] i64; else partials ACC [B, H, S, D], M, LS [B, H,
     S] f32 and zero counts CNT [B, H, S], VCNT [B, Hkv, S] i32 for the merge kernel, or, FUSE, the
     partials and the group's last program (CTR [B * Hkv] i32, zero between calls) merges them into O
@@ -265,16 +310,34 @@ def _group_dense_kernel(Q, K, V, BT, LENS, ACC, M, LS, CNT, VCNT, CTR, O,
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     for j in range(j0, jf):
-        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BLOCK_N, PAGE, PAGED)
-        v_base = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BLOCK_N, PAGE, PAGED)
-        acc, m_i, l_i = _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, offs_n >= 0,
-                                    qk_scale, softcap, False, USE_DOT, EVICT, SOFTCAP, PREC, UPCAST)
+        if TMA:
+            acc, m_i, l_i = _dense_tile_tma(acc, m_i, l_i, q, K, V, BT, b, hk, j, s_bt, offs_n >= 0, qk_scale, softcap,
+                                            False, SOFTCAP, PREC, UPCAST, BLOCK_N, HEAD_DIM, PAGE, PAGED)
+        else:
+            k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BLOCK_N, PAGE, PAGED)
+            v_base = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BLOCK_N, PAGE, PAGED)
+            acc, m_i, l_i = _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d, offs_n >= 0,
+                                        qk_scale, softcap, False, USE_DOT, EVICT, SOFTCAP, PREC, UPCAST)
     for j in range(jf, j1):   # the row's last, partial tile (at most one step)
-        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BLOCK_N, PAGE, PAGED)
-        v_base = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BLOCK_N, PAGE, PAGED)
-        acc, m_i, l_i = _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d,
-                                    j * BLOCK_N + offs_n < length, qk_scale, softcap, True, USE_DOT, EVICT,
-                                    SOFTCAP, PREC, UPCAST)
+        if TMA:
+            acc, m_i, l_i = _dense_tile_tma(acc, m_i, l_i, q, K, V, BT, b, hk, j, s_bt, j * BLOCK_N + offs_n < length,
+                                            qk_scale, softcap, True, SOFTCAP, PREC, UPCAST, BLOCK_N, HEAD_DIM, PAGE,
+                                            PAGED)
+        else:
+            k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BLOCK_N, PAGE, PAGED)
+            v_base = _tile_base(V, BT, b, hk, j, sv_b, sv_h, sv_n, s_bt, BLOCK_N, PAGE, PAGED)
+            acc, m_i, l_i = _dense_tile(acc, m_i, l_i, q, k_base, v_base, sk_n, sv_n, offs_n, offs_d,
+                                        j * BLOCK_N + offs_n < length, qk_scale, softcap, True, USE_DOT, EVICT,
+                                        SOFTCAP, PREC, UPCAST)
+    _dense_epilogue(ACC, M, LS, CNT, VCNT, CTR, O, acc, m_i, l_i, b, bk, bh, g_ok, offs_d, split, n_split, so_b, so_h,
+                    num_heads, HEAD_DIM, GP, DIRECT, FUSE)
+
+
+@triton.jit
+def _dense_epilogue(ACC, M, LS, CNT, VCNT, CTR, O, acc, m_i, l_i, b, bk, bh, g_ok, offs_d, split, n_split, so_b, so_h,
+                    num_heads, HEAD_DIM: tl.constexpr, GP: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr):
+    """A dense program's end (``_group_dense_kernel``'s outputs): DIRECT the output and zero counts;
+    else its split's partials, then (FUSE) the group's last program merges, or zero per-split counts."""
     if DIRECT:
         tl.store(O + b * so_b + (bh % num_heads)[:, None] * so_h + offs_d[None, :],
                  (acc / l_i[:, None]).to(O.dtype.element_ty), mask=g_ok[:, None])
@@ -406,14 +469,15 @@ def _launch(q, k, v, scale: float, lengths, block_table, bound: int, page: int, 
                                      torch.empty((b, h, n_split), dtype=f32, device=dev),
                                      torch.empty((b, h, n_split), dtype=f32, device=dev))
     ctr = _counters(b * hkv, dev) if fuse else q
+    kx, vx, tma = _kv_args(k, v, cfg, bn)
     q2 = q[:, :, 0]
     compiled = _group_dense_kernel[(n_split, b * hkv)](
-        q2, k, v, bt, lens, *part, cnt, vcnt, ctr, out, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1),
+        q2, kx, vx, bt, lens, *part, cnt, vcnt, ctr, out, q2.stride(0), q2.stride(1), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), bt.stride(0) if block_table is not None else 0,
         out.stride(0), out.stride(1), bound, tps, n_split, h, group, scale * LOG2E, cap,
         HEAD_DIM=d, BLOCK_N=bn, GP=next_pow2(group, 16 if cfg.dot else 1), PAGE=max(page, 1),
         PAGED=block_table is not None, RAGGED=lengths is not None, USE_DOT=cfg.dot, EVICT=cfg.evict,
-        DIRECT=direct, FUSE=fuse, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=cfg.warps,
+        DIRECT=direct, FUSE=fuse, TMA=tma, SOFTCAP=cap_on, PREC=prec, UPCAST=upcast, num_warps=cfg.warps,
         num_stages=cfg.stages)
     LAST_COMPILED["group_dense"] = compiled
     if direct or fuse:
@@ -423,3 +487,22 @@ def _launch(q, k, v, scale: float, lengths, block_table, bound: int, page: int, 
     _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,
                                   group, n_split, HEAD_DIM=d, SP=next_pow2(n_split, 2), num_warps=4)
     return out, skipped, v_skipped, compiled
+
+
+def _kv_args(k, v, cfg: DenseLaunch, bn: int) -> tuple:
+    """(K, V, TMA) arguments of the dense kernel: TMA descriptors over k and v (block [1, 1, bn, D]) when
+    ``cfg.tma`` (with ``cfg.dot``) and both tensors' base addresses and strides are 16-byte aligned,
+    else the tensors themselves."""
+    if not (cfg.tma and cfg.dot and _tma_aligned(k) and _tma_aligned(v)):
+        return k, v, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block = [1, 1, bn, k.shape[-1]]
+    return (TensorDescriptor(k, list(k.shape), list(k.stride()), block),
+            TensorDescriptor(v, list(v.shape), list(v.stride()), block), True)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """A 4-D tensor a TMA descriptor can address: 16-byte aligned base and outer strides, unit inner stride."""
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(st * e % 16 == 0 for st in t.stride()[:-1])

@@ -66,11 +66,12 @@ def sparse_candidates(d: int, group: int, quick: bool) -> tuple:
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
-    """name -> DenseLaunch or "attend" (<= 14): the attend pass (before the table), the default
+    """name -> DenseLaunch or "attend" (<= 17): the attend pass (before the table), the default
     launch in the new loop, then wave-fitted splits with larger tiles (one wave or two, 3 or 4
     stages, the fused merge, with one wave or two: where the calls are short the merge launch is a
-    larger share), more stages, evict-first loads, and more programs per SM with 1, 2 or 4 warps
-    (the CUDA-core products, slower everywhere in the first sweep, are left out)."""
+    larger share), more stages, evict-first loads, more programs per SM with 1, 2 or 4 warps (the
+    CUDA-core products, slower everywhere in the first sweep, are left out), and one-wave fused
+    launches reading K/V by TMA."""
     big = DenseLaunch(block_n=128, warps=8, stages=3 if d <= 64 else 2, waves=2)
     cands = [DENSE_DEFAULT, DenseLaunch(waves=1), DenseLaunch(stages=4, waves=2, evict=True), big,
              DenseLaunch(block_n=128, warps=4, stages=3, waves=2), DenseLaunch(warps=2, stages=4, pps=8),
@@ -79,8 +80,11 @@ def dense_candidates(d: int, group: int, quick: bool) -> dict:
              DenseLaunch(block_n=128, warps=4, stages=3, waves=1), DenseLaunch(block_n=128, warps=4, stages=3, waves=2,
                                                                              fuse=True),
              DenseLaunch(block_n=128, warps=4, stages=3, waves=1, fuse=True)]   # the chunked fused merge (s39)
+    cands += [DenseLaunch(block_n=n, warps=4, stages=st, waves=1, fuse=True, tma=True)   # TMA loads (s40)
+              for n, st in ((128, 3), (128, 2), (64, 3))]
     if quick:
-        cands = [DENSE_DEFAULT, DenseLaunch(block_n=32, dot=False, waves=2, fuse=True, evict=True)]
+        cands = [DENSE_DEFAULT, DenseLaunch(block_n=32, dot=False, waves=2, fuse=True, evict=True),
+                 DenseLaunch(block_n=32, waves=1, fuse=True, tma=True)]
     return {"attend": "attend"} | {c.name(): c for c in cands}
 
 
