@@ -67,6 +67,7 @@ def test_every_speed_point_is_the_evaluated_configuration(evaluated):
         assert rec["prefill_reachable"] == row["prefill_reachable"]
         assert abs(rec["sparsity"] - rec["point_sparsity"]) <= SPARSITY_TOL and rec["sparsity_match"]
         assert rec["ttft_ms"] > 0 and rec["tpot_ms"] > 0 and rec["sdpa_ttft_backend"] == "sdpa"
+        assert rec["decode_cache"] == "in_place"   # the decode steps append as serving does (kv_append)
         point = curves.filter((pl.col("label") == rec["label"]) & (pl.col("length") == rec["length"])).to_dicts()[0]
         assert point["speedup"] == point["speedup_ttft"] == rec["speedup_ttft"]
         assert point["accuracy_rel_dense"] is not None and point["accuracy_meaningful"]

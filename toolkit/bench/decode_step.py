@@ -45,9 +45,13 @@ TOP = 12   # kernels listed per configuration in the printed summary
 
 
 def _prompt_cache(model, ids):
-    """(the prompt's KV cache, the next token [1, 1]) after one prefill of ``ids`` [1, N]."""
+    """(the prompt's KV cache, the next token [1, 1]) after one prefill of ``ids`` [1, N]; the cache
+    appends in place (evaluation.kv_append, as the eval's timed steps do), room for one step."""
+    from sparsecal.evaluation.kv_append import in_place
+
     with torch.no_grad():
         out = model(ids, logits_to_keep=1, use_cache=True)
+    in_place(out.past_key_values, ids.shape[1] + 1)
     return out.past_key_values, out.logits[:, -1:].argmax(-1)
 
 

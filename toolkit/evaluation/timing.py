@@ -12,7 +12,9 @@ method; the noise floors ``dense:fp32`` and ``sdpa`` are not configurations anyo
            the prompt's cache captured in a CUDA graph, the median of ``decode_steps`` replays
            (device time: what a serving engine that replays decode graphs pays; the eager step of a
            small model is host-bound; a step is cheap next to a prefill, so it gets the decode
-           count, not ``reps``: with 2 replays the 8B graph TPOT read +-3 %)
+           count, not ``reps``: with 2 replays the 8B graph TPOT read +-3 %). The prompt's cache
+           appends in place (kv_append.in_place: no copy of the whole cache a step, as in serving;
+           ``decode_cache`` "in_place", or "dynamic" where a cache layout could not convert)
 
 each against the best PyTorch SDPA on the same length: the model's own attention as causal SDPA
 in PyTorch's backend order (``sdpa``) and with cuDNN first (``sdpa_cudnn``, GPU only), the faster
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsecal.evaluation.kv_append import in_place
 from sparsecal.formats.results import SPEED_INTERVALS, SPEEDS
 
 SPARSITY_TOL = 0.02
@@ -143,14 +146,16 @@ def graph_ms(model, ids, reps: int, warmup: int) -> float:
 
 def decode_ms(model, ids, steps: int, warmup: int) -> dict:
     """Greedy decode from the prompt ``ids`` [1, N]: one untimed prefill, ``warmup`` untimed steps,
-    then ``steps`` steps each timed; {"ms": median ms per step, "skipped", "reachable": the
-    kernels' tiles summed over the timed steps}."""
+    then ``steps`` steps each timed, the cache appending in place; {"ms": median ms per step,
+    "skipped", "reachable": the kernels' tiles summed over the timed steps, "cache": "in_place" or
+    "dynamic" (kv_append.in_place)}."""
     from sparsecal.evaluation.model import _counts
 
     times, skipped, reachable = [], 0, 0
     with torch.no_grad():
         out = model(ids, logits_to_keep=1, use_cache=True)
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        kind = "in_place" if in_place(cache, ids.shape[1] + warmup + steps) else "dynamic"
         for i in range(warmup + steps):
             with _Clock(ids.device) as c:
                 out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
@@ -159,18 +164,20 @@ def decode_ms(model, ids, steps: int, warmup: int) -> dict:
                 times.append(c.ms)
                 s, r = _counts(model)
                 skipped, reachable = skipped + s, reachable + r
-    return {"ms": statistics.median(times), "skipped": skipped, "reachable": reachable}
+    return {"ms": statistics.median(times), "skipped": skipped, "reachable": reachable, "cache": kind}
 
 
 def decode_graph_ms(model, ids, reps: int, warmup: int) -> float:
     """Median ms of one decode step against the cache of the prompt ``ids`` [1, N], captured in a CUDA
     graph and replayed. Every replay recomputes the same step (position N): warm-ups and the capture
-    append to copies of the cache, so the prompt's cache is left as it was."""
+    append to copies of the cache, so the prompt's cache is left as it was (appending in place, as
+    ``decode_ms``'s)."""
     import copy
 
     with torch.no_grad():
         out = model(ids, logits_to_keep=1, use_cache=True)
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        in_place(cache, ids.shape[1] + 1)
         step = copy.deepcopy(cache)
         return _replay_ms(lambda: model(input_ids=nxt, past_key_values=copy.deepcopy(cache), use_cache=True),
                           lambda: model(input_ids=nxt, past_key_values=step, use_cache=True),
@@ -313,7 +320,7 @@ def _measure(model, ids, opts: TimingOptions, sparse: bool) -> dict:
         except RuntimeError as e:  # recorded: graph capture can fail where eager runs
             got["ttft_graph_ms"], got["graph_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     dec = decode_ms(model, ids, opts.decode_steps, opts.warmup)
-    got["tpot_ms"] = dec["ms"]
+    got["tpot_ms"], got["decode_cache"] = dec["ms"], dec["cache"]
     if opts.graph and cuda:
         try:
             got["tpot_graph_ms"] = decode_graph_ms(model, ids, opts.decode_steps, opts.warmup)
@@ -424,7 +431,7 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
             "dispatch": m.dispatch, "length": length, "prompt": prompt,
             "ttft_ms": ttft, "ttft_rounds_ms": t["ttft_ms"], "ttft_graph_ms": graph, "tpot_ms": tpot,
             "tpot_rounds_ms": t["tpot_ms"], "tpot_graph_ms": tpot_graph, "sdpa_tpot_graph_ms": dg["ms"],
-            "graph_error": (t.get("graph_error") or [None])[0],
+            "graph_error": (t.get("graph_error") or [None])[0], "decode_cache": (t.get("decode_cache") or [None])[0],
             "sdpa_ttft_ms": b["ms"], "sdpa_ttft_backend": b["best"], "sdpa_ttft_graph_ms": g["ms"],
             "sdpa_tpot_ms": d["ms"], "sdpa_tpot_backend": d["best"], "rest_ttft_ms": b["rest"],
             "rest_tpot_ms": d["rest"], "attention_share": b["share"], "attention_share_decode": d["share"],
