@@ -5,8 +5,8 @@ runs the decoder body (``model.base_model``) once over B prompts of one length (
 rows never mix) with a KV cache and keeps the final hidden states [B, N, d] (after the last norm),
 from which the metrics draw next-token distributions in chunks (metrics.py) and
 ``generate_batch`` the first new tokens; decode then continues from the cache one token a step
-for the whole batch. ``prefill`` / ``generate`` / ``answer_logprob`` are the same functions on a
-batch of one prompt. Skipped and reachable tiles are counted per batch row
+for the whole batch (the cache appending in place, kv_append.py). ``prefill`` / ``generate`` /
+``answer_logprob`` are the same functions on a batch of one prompt. Skipped and reachable tiles are counted per batch row
 (``model.sparsecal_stats["row_skipped"]``), so a batched row counts what its prompt skipped.
 Under a sparse method every forward leaves the skipped and reachable
 tiles of that forward in ``model.sparsecal_stats`` ([L, H] each); prefill keeps its own counts
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsecal.evaluation.kv_append import in_place
 from sparsecal.evaluation.methods import Method
 
 
@@ -151,6 +152,7 @@ def generate_batch(model, pre: Batch, budgets: list[int], eos_ids: set) -> list[
     reachable = torch.zeros_like(skipped)
     laws: list[list] = [[] for _ in range(b)]
     cache = pre.cache
+    in_place(cache, cache.get_seq_length() + max(budgets))   # appends in place: no copy of the cache a step
     _sync(device)
     t0 = time.perf_counter()
     while any(active):
@@ -199,6 +201,7 @@ def answer_logprob_batch(model, pre: Batch, answers: list[list[int]]) -> list[fl
     counted = torch.tensor([[j + 1 < len(a) for a in answers] for j in range(steps)] or [[False] * b], device=device)
     total = torch.log_softmax(head(pre.hidden[:, -1]).float(), dim=-1)[rows, padded[0]].double()
     cache = copy.deepcopy(pre.cache)
+    in_place(cache, cache.get_seq_length() + steps)
     for step in range(steps):
         out = model(input_ids=padded[step][:, None], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
