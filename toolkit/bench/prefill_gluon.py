@@ -170,13 +170,14 @@ def baselines(ms: dict) -> tuple[str, str, str]:
     return sdpa, dense, min((sdpa, dense), key=ms.get)
 
 
-def target_row(name: str, times: dict, sp: float | None, info: dict, n: int, d: int, base: tuple | None = None) -> dict:
+def target_row(name: str, times: dict, sp: float | None, info: dict, n: int, d: int, base: tuple | None = None,
+               ms: dict | None = None) -> dict:
     """One variant's row of a targets shape from every variant's round times (name -> ms per round):
     against the best SDPA (``vs_sdpa``), the project's fastest dense kernel (``vs_dense``,
     ``of_ideal``) and the faster of the two (``of_ideal_best``: the issue's "against the best dense
-    kernel"), each with ``_lo``/``_hi``, its rounds' exact 95% interval; ``base``: ``baselines`` of
-    the shape when the caller has it."""
-    ms = {x: statistics.median(t) for x, t in times.items()}
+    kernel"), each with ``_lo``/``_hi``, its rounds' exact 95% interval; ``base`` (``baselines``)
+    and ``ms`` (the variants' medians) of the shape when the caller has them."""
+    ms = ms or {x: statistics.median(t) for x, t in times.items()}
     sdpa, dense, best = base or baselines(ms)
     row = {"variant": name, "ms": ms[name], "rounds_ms": times[name], "tflops": flops_causal(1, HEADS, n, d) / ms[name] / 1e9,
            "vs_dense_triton": ms["dense_triton"] / ms[name], **info}
@@ -197,7 +198,7 @@ def targets_shape(d: int, n: int, group: int, rounds: int, extra: dict | None = 
     base = baselines(ms)
     sdpa, dense_name = ms[base[0]], base[1]
     dense = ms[dense_name]
-    rows = [target_row(name, times, sp, info, n, d, base) for name, (_, sp, info) in variants.items()]
+    rows = [target_row(name, times, sp, info, n, d, base, ms) for name, (_, sp, info) in variants.items()]
     del q, k, v
     torch.cuda.empty_cache()
     log(f"D={d} N={n} G={group}: sdpa {sdpa:.3f} ms, dense {dense_name} {dense:.3f}, "

@@ -38,7 +38,7 @@ from sparsecal.capture.prompts.tasks import TEXT_TASKS
 from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, POINT_STATS, cell_keys, cells, with_split
 from sparsecal.evaluation.paired import mover
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.results import SPEED_INTERVALS
+from sparsecal.formats.results import SPEED_INTERVALS, SPEEDS
 
 KEYS = ["method", "config", "length"]
 BENCH_SPARSITY_TOL = 0.02  # a bench row joins a point only within this counted sparsity
@@ -149,7 +149,7 @@ def _bench_table(path: Path) -> tuple[pl.DataFrame, dict]:
         raise UserError(f"--bench {path} is not readable ({type(e).__name__}: {e}).") from None
 
 
-SPEED = ["speedup_ttft", "speedup_ttft_graph", "speedup_tpot", "speedup_tpot_graph", "ideal_ttft", "ideal_tpot", "attention_share",
+SPEED = [*SPEEDS, "ideal_ttft", "ideal_tpot", "attention_share",
          "attention_share_decode", "timed_sparsity", "timed_decode_sparsity", "sparse_layers", "sparsity_match",
          "decode_sparsity_match", "speed_device"]
 
@@ -166,12 +166,8 @@ def own_speed(timing: pl.DataFrame) -> pl.DataFrame:
     ok = lambda c: pl.col(c).fill_null(True)  # null: no rows to compare with
     return timing.select(
         "label", "length",
-        pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft")).alias("speedup_ttft"),
-        pl.when(ok("sparsity_match")).then(pl.col("speedup_ttft_graph")).alias("speedup_ttft_graph"),
-        pl.when(ok("decode_sparsity_match")).then(pl.col("speedup_tpot")).alias("speedup_tpot"),
-        pl.when(ok("decode_sparsity_match")).then(_col(timing, "speedup_tpot_graph")).alias("speedup_tpot_graph"),
         *[pl.when(ok("sparsity_match" if "ttft" in c else "decode_sparsity_match")).then(_col(timing, c)).alias(c)
-          for c in SPEED_INTERVALS],
+          for c in (*SPEEDS, *SPEED_INTERVALS)],
         "ideal_ttft", "ideal_tpot", "attention_share", "attention_share_decode",
         pl.col("sparsity").alias("timed_sparsity"), pl.col("decode_sparsity").alias("timed_decode_sparsity"),
         "sparse_layers", "sparsity_match", "decode_sparsity_match", "speed_device")

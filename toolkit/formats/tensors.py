@@ -76,7 +76,7 @@ def load_arrays(path: Path, keys=None) -> tuple[dict[str, np.ndarray], dict[str,
     with safe_open(str(path), framework="np") as f:
         meta = dict(f.metadata() or {})
         want = None if keys is None else set(keys)
-        raw = {k: f.get_tensor(k) for k in f.keys() if want is None or k.rsplit(".", 1)[0] in want or k in want}
+        raw = {k: f.get_tensor(k) for k in f.keys() if want is None or k.rsplit(".", 1)[0] in want or k in want}  # noqa: SIM118
     shapes = json.loads(meta.pop(SPARSE_META, "{}"))
     return decode(raw, shapes), meta
 
@@ -88,7 +88,7 @@ def header_shapes(path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
 
     with safe_open(str(path), framework="np") as f:
         meta = dict(f.metadata() or {})
-        raw = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        raw = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
     sparse = json.loads(meta.pop(SPARSE_META, "{}"))
     out = {k: v for k, v in raw.items() if not k.endswith((".idx", ".val"))}
     out.update({name: tuple(shape) for name, shape in sparse.items() if f"{name}.val" in raw})
