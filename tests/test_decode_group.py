@@ -127,29 +127,36 @@ def test_group_decision_argument(seed):
 
 
 def test_launch_table_buckets():
-    """The table's launch by (D, G bucket); shapes it does not list take the default."""
-    assert sparse_launch_for(128, 8) == SPARSE_TABLE[(128, 8)]
-    assert sparse_launch_for(64, 3) == SPARSE_TABLE[(64, 4)]
-    assert sparse_launch_for(64, 1) == SPARSE_TABLE[(64, 1)]
-    assert sparse_launch_for(96, 4) == SPARSE_DEFAULT
+    """The table's launch by (D, G bucket, length bucket); shapes it does not list take the default."""
+    assert sparse_launch_for(128, 8, 20000) == SPARSE_TABLE[(128, 8, 16384)]
+    assert sparse_launch_for(128, 8, 70000) == SPARSE_TABLE[(128, 8, 65536)] != SPARSE_TABLE[(128, 8, 16384)]
+    assert sparse_launch_for(64, 3, 40000) == SPARSE_TABLE[(64, 4, 32768)]
+    assert sparse_launch_for(64, 1, 1 << 20) == SPARSE_TABLE[(64, 1, 131072)]
+    assert sparse_launch_for(96, 4, 16384) == SPARSE_DEFAULT
     assert SparseLaunch(warps=2, pps=8).name() == "w2s3p8"
     assert SparseLaunch(warps=1, pps=16, fuse=2).name() == "w1s3p16-fuse2"
     assert SparseLaunch(warps=2, pps=8, step_if=True).name() == "w2s3p8-if"
 
 
-def test_sparse_table_holds_the_targets_runs_fastest_launches():
-    """At every shape and sparsity of the committed H100 targets run (data/bench/decode-sweep4-h100-d*.json),
-    the table's launch is one the run checked and within 2 % of the fastest sparse launch it tried."""
+SPARSE_NEAR = 0.03   # the table's launch at most this much slower than the fastest sparse launch a sweep tried
+
+
+def test_sparse_table_holds_the_sweeps_fastest_launches():
+    """At every shape and sparsity of the committed H100 sweep (data/bench/decode-sweep8-b16-h100-d*.json:
+    B=16, H=32, 16K-64K, BSFA group decision at 50 % / 75 %), the table's launch is one the sweep
+    checked and within SPARSE_NEAR of the fastest sparse launch it tried (one launch serves both
+    sparsities: at D=128 G=8 64K the fastest differ, 2.9 % apart)."""
     import json
 
     from helpers import ROOT
 
     for d in (128, 64):
-        sweep = json.loads((ROOT / "data" / "bench" / f"decode-sweep4-h100-d{d}.json").read_text())
+        sweep = json.loads((ROOT / "data" / "bench" / f"decode-sweep8-b16-h100-d{d}.json").read_text())
+        assert len(sweep["shapes"]) == 9
         for shape in sweep["shapes"]:
-            cfg = sparse_launch_for(d, shape["group"])
+            cfg = sparse_launch_for(d, shape["group"], shape["length"])
             for target in (0.5, 0.75):
                 rows = {r["variant"]: r for r in shape["rows"]
                         if r["kind"] == "sparse" and r["target"] == target and r.get("ok") and r.get("ms")}
                 mine = rows[f"bsfa_group_s{int(target * 100)}_{cfg.name()}"]
-                assert mine["ms"] <= 1.02 * min(r["ms"] for r in rows.values()), (d, shape["group"], target)
+                assert mine["ms"] <= (1 + SPARSE_NEAR) * min(r["ms"] for r in rows.values()), (d, shape, target)

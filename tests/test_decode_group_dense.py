@@ -25,7 +25,8 @@ from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
 SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep{s}-h100-d{d}.json"   # the sweeps DENSE_TABLE is from, oldest first:
-          for s in ("4", "5-b1", "6-b16", "7-b16") for d in (128, 64)]  # b16, b1, b16 G 4/8 16K-32K, b16 (fused merge)
+          for s in ("4", "5-b1", "6-b16", "7-b16", "8-b16") for d in (128, 64)]  # b16, b1, b16 G 4/8 16K-32K,
+# b16 (fused merge), b16 (TMA loads)
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)
@@ -147,7 +148,7 @@ def test_table_lookup_and_loop_tile():
     assert buckets(64, 7, 90000, 2) == (64, 8, 65536, 1) and buckets(64, 16, 4096, 3) == (64, 16, 16384, 16)
     assert buckets(128, 4, 100000) == (128, 4, 131072, 16)
     assert launch_for(64, 8, 65536) is DENSE_TABLE[(64, 8, 65536, 16)]
-    assert launch_for(128, 4, 65536, 1) != launch_for(128, 4, 65536, 16)
+    assert launch_for(128, 8, 65536, 1) != launch_for(128, 8, 65536, 16)
     DENSE_TABLE[(32, 4, 16384, 16)] = cfg = DenseLaunch(block_n=32)
     try:
         assert launch_for(32, 2, 20000, 8) is cfg and launch_for(32, 2, 30000) is DENSE_DEFAULT

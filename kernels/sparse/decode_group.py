@@ -31,7 +31,7 @@ Passes
             launch; decode_group_dense's fused merge, ``fuse`` splits' partials at a time: with one
             or two warps a chunk of 8 [GP, D] f32 partials in flight spills registers).
 
-Launch (``SparseLaunch``, per (D, G bucket) from ``SPARSE_TABLE``): num_warps / num_stages of the
+Launch (``SparseLaunch``, per (D, G bucket, length bucket) from ``SPARSE_TABLE``): num_warps / num_stages of the
 tmax and attend passes, ``pps`` the split-K target (about pps attend programs per SM, each split at
 least MIN_TILES tiles). A deeper lag (the softmax step of tile j - 2 in step j) was measured slower
 at every shape (data/bench/NOTES.md, "decode-sweep 2") and removed.
@@ -65,7 +65,9 @@ from sparsecal.kernels.sparse.decode_group_dense import (
     _fused_merge,
     _group_merge_kernel,
     _row,
+    LENGTH_BUCKETS,
     _tile_base,
+    buckets,
     dense_group_decode,
     launch_for,
 )
@@ -102,18 +104,30 @@ SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stag
 # D=64: 1 warp (decode-sweep3-h200-d64.json: fastest at every shape, 1.1-1.6x 4 warps), 32 programs per SM at G=1,
 # 16 at G >= 4. Both confirmed on an H100 by the targets run (decode-sweep4-h100-d{128,64}.json: the table's launch
 # the fastest of the five tried at all 36 shape x sparsity cells).
+# The s40 sweep (decode-sweep8-b16-h100-d128.json, -d64.json; s41; the fused merge, 2 and 4 stages and step_if among
+# the candidates) found 2 stages faster where the calls are short: at G=1 everywhere (D=128 3.5-6.6 %, D=64 1.3-3.1 %
+# over 3 stages), at D=64 G=8 everywhere (7-10 %), at D=128 G=8 16K-32K (1-12 %) and at D=64 G=4 16K (7 %); 3 stages
+# stay faster at D=128 G=4, D=128 G=8 64K and D=64 G=4 32K-64K (2-4 %). The fused merge and step_if won no cell by
+# more than the rounds' noise (step_if alone: D=128 G=8 64K at 75 %, 2.8 %, and 4 % slower at 50 %). Hence a length
+# bucket (decode_group_dense.buckets). G=16 and the 131072 bucket: unmeasured, the longest measured entry.
 _W2P8, _W1P16, _W1P32 = SparseLaunch(warps=2, pps=8), SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32)
-SPARSE_TABLE: dict[tuple[int, int], SparseLaunch] = {
-    (128, 1): _W2P8, (128, 4): _W2P8, (128, 8): _W2P8, (128, 16): _W2P8,
-    (64, 1): _W1P32, (64, 4): _W1P16, (64, 8): _W1P16, (64, 16): _W1P16,
+_W2S2P8, _W1S2P16, _W1S2P32 = (SparseLaunch(warps=2, stages=2, pps=8), SparseLaunch(warps=1, stages=2, pps=16),
+                               SparseLaunch(warps=1, stages=2, pps=32))
+_SHORT = (16384, 32768)   # the length buckets where 2 stages win at D=128 G=8
+SPARSE_TABLE: dict[tuple[int, int, int], SparseLaunch] = {
+    **{(128, 1, n): _W2S2P8 for n in LENGTH_BUCKETS}, **{(128, 4, n): _W2P8 for n in LENGTH_BUCKETS},
+    **{(128, 8, n): _W2S2P8 if n in _SHORT else _W2P8 for n in LENGTH_BUCKETS},
+    **{(64, 1, n): _W1S2P32 for n in LENGTH_BUCKETS}, **{(64, 8, n): _W1S2P16 for n in LENGTH_BUCKETS},
+    **{(64, 4, n): _W1S2P16 if n == 16384 else _W1P16 for n in LENGTH_BUCKETS},
+    **{(d, 16, n): c for d, c in ((128, _W2P8), (64, _W1P16)) for n in LENGTH_BUCKETS},
 }
 
 
-def sparse_launch_for(d: int, group: int) -> SparseLaunch:
-    """The table's launch for this head dim and GQA group (buckets 1 | 4 (2-4) | 8 (5-8) | 16), else
-    SPARSE_DEFAULT."""
-    g = 1 if group == 1 else 4 if group <= 4 else 8 if group <= 8 else 16
-    return SPARSE_TABLE.get((d, g), SPARSE_DEFAULT)
+def sparse_launch_for(d: int, group: int, length: int) -> SparseLaunch:
+    """The table's launch for this head dim, GQA group and cache length (decode_group_dense.buckets:
+    G 1 | 4 (2-4) | 8 (5-8) | 16; length 16384 (< 24K) | 32768 (< 48K) | 65536 (< 96K) | 131072),
+    else SPARSE_DEFAULT."""
+    return SPARSE_TABLE.get(buckets(d, group, length)[:3], SPARSE_DEFAULT)
 
 
 @triton.jit
@@ -437,7 +451,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
                                       page=page, splits=splits, cfg=dense_launch, softcap=softcap)
     b, h, _, d = q.shape
     dev, f32 = q.device, torch.float32
-    cfg = launch or sparse_launch_for(d, h // hkv)
+    cfg = launch or sparse_launch_for(d, h // hkv, bound)
     n_split = splits or group_splits(b * hkv, kb, dev, cfg.pps)
     tps = triton.cdiv(kb, n_split)
     n_split = triton.cdiv(kb, tps)

@@ -131,12 +131,16 @@ _B1_D64 = {1: (DENSE_DEFAULT, ATTEND, ATTEND, ATTEND), 4: (ATTEND, _W1P32, DENSE
 # n128w4s3W1-fuse the fastest or within 0.1 % of it at every G = 4/8 shape (D=64 G=8: 0.977-0.979x cuDNN, +0.5-1.1 %
 # over the unfused entries) and at D=128 G=1 16K-32K; at D=64 G=1 n128w4s4W2 (0.994-1.000x, +0.7-1.5 % over
 # n64w2s4p8); at D=128 G=1 64K n64w2s3p16 (1.000x; the fused launch 0.994x).
-_N128S4 = DenseLaunch(block_n=128, warps=4, stages=4, waves=2)   # n128w4s4W2
-_N128W1F = DenseLaunch(block_n=128, warps=4, stages=3, waves=1, fuse=True)   # n128w4s3W1-fuse
-_W2P16 = DenseLaunch(warps=2, stages=3, pps=16)                  # n64w2s3p16
+# Batch 16 with TMA loads among the candidates (decode-sweep8-b16-h100-d64.json, -d128.json; s41): at D=64 the one-wave
+# fused TMA launch n128w4s3W1-fuse-tma is the fastest or within 0.3 % of it at all 9 shapes (G=8 0.991-1.001x cuDNN
+# where the s40 entry ran 0.980-0.983x; G=4 1.003-1.010x); at D=128 G=8 n128w4s2W1-fuse-tma the fastest at all three
+# lengths (0.994-1.002x); at D=128 G=1 n128w8s2W2 and at G=4 n128w4s3W1 within 0.2 % of the fastest at each length.
+_N128W8 = DenseLaunch(block_n=128, warps=8, stages=2, waves=2)                       # n128w8s2W2
+_TMA3 = DenseLaunch(block_n=128, warps=4, stages=3, waves=1, fuse=True, tma=True)    # n128w4s3W1-fuse-tma
+_TMA2 = DenseLaunch(block_n=128, warps=4, stages=2, waves=1, fuse=True, tma=True)    # n128w4s2W1-fuse-tma
+_B16 = {(128, 1): _N128W8, (128, 4): _N128W1, (128, 8): _TMA2, (64, 1): _TMA3, (64, 4): _TMA3, (64, 8): _TMA3}
 DENSE_TABLE: dict[tuple[int, int, int, int], DenseLaunch | str] = {
-    **{(d, g, n, 16): (_N128S4 if (d, g) == (64, 1) else _W2P16 if (d, g) == (128, 1) and n >= 65536 else _N128W1F)
-       for d in (64, 128) for g in (1, 4, 8) for n in LENGTH_BUCKETS},
+    **{(d, g, n, 16): _B16[(d, g)] for d in (64, 128) for g in (1, 4, 8) for n in LENGTH_BUCKETS},
     **{(128, g, n, 1): _N128W1 for g in (1, 4, 8) for n in LENGTH_BUCKETS},
     **{(64, g, n, 1): _B1_D64[g][i] for g in (1, 4, 8) for i, n in enumerate(LENGTH_BUCKETS)},
 }

@@ -48,15 +48,15 @@ TOL_BF16 = 3e-2
 SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(warps=2, pps=16),
                    SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32))   # the decision passes' candidates (decode_group.SparseLaunch)
 FUSE_CHUNKS = (2, 8)   # the table's sparse launch again with the fused merge, these many splits at a time (s40)
-STAGES = (2, 4)        # and with these pipeline depths (a V load waits on the previous tile's decision)
+STAGES = (2, 3, 4)     # and with the other of these pipeline depths (a V load waits on the previous tile's decision)
 
 
-def sparse_candidates(d: int, group: int, quick: bool) -> tuple:
+def sparse_candidates(d: int, group: int, length: int, quick: bool) -> tuple:
     """The decision passes' launches for one shape: SPARSE_LAUNCHES, the table's launch with the
     fused merge (FUSE_CHUNKS), with other stage counts (STAGES), and with the softmax step only on
     tiles some head keeps (step_if; alone and with the fused merge); quick: the default, the last,
     one fused launch and the fused step_if launch."""
-    table = sparse_launch_for(d, group).as_dict()
+    table = sparse_launch_for(d, group, length).as_dict()
     fused = tuple(SparseLaunch(**{**table, "fuse": c}) for c in FUSE_CHUNKS)
     staged = tuple(SparseLaunch(**{**table, "stages": n}) for n in STAGES if n != table["stages"])
     step_if = (SparseLaunch(**{**table, "step_if": True}), SparseLaunch(**{**table, "step_if": True, "fuse": 2}))
@@ -179,7 +179,7 @@ def shape_candidates(q, k, v, quick: bool) -> dict:
                                 {"kind": "dense", "config": cfg if cfg == "attend" else cfg.as_dict()})
     for s in SPARSITIES[-1:] if quick else SPARSITIES:
         thr = _bsfa_point(q, k, v, scale, s)
-        for cfg in sparse_candidates(d, h // hkv, quick):
+        for cfg in sparse_candidates(d, h // hkv, k.shape[2], quick):
             out[f"bsfa_group_s{int(s * 100)}_{cfg.name()}"] = (
                 lambda thr=thr, cfg=cfg: group_decode_triton(q, k, v, scale, BM, BN, thresholds=thr, decision="group",
                                                              launch=cfg),
