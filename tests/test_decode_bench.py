@@ -68,3 +68,18 @@ def test_each_speedup_is_against_the_sdpa_fastest_that_way():
     assert bench_decode.fastest_sdpa(eager) == "sdpa_cudnn_native"
     assert bench_decode.fastest_sdpa(graph) == "sdpa_flash_native"
     assert bench_decode.fastest_sdpa({"group_dense": [0.1]}) is None
+
+
+def test_sparse_candidates_hold_the_tables_launch_once():
+    """The sweep times the table's own launch at every shape (s41's G 4/8 re-sweep left it out where
+    the table's launch had 2 stages), beside its fused / staged / step_if variants, each once."""
+    from sparsecal.bench.decode_sweep import sparse_candidates
+    from sparsecal.kernels.sparse.decode_group import SPARSE_TABLE, sparse_launch_for
+
+    for (d, g, n) in SPARSE_TABLE:
+        cands = sparse_candidates(d, g, n, quick=False)
+        table = sparse_launch_for(d, g, n)
+        names = [c.name() for c in cands]
+        assert table in cands and len(names) == len(set(names)), (d, g, n)
+        assert {2, 3, 4} == {c.stages for c in cands if c.warps == table.warps and c.pps == table.pps
+                                            and not c.fuse and not c.step_if}

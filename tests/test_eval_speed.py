@@ -185,3 +185,25 @@ def test_a_damaged_timing_table_is_one_line(evaluated, tmp_path, damage, needle)
     res = cli("eval", evaluated[2], "--out", out)
     last = res.stderr.strip().splitlines()[-1]  # the progress lines first, then the refusal in one line
     assert res.exit_code == 2 and last.startswith("error: ") and needle in last and "time again" in last, res.output
+
+
+def test_attention_share_from_device_time_and_in_range():
+    """The share a = 1 - rest / best SDPA is null outside [0, 1] (s41's 8B eager 64K step: rest 4.64 ms
+    against SDPA's 4.09 gave -0.13), and a record takes the graph replays' share where captured."""
+    from sparsecal.evaluation.methods import Method
+    from sparsecal.evaluation.timing import attention_share, method_record
+
+    assert attention_share(4.64, 4.09) is None and attention_share(None, 2.0) is None
+    assert attention_share(1.5, 2.0) == 0.25 and attention_share(2.0, 2.0) == 0.0
+    t = {"ttft_ms": [10.0] * 4, "tpot_ms": [5.0] * 4, "ttft_graph_ms": [9.0] * 4, "tpot_graph_ms": [2.0] * 4,
+         "decode_skipped": [3], "decode_reachable": [4]}
+    base = {"ttft_ms": {"best": "sdpa", "ms": 10.0, "rest": 8.0, "share": 0.2},
+            "ttft_graph_ms": {"best": "sdpa", "ms": 9.0, "rest": 6.3, "share": 0.3},
+            "tpot_ms": {"best": "sdpa", "ms": 4.09, "rest": 4.64, "share": None},
+            "tpot_graph_ms": {"best": "sdpa", "ms": 2.0, "rest": 1.6, "share": 0.2}}
+    rec = method_record(Method("bsfa", 1, None, True), 256, t, base, None, [])
+    assert rec["attention_share"] == 0.3 and rec["attention_share_decode"] == 0.2
+    assert rec["ideal_tpot"] == 1.0 / (1.0 - 0.2 * 0.75 / 2.0)
+    del base["tpot_graph_ms"]
+    rec = method_record(Method("bsfa", 1, None, True), 256, t, base, None, [])
+    assert rec["attention_share_decode"] is None and rec["ideal_tpot"] is None

@@ -61,11 +61,11 @@ from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, dot, dot_flags, log2_lam
 from sparsecal.kernels.sparse.decode import _decode_step, decode_skip_mask, sm_count
 from sparsecal.kernels.sparse.decode_group_dense import (
     ATTEND,
+    LENGTH_BUCKETS,
     _counters,
     _fused_merge,
     _group_merge_kernel,
     _row,
-    LENGTH_BUCKETS,
     _tile_base,
     buckets,
     dense_group_decode,

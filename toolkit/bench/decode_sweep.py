@@ -52,17 +52,18 @@ STAGES = (2, 3, 4)     # and with the other of these pipeline depths (a V load w
 
 
 def sparse_candidates(d: int, group: int, length: int, quick: bool) -> tuple:
-    """The decision passes' launches for one shape: SPARSE_LAUNCHES, the table's launch with the
-    fused merge (FUSE_CHUNKS), with other stage counts (STAGES), and with the softmax step only on
-    tiles some head keeps (step_if; alone and with the fused merge); quick: the default, the last,
-    one fused launch and the fused step_if launch."""
-    table = sparse_launch_for(d, group, length).as_dict()
+    """The decision passes' launches for one shape, each once: SPARSE_LAUNCHES, the table's launch
+    itself, with the fused merge (FUSE_CHUNKS), with the other stage counts (STAGES), and with the
+    softmax step only on tiles some head keeps (step_if; alone and with the fused merge); quick: the
+    default, the last, one fused launch and the fused step_if launch."""
+    launch = sparse_launch_for(d, group, length)
+    table = launch.as_dict()
     fused = tuple(SparseLaunch(**{**table, "fuse": c}) for c in FUSE_CHUNKS)
     staged = tuple(SparseLaunch(**{**table, "stages": n}) for n in STAGES if n != table["stages"])
     step_if = (SparseLaunch(**{**table, "step_if": True}), SparseLaunch(**{**table, "step_if": True, "fuse": 2}))
     if quick:
         return SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0], step_if[1]
-    return SPARSE_LAUNCHES + fused + staged + step_if
+    return tuple(dict.fromkeys(SPARSE_LAUNCHES + (launch,) + fused + staged + step_if))
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:

@@ -19,7 +19,8 @@ method; the noise floors ``dense:fp32`` and ``sdpa`` are not configurations anyo
 each against the best PyTorch SDPA on the same length: the model's own attention as causal SDPA
 in PyTorch's backend order (``sdpa``) and with cuDNN first (``sdpa_cudnn``, GPU only), the faster
 kept per measure. ``rest`` (the attention replaced by a copy of Q) gives the attention share of the
-forward a = 1 - rest / best SDPA, and the ideal speedup of a counted sparsity s is
+forward a = 1 - rest / best SDPA (from the graph replays where captured: device time; null outside
+[0, 1]), and the ideal speedup of a counted sparsity s is
 1 / (1 - a * s / 2) (skipping a tile saves its V load and P.V, about half its work), for prefill
 and decode alike. Every variant of a length runs in ``rounds`` round-robin rounds and the median
 over rounds is kept, so drift hits all alike.
@@ -371,6 +372,16 @@ def _median(values):
     return statistics.median(vals) if vals and len(vals) == len(values) else None
 
 
+def attention_share(rest: float | None, ms: float | None) -> float | None:
+    """1 - rest / ms, the attention's share of a forward or step; None where either is missing or
+    the share falls outside [0, 1] (an eager batch-1 decode step is host-bound: its attention-free
+    twin can time slower than the step itself, which says nothing about the attention)."""
+    if not rest or not ms:
+        return None
+    share = 1.0 - rest / ms
+    return share if 0.0 <= share <= 1.0 else None
+
+
 def _baseline(got: dict) -> dict:
     """Best SDPA per measure (name, ms), the rest ms and the attention shares, from a length's timings."""
     out = {}
@@ -380,7 +391,7 @@ def _baseline(got: dict) -> dict:
         best = min(cands, key=cands.get) if cands else None
         rest = _median(got[("base", "rest")].get(measure))
         out[measure] = {"best": best, "ms": cands.get(best), "rest": rest,
-                        "share": 1.0 - rest / cands[best] if best and rest else None,
+                        "share": attention_share(rest, cands.get(best)),
                         "rounds": got[("base", best)].get(measure) if best else None}
     return out
 
@@ -427,6 +438,8 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
     tpot_graph = _median(t.get("tpot_graph_ms"))
     b, g, d = base["ttft_ms"], base["ttft_graph_ms"], base["tpot_ms"]
     dg = base.get("tpot_graph_ms") or {"ms": None}
+    a_pre = g["share"] if g.get("share") is not None else b["share"]     # device time where captured
+    a_dec = dg["share"] if dg.get("share") is not None else d["share"]
     return {"label": m.label, "method": m.name, "config": m.config, "value": m.value, "decode": m.decode_mode,
             "dispatch": m.dispatch, "length": length, "prompt": prompt,
             "ttft_ms": ttft, "ttft_rounds_ms": t["ttft_ms"], "ttft_graph_ms": graph, "tpot_ms": tpot,
@@ -434,11 +447,11 @@ def method_record(m, length: int, t: dict, base: dict, prompt: str | None, rows:
             "graph_error": (t.get("graph_error") or [None])[0], "decode_cache": (t.get("decode_cache") or [None])[0],
             "sdpa_ttft_ms": b["ms"], "sdpa_ttft_backend": b["best"], "sdpa_ttft_graph_ms": g["ms"],
             "sdpa_tpot_ms": d["ms"], "sdpa_tpot_backend": d["best"], "rest_ttft_ms": b["rest"],
-            "rest_tpot_ms": d["rest"], "attention_share": b["share"], "attention_share_decode": d["share"],
+            "rest_tpot_ms": d["rest"], "attention_share": a_pre, "attention_share_decode": a_dec,
             "speedup_ttft": _ratio(b["ms"], ttft), "speedup_ttft_graph": _ratio(g["ms"], graph),
             "speedup_tpot": _ratio(d["ms"], tpot), "speedup_tpot_graph": _ratio(dg["ms"], tpot_graph),
-            "ideal_ttft": ideal_speedup(b["share"], s) if b["share"] is not None and s is not None else None,
-            "ideal_tpot": ideal_speedup(d["share"], sd) if d["share"] is not None and sd is not None else None,
+            "ideal_ttft": ideal_speedup(a_pre, s) if a_pre is not None and s is not None else None,
+            "ideal_tpot": ideal_speedup(a_dec, sd) if a_dec is not None and sd is not None else None,
             "prefill_skipped": ps, "prefill_reachable": pr, "sparsity": s,
             "sparse_layers": (t.get("sparse_layers") or [None])[0],
             "decode_skipped": ds, "decode_reachable": dr, "decode_sparsity": sd,
