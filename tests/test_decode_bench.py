@@ -83,3 +83,5 @@ def test_sparse_candidates_hold_the_tables_launch_once():
         assert table in cands and len(names) == len(set(names)), (d, g, n)
         assert {2, 3, 4} == {c.stages for c in cands if c.warps == table.warps and c.pps == table.pps
                                             and not c.fuse and not c.step_if}
+        assert {table.pps // 2, table.pps, table.pps * 2} <= {c.pps for c in cands if c.stages == table.stages
+                                                                and c.warps == table.warps}

@@ -49,17 +49,20 @@ SPARSE_LAUNCHES = (SPARSE_DEFAULT, SparseLaunch(warps=2, pps=8), SparseLaunch(wa
                    SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32))   # the decision passes' candidates (decode_group.SparseLaunch)
 FUSE_CHUNKS = (2, 8)   # the table's sparse launch again with the fused merge, these many splits at a time (s40)
 STAGES = (2, 3, 4)     # and with the other of these pipeline depths (a V load waits on the previous tile's decision)
+PPS_SCALES = (0.5, 2)  # and with these multiples of its programs per SM (s41: the split size at 2 stages, untimed)
 
 
 def sparse_candidates(d: int, group: int, length: int, quick: bool) -> tuple:
     """The decision passes' launches for one shape, each once: SPARSE_LAUNCHES, the table's launch
-    itself, with the fused merge (FUSE_CHUNKS), with the other stage counts (STAGES), and with the
-    softmax step only on tiles some head keeps (step_if; alone and with the fused merge); quick: the
-    default, the last, one fused launch and the fused step_if launch."""
+    itself, with the fused merge (FUSE_CHUNKS), with the other stage counts (STAGES), with other
+    programs per SM (PPS_SCALES), and with the softmax step only on tiles some head keeps (step_if;
+    alone and with the fused merge); quick: the default, the last, one fused launch and the fused
+    step_if launch."""
     launch = sparse_launch_for(d, group, length)
     table = launch.as_dict()
     fused = tuple(SparseLaunch(**{**table, "fuse": c}) for c in FUSE_CHUNKS)
     staged = tuple(SparseLaunch(**{**table, "stages": n}) for n in STAGES if n != table["stages"])
+    staged += tuple(SparseLaunch(**{**table, "pps": max(1, int(table["pps"] * f))}) for f in PPS_SCALES)
     step_if = (SparseLaunch(**{**table, "step_if": True}), SparseLaunch(**{**table, "step_if": True, "fuse": 2}))
     if quick:
         return SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0], step_if[1]
