@@ -40,6 +40,7 @@ def test_quick_sweep(tmp_path):
     assert any(r["config"] != "attend" and r["config"]["fuse"] for r in shape["rows"] if r["kind"] == "dense")
     assert any(r["config"] != "attend" and r["config"]["tma"] for r in shape["rows"] if r["kind"] == "dense")
     assert any(r["config"]["fuse"] and r["config"]["step_if"] for r in shape["rows"] if r["kind"] == "sparse")
+    assert any(r["config"]["tma"] for r in shape["rows"] if r["kind"] == "sparse")
     assert {"dense", "s75"} <= set(shape["winners"]) and list(doc["table"]) == ["64,4,16384,1"]
     assert all(0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 for r in shape["rows"] if r["kind"] == "sparse")
 
@@ -85,3 +86,4 @@ def test_sparse_candidates_hold_the_tables_launch_once():
                                             and not c.fuse and not c.step_if}
         assert {table.pps // 2, table.pps, table.pps * 2} <= {c.pps for c in cands if c.stages == table.stages
                                                                 and c.warps == table.warps}
+        assert {2, 3} == {c.stages for c in cands if c.tma}

@@ -73,7 +73,9 @@ def test_ragged_and_paged_match_reference(case, seed):
             ({"topk": 2}, "head", True, 1, None),
             ({"log_lambda": -2.0}, "group", True, 3, fused),
             ({"thresholds": thresholds(q, kc, bn)}, "head", False, 5, fused),
-            ({"log_lambda": -2.0}, "group", True, 2, SparseLaunch(warps=1, pps=4, step_if=True))]
+            ({"log_lambda": -2.0}, "group", True, 2, SparseLaunch(warps=1, pps=4, step_if=True)),
+            ({"thresholds": thresholds(q, kc, bn)}, "head", True, 2, SparseLaunch(warps=1, pps=4, tma=True)),
+            ({"thresholds": thresholds(q, kc, bn)}, "head", False, 3, SparseLaunch(warps=1, pps=4, fuse=2, tma=True))]
     for kw, decision, paged, splits, launch in runs:
         k, v, bt = (kp, vp, table) if paged else (kc, vc, None)
         want, sk, vsk, _ = sparse_decode_ragged(q, k, v, lens, scale, bm, bn, block_table=bt, decision=decision, **kw)
@@ -89,6 +91,36 @@ def test_ragged_and_paged_match_reference(case, seed):
     want, *_ = sparse_decode_ragged(q, kc, vc, lens, scale, bm, bn, log_lambda=-math.inf)
     assert torch.equal(dense_paged, dense_flat)
     torch.testing.assert_close(dense_flat.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_tma_key_loads_read_only_the_rows_keys(seed):
+    """SparseLaunch(tma=True): BSFA and window decisions read K by TMA; keys past a row's length (in
+    the cache and in a page's unused rows) hold NaN and change nothing; BLASST forward (decided before
+    the K load) and k whose strides a descriptor cannot take keep the per-thread loads (same result)."""
+    from sparsecal.kernels.sparse.decode_group import _k_descriptor
+
+    case = CASES[1]
+    q, kp, vp, table, kc, vc, lens = serving_batch(seed, case)
+    _, _, d, bm, bn, page, dtype = case
+    thr = thresholds(q, kc, bn)
+    for i, n in enumerate(LENGTHS):
+        kc[i, :, n:], vc[i, :, n:] = float("nan"), float("nan")
+        if n % page:
+            last = int(table[i, (n - 1) // page])
+            kp[last, :, n % page:], vp[last, :, n % page:] = float("nan"), float("nan")
+    odd = torch.zeros(*kc.shape[:-1], d + 4, dtype=dtype)[..., :d]   # 136-byte rows: no descriptor
+    odd.copy_(kc)
+    assert _k_descriptor(kc, bn) is not None and _k_descriptor(odd, bn) is None and _k_descriptor(kc, 24) is None
+    launch = SparseLaunch(warps=1, pps=4, tma=True)
+    for kw, decision in (({"thresholds": thr}, "group"), ({"window": 2}, "head"), ({"log_lambda": -2.0}, "group")):
+        for k, v, bt in ((kc, vc, None), (kp, vp, table), (odd, vc, None)):
+            want, sk, vsk, _ = sparse_decode_ragged(q, k, v, lens, d ** -0.5, bm, bn, block_table=bt,
+                                                    decision=decision, **kw)
+            got, skipped, v_skipped = group_decode_triton(q, k, v, d ** -0.5, bm, bn, lengths=lens, block_table=bt,
+                                                          decision=decision, splits=2, launch=launch, **kw)
+            assert not got.isnan().any(), (kw, decision)
+            torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+            assert torch.equal(skipped, sk) and torch.equal(v_skipped, vsk), (kw, decision)
 
 
 def test_layout_errors():

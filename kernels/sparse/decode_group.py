@@ -33,7 +33,9 @@ Passes
 
 Launch (``SparseLaunch``, per (D, G bucket, length bucket) from ``SPARSE_TABLE``): num_warps / num_stages of the
 tmax and attend passes, ``pps`` the split-K target (about pps attend programs per SM, each split at
-least MIN_TILES tiles). A deeper lag (the softmax step of tile j - 2 in step j) was measured slower
+least MIN_TILES tiles); ``tma`` has the attend pass read K tiles by TMA where the decision is made in
+the loop (BSFA, window, dense) and k allows a descriptor (V keeps its masked per-thread loads: a
+tile no head keeps loads no V). A deeper lag (the softmax step of tile j - 2 in step j) was measured slower
 at every shape (data/bench/NOTES.md, "decode-sweep 2") and removed.
 
 Dense (``dense=True``) is the attend pass with no decision: K + V read once, no score round trip
@@ -67,6 +69,8 @@ from sparsecal.kernels.sparse.decode_group_dense import (
     _group_merge_kernel,
     _row,
     _tile_base,
+    _tma_aligned,
+    _tma_tile,
     buckets,
     dense_group_decode,
     launch_for,
@@ -85,11 +89,13 @@ class SparseLaunch:
     pps: int = 4
     fuse: int = 0     # the fused merge, this many splits' partials at a time (0: the merge kernel)
     step_if: bool = False   # the softmax step of a tile only when some head of the group keeps it
+    tma: bool = False   # the attend pass reads K tiles by TMA (in-loop decisions; V stays per-thread, masked)
 
     def name(self) -> str:
-        """A short label: w4s3p8 (-fuse2 with the fused merge, 2 splits at a time; -if with step_if)."""
+        """A short label: w4s3p8 (-fuse2 with the fused merge, 2 splits at a time; -if with step_if;
+        -tma with TMA K loads)."""
         return (f"w{self.warps}s{self.stages}p{self.pps}" + (f"-fuse{self.fuse}" if self.fuse else "")
-                + ("-if" if self.step_if else ""))
+                + ("-if" if self.step_if else "") + ("-tma" if self.tma else ""))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -166,6 +172,21 @@ def _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap, kl
     if SOFTCAP:
         s = soft_cap(s, softcap)
     return tl.where(kload[None, :], s, float("-inf")), kmask
+
+
+@triton.jit
+def _scores_tma(q, K, BT, b, hk, j, s_bt, offs_n, keys, length, qk_scale, softcap, BN: tl.constexpr,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+                SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``_scores`` of every key of tile j with its K rows read by TMA (descriptor K, block [1, 1,
+    BLOCK_N, D], BLOCK_N == BN): (s [GP, BLOCK_N], kmask [BLOCK_N]); keys past the row score -inf
+    whatever their rows hold."""
+    kt = _tma_tile(K, BT, b, hk, j, s_bt, BLOCK_N, HEAD_DIM, PAGE, PAGED)
+    s = dot(q, tl.trans(kt), None, PREC, UPCAST) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
+    kmask = (offs_n < BN) & (keys < length)
+    return tl.where(kmask[None, :], s, float("-inf")), kmask
 
 
 @triton.jit
@@ -255,15 +276,15 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
                          HEAD_DIM: tl.constexpr, BN: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr,
                          PAGE: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr, DECIDE: tl.constexpr,
                          GROUP: tl.constexpr, PRE: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr,
-                         FCH: tl.constexpr, STEP_IF: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         FCH: tl.constexpr, STEP_IF: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+                         PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (S, B * Hkv): one split of one KV group (module docstring). DECIDE 0 dense, 1 torch mask
     SKIP [B, H, Kb] i8, 2 BSFA (THR [H, n_thr] natural units), 3 BLASST forward (TMAX [B, H, Kb],
     ll2 = ln(lambda) log2 e), 4 window; PRE: DECIDE 1 or 3 (decided before the K load). Partials ACC [B, H, S, D], M, LS [B, H, S] f32 (log2 units)
     and counts CNT [B, H, S], VCNT [B, Hkv, S] i32; DIRECT (S = 1): O [B, H, 1, D] and the counts
     (CNT [B, H], VCNT [B, Hkv] i64) written here; FUSE: the partials, then the group's last program
     (CTR [B * Hkv] i32, zero between calls) writes O and the summed counts SKD [B, H], VSKD [B, Hkv] i64,
-    FCH splits' partials at a time."""
+    FCH splits' partials at a time. TMA (not with PRE): K a TMA descriptor (``_scores_tma``)."""
     split, bk, b, hk, g_ok, bh, offs_d, q = _program(Q, sq_b, sq_h, num_heads, group, HEAD_DIM, GP)
     length = _row(LENS, b, length, RAGGED)
     offs_n = tl.arange(0, BLOCK_N)
@@ -288,16 +309,21 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
     gk_prev = tl.zeros([], tl.int32) > 0                             # some head keeps tile j - 1
     for j in range(j0, j1):
         v = tl.load(v_prev + offs_n[:, None] * sv_n + offs_d[None, :], mask=vm_prev[:, None], other=0.0)
-        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
         keys = j * BN + offs_n
         if PRE:  # decided from the pre-pass before the K load: a tile no head keeps loads no K
+            k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
             tm, pre_keep = _pre_decision(TMAX, SKIP, bh, j, n_kb, g_ok, DECIDE)
             keep, gkeep, run = _keep(tm, pre_keep, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
             s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
                                _spread(gkeep, offs_n), BN, SOFTCAP, PREC, UPCAST)
         else:
-            s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
-                               offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
+            if TMA:
+                s, kmask = _scores_tma(q, K, BT, b, hk, j, s_bt, offs_n, keys, length, qk_scale, softcap, BN,
+                                       BLOCK_N, HEAD_DIM, PAGE, PAGED, SOFTCAP, PREC, UPCAST)
+            else:
+                k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
+                s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
+                                   offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
             keep, gkeep, run = _keep(tl.max(s, 1), g_ok, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
         acc, m_i, l_i = _kept_step(acc, m_i, l_i, s_prev, v, gk_prev, STEP_IF, PREC, UPCAST)   # tile j - 1
         n_skip += (g_ok & ~keep).to(tl.int32)
@@ -476,17 +502,30 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     thr = thresholds.to(device=dev, dtype=f32).contiguous() if decide == BSFA else q
     tail = (bound, kb, tps, n_split, h, h // hkv, scale * LOG2E, cap, block_m, thr.shape[-1] if decide == BSFA else 1,
             0.0 if log_lambda is None else log2_lambda(log_lambda), int(window or 0))
-    flags = {"DECIDE": decide, "GROUP": decision == "group", "PRE": decide in (MASK, BLASST), "STEP_IF": cfg.step_if,
-             **common}
+    pre = decide in (MASK, BLASST)
+    kx = _k_descriptor(k, block_n) if cfg.tma and not pre else None
+    flags = {"DECIDE": decide, "GROUP": decision == "group", "PRE": pre, "STEP_IF": cfg.step_if,
+             "TMA": kx is not None, **common}
     return _attend(q, k, v, (bt, lens, thr, tmax, skip), strides + (v.stride(0), v.stride(1), v.stride(2),
-                   bt.stride(0) if block_table is not None else 0), tail, flags, cfg.fuse)
+                   bt.stride(0) if block_table is not None else 0), tail, flags, cfg.fuse, kx)
 
 
-def _attend(q, k, v, inputs: tuple, strides: tuple, tail: tuple, flags: dict, chunk: int) -> tuple:
+def _k_descriptor(k, block_n: int):
+    """A TMA descriptor over k [B, Hkv, L, D] or the page pool [P, Hkv, page, D] (block [1, 1,
+    block_n, D]) where a power-of-two block_n and k's 16-byte aligned base and strides allow one, else None
+    (the per-thread loads)."""
+    if block_n != next_pow2(block_n) or not _tma_aligned(k):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block_n, k.shape[-1]])
+
+
+def _attend(q, k, v, inputs: tuple, strides: tuple, tail: tuple, flags: dict, chunk: int, kx=None) -> tuple:
     """The attend pass (grid S x B*Hkv) and the merge: one launch when S = 1 or ``chunk`` (the last
     program of a group merges, ``chunk`` splits at a time), else the merge kernel. inputs (BT, LENS,
-    THR, TMAX, SKIP); strides up to s_bt; tail the kernel's scalars from ``length``. Returns (out,
-    skipped [B, H], v_skipped [B, Hkv])."""
+    THR, TMAX, SKIP); strides up to s_bt; tail the kernel's scalars from ``length``; kx a TMA
+    descriptor over k (flags["TMA"]). Returns (out, skipped [B, H], v_skipped [B, Hkv])."""
     b, h, _, d = q.shape
     hkv, n_split = k.shape[1], tail[3]
     dev = q.device
@@ -497,7 +536,8 @@ def _attend(q, k, v, inputs: tuple, strides: tuple, tail: tuple, flags: dict, ch
     v_skipped = torch.empty((b, hkv), dtype=torch.int64, device=dev) if not direct else vcnt
     ctr = _counters(b * hkv, dev) if fuse else q
     LAST_COMPILED["group_attend"] = _group_attend_kernel[(n_split, b * hkv)](
-        q[:, :, 0], k, v, *inputs, *part, cnt, vcnt, ctr, skipped, v_skipped, out, *strides, out.stride(0),
+        q[:, :, 0], k if kx is None else kx, v, *inputs, *part, cnt, vcnt, ctr, skipped, v_skipped, out, *strides,
+        out.stride(0),
         out.stride(1), *tail, DIRECT=direct, FUSE=fuse, FCH=max(chunk, 1), **flags)
     if not (direct or fuse):
         _group_merge_kernel[(b * h,)](*part, cnt, vcnt, out, skipped, v_skipped, out.stride(0), out.stride(1), h,

@@ -55,18 +55,19 @@ PPS_SCALES = (0.5, 2)  # and with these multiples of its programs per SM (s41: t
 def sparse_candidates(d: int, group: int, length: int, quick: bool) -> tuple:
     """The decision passes' launches for one shape, each once: SPARSE_LAUNCHES, the table's launch
     itself, with the fused merge (FUSE_CHUNKS), with the other stage counts (STAGES), with other
-    programs per SM (PPS_SCALES), and with the softmax step only on tiles some head keeps (step_if;
-    alone and with the fused merge); quick: the default, the last, one fused launch and the fused
-    step_if launch."""
+    programs per SM (PPS_SCALES), with the softmax step only on tiles some head keeps (step_if;
+    alone and with the fused merge), and reading K by TMA at 2 and 3 stages; quick: the default,
+    the last, one fused launch, the fused step_if launch and one TMA launch."""
     launch = sparse_launch_for(d, group, length)
     table = launch.as_dict()
     fused = tuple(SparseLaunch(**{**table, "fuse": c}) for c in FUSE_CHUNKS)
     staged = tuple(SparseLaunch(**{**table, "stages": n}) for n in STAGES if n != table["stages"])
     staged += tuple(SparseLaunch(**{**table, "pps": max(1, int(table["pps"] * f))}) for f in PPS_SCALES)
     step_if = (SparseLaunch(**{**table, "step_if": True}), SparseLaunch(**{**table, "step_if": True, "fuse": 2}))
+    tma = tuple(SparseLaunch(**{**table, "stages": n, "tma": True}) for n in (2, 3))   # TMA K loads (s41)
     if quick:
-        return SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0], step_if[1]
-    return tuple(dict.fromkeys(SPARSE_LAUNCHES + (launch,) + fused + staged + step_if))
+        return SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0], step_if[1], tma[0]
+    return tuple(dict.fromkeys(SPARSE_LAUNCHES + (launch,) + fused + staged + step_if + tma))
 
 
 def dense_candidates(d: int, group: int, quick: bool) -> dict:
