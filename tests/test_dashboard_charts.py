@@ -3,6 +3,7 @@ Accuracy-speedup result format: on the committed fixture run's own tables and on
 with known contents."""
 import json
 import math
+import re
 
 import numpy as np
 import plotly.graph_objects as go
@@ -283,3 +284,30 @@ def test_two_evaluations_and_two_splits_are_never_one_point(tmp_path):
     pts = results.curves([results.read_result_file(p) for p in results.result_files([tmp_path / "old", tmp_path / "new"])])
     got = {(r["origin"], r["split"]): r["accuracy_rel_dense"] for r in pts.to_dicts()}
     assert got == {("old", None): 0.5, ("new", "seen"): 0.9, ("new", "held-out"): 0.7}
+
+
+@pytest.mark.parametrize("col, value, says", [
+    ("speedup", float("nan"), "speedup must be finite, > 0; row 1 holds nan"),
+    ("speedup", -1.2, "speedup must be finite, > 0; row 1 holds -1.2"),
+    ("accuracy_rel_dense", float("inf"), "accuracy_rel_dense must be finite, >= 0; row 1 holds inf"),
+    ("sparsity", 1.5, "sparsity must be finite, >= 0, <= 1; row 1 holds 1.5"),
+    ("speedup_tpot_graph", 0.0, "speedup_tpot_graph must be finite, > 0"),
+    ("length", 0, "length must be finite, >= 1"),
+    ("speedup_ttft_lo", 3.0, "speedup_ttft_lo 3.0 above speedup_ttft_hi"),
+])
+def test_results_refuse_values_out_of_range(tmp_path, col, value, says):
+    """A result file's values are checked when read: one bad value refuses the file with one line
+    naming the column, the row and the value; null (not measured) passes; the dashboard lists it."""
+    rows = {"method": ["bsfa", "bsfa"], "config": ["k=2", "k=4"], "length": [512, 512],
+            "accuracy_rel_dense": [0.9, 1.0], "speedup": [1.5, None], "sparsity": [0.4, None],
+            "speedup_tpot_graph": [1.1, 1.0], "speedup_ttft_lo": [1.0, 1.1], "speedup_ttft_hi": [1.2, 1.3]}
+    pl.DataFrame(rows).write_parquet(tmp_path / "good.parquet")
+    assert results.read_result_file(tmp_path / "good.parquet").height == 2
+    rows[col] = [rows[col][0], value]
+    pl.DataFrame(rows).write_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(results.UserError, match=re.escape(says)):
+        results.read_result_file(tmp_path / "bad.parquet")
+    (tmp_path / "text.json").write_text(json.dumps({"kind": "sparsecal-bench", "rows": [
+        {"method": "bsfa", "config": "k=2", "length": 512, "speedup": "fast"}]}))
+    with pytest.raises(results.UserError, match="column speedup is not numeric"):
+        results.read_result_file(tmp_path / "text.json")
