@@ -1,5 +1,6 @@
 """sparsecal export and the CLI around fit/export: round trips, refusals, one-line errors."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -111,6 +112,26 @@ def test_loading_refuses_mismatches(exported, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(dict(doc, schema_version=0)))
     with pytest.raises(UserError, match="schema version 0"):
         load_blasst(tmp_path / "old.json")
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d.update(q_block_size=0), "q_block_size is 0, not a positive integer"),
+    (lambda d: d.update(num_layers=-3), "num_layers is -3, not a positive integer"),
+    (lambda d: d["per_length"][1].update(achieved=7.0), "per_length[1] is "),
+    (lambda d: d["per_length"][0].update(length=-4), "per_length[0] is "),
+    (lambda d: d["per_length"][2].update(**{"lambda": float("nan")}), "per_length[2].lambda is nan"),
+    (lambda d: d["fit"]["prefill"]["law"].update(a=float("inf")), "fit.prefill.law.a is inf"),
+])
+def test_blasst_json_values_are_checked(exported, tmp_path, edit, says):
+    """The values of blasst.json, not only their types: positive tile sizes and counts (they reach the
+    kernels), every number finite (json reads NaN and Infinity), the per-length rows in range."""
+    _, out = exported
+    doc = json.loads((out / "blasst.json").read_text())
+    assert len(doc["per_length"]) >= 3 and load_blasst(out)["per_length"] == doc["per_length"]
+    edit(doc)
+    (tmp_path / "blasst.json").write_text(json.dumps(doc))
+    with pytest.raises(UserError, match=re.escape(says)):
+        load_blasst(tmp_path / "blasst.json")
 
 
 def _one_line_error(res, pattern):

@@ -23,6 +23,7 @@ import numpy as np
 from sparsecal.formats.dispatch import check_dispatch
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write, check_schema
+from sparsecal.formats.json_values import first_non_finite, in_range
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
 BSFA_PT = "thresholds.bsfa.pt"
@@ -392,9 +393,14 @@ def validate_blasst(path, doc) -> None:
         raise UserError(f"{path} is not a BLASST skip-softmax export (algorithm {doc.get('algorithm')!r}).")
     check_schema(path, doc.get("schema_version"), "export it again")
     for key, kind in GEOMETRY_KEYS.items():
-        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
-            raise UserError(f"{path}: {key} is {doc.get(key)!r}, not a {kind.__name__}; the export is damaged or "
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool) or (kind is int and doc[key] <= 0):
+            what = "a positive integer" if kind is int else f"a {kind.__name__}"
+            raise UserError(f"{path}: {key} is {doc.get(key)!r}, not {what}; the export is damaged or "
                             "edited: export it again.")
+    bad = first_non_finite(doc)
+    if bad:
+        raise UserError(f"{path}: {bad[0]} is {bad[1]}; every number of a BLASST export is finite: export it again.")
+    _check_per_length(path, doc.get("per_length"))
     if "head_dim" in doc and not _positive_int(doc["head_dim"]):  # optional: exports made before it lack it
         raise UserError(f"{path}: head_dim is {doc['head_dim']!r}, not a positive integer; export it again.")
     longest = longest_length(doc)
@@ -413,6 +419,20 @@ def validate_blasst(path, doc) -> None:
         _check_per_layer(path, entry.get("per_layer"), where, doc["num_layers"], longest)
     if doc.get("dispatch") is not None:  # optional (sparsecal export --break-even); absent: no dispatch
         check_dispatch(path, doc["dispatch"], doc["num_layers"])
+
+
+def _check_per_length(path, rows) -> None:
+    """Optional ``per_length`` (the fit's rows, plotted on the Export page): each a length (positive
+    integer), target and achieved sparsity in [0, 1], lambda and lambda_best >= 0 (either may be null)."""
+    if rows is None:
+        return
+    for i, r in enumerate(rows if isinstance(rows, list) else [None]):
+        ok = isinstance(r, dict) and _positive_int(r.get("length"))
+        ok = ok and all(r.get(k) is None or in_range(r[k], 0.0, 1.0) for k in ("target", "achieved"))
+        ok = ok and all(r.get(k) is None or in_range(r[k], 0.0) for k in ("lambda", "lambda_best"))
+        if not ok:
+            raise UserError(f"{path}: per_length[{i}] is {r!r}; each row needs a positive length, target and "
+                            "achieved in [0, 1] and lambdas >= 0: export it again.")
 
 
 def _check_per_layer(path, per_layer, where: str, num_layers: int, longest: int = LONGEST_LENGTH) -> None:
