@@ -4,6 +4,7 @@ simulated on held-out samples against the fit's own held-out table, hybrid layer
 SmolLM2 example."""
 import json
 import math
+import re
 
 import numpy as np
 import polars as pl
@@ -136,6 +137,49 @@ def test_a_refused_mismatch_per_loader(engine_run, tmp_path):
     (edited / "engine.json").write_text(json.dumps(dict(man, schema_version=0)))
     with pytest.raises(UserError, match="schema version 0"):
         F.load_engine_manifest(edited)
+
+
+def _skip_group(block: dict) -> dict:
+    return next(g for g in block["sparse_attention_config"]["config_groups"].values()
+                if g.get("algorithm") == "skip_softmax")
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda b: _skip_group(b)["threshold_scale_factor"]["prefill"].update(b=1e4),
+     "the prefill factor a * exp(b * target) is inf, not a finite positive number"),
+    (lambda b: _skip_group(b)["threshold_scale_factor"]["prefill"].update(a=1e300),
+     "lambda = factor / L >= 1 at every length"),
+    (lambda b: _skip_group(b)["threshold_scale_factor"]["prefill"].update(a=2.0),
+     "engine.json beside it says"),
+    (lambda b: b["sparse_attention_config"]["producer"]["calibration"]["model"].update(num_layers=-1),
+     "model.num_layers is -1, not a positive integer"),
+])
+def test_modelopt_factors_are_checked(engine_run, tmp_path, edit, says):
+    """Model-Optimizer's block: each phase's factor a * exp(b * target) finite, positive, in range and
+    equal to the factor engine.json beside it records; the calibration's model sizes positive."""
+    _, out, _ = engine_run
+    block = json.loads((out / "modelopt.config.json").read_text())
+    for name in ("engine.json", "modelopt.config.json"):
+        (tmp_path / name).write_text((out / name).read_text())
+    assert F.load_modelopt(tmp_path)["factors"] == F.load_modelopt(out)["factors"]
+    edit(block)
+    (tmp_path / "modelopt.config.json").write_text(json.dumps(block))
+    with pytest.raises(UserError, match=re.escape(says)):
+        F.load_modelopt(tmp_path)
+
+
+def test_engine_manifest_numbers_are_finite(engine_run, tmp_path):
+    _, out, _ = engine_run
+    man = json.loads((out / "engine.json").read_text())
+    man["model"]["num_heads"] = 0
+    (tmp_path / "engine.json").write_text(json.dumps(man))
+    with pytest.raises(UserError, match="model.num_heads is 0, not a positive integer"):
+        F.load_engine_manifest(tmp_path)
+    man["model"]["num_heads"] = 4
+    man["validity"] = dict(man.get("validity") or {}, note=float("nan"))
+    (tmp_path / "engine.json").write_text(json.dumps(man))
+    with pytest.raises(UserError, match=re.escape("validity.note is nan; every number of a sparsecal export")):
+        F.load_engine_manifest(tmp_path)
 
 
 def test_engine_rule_simulated_on_the_held_out_samples(engine_run):

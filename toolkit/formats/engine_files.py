@@ -34,6 +34,7 @@ from sparsecal.formats.exports import (
     longest_length,
 )
 from sparsecal.formats.files import atomic_write_text, check_schema, read_json_manifest
+from sparsecal.formats.json_values import first_non_finite
 from sparsecal.formats.version import __version__
 
 ENGINE_JSON = "engine.json"
@@ -144,6 +145,13 @@ def _identity(path, doc: dict, expect: dict | None) -> None:
     for key in ("block_m", "block_n"):
         if not isinstance(geo.get(key), int) or isinstance(geo.get(key), bool) or geo[key] < 1:
             raise UserError(f"{path}: geometry.{key} is {geo.get(key)!r}, not a positive integer; {REMEDY}.")
+    for key in ("num_layers", "num_heads"):
+        n = model.get(key)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise UserError(f"{path}: model.{key} is {n!r}, not a positive integer; {REMEDY}.")
+    bad = first_non_finite(doc)
+    if bad:
+        raise UserError(f"{path}: {bad[0]} is {bad[1]}; every number of a sparsecal export is finite: {REMEDY}.")
     for key in ("log_base", "score_scale"):
         if not isinstance(geo.get(key), str):
             raise UserError(f"{path}: geometry.{key} is missing; every engine export records it: {REMEDY}.")
@@ -356,9 +364,29 @@ def load_modelopt(path, expect: dict | None = None) -> dict:
     _identity(path, cal, expect)
     if any(k in doc for k in ("num_hidden_layers", "text_config")):
         check_config_model(path, doc, cal["model"])
-    tsf = group["threshold_scale_factor"]
-    factors = {m: tsf[m]["a"] * math.exp(tsf[m]["b"] * s) for m, s in group["target_sparsity"].items()}
+    factors = _modelopt_factors(path, group)
+    if path.name == "modelopt.config.json" and (path.parent / ENGINE_JSON).is_file():
+        man = load_engine_manifest(path.parent, expect)
+        if "modelopt" in man["formats"]:
+            _same(path, "modelopt", factors, man)
     return {"block": block, "group": group, "calibration": cal, "factors": factors}
+
+
+def _modelopt_factors(path: Path, group: dict) -> dict:
+    """Model-Optimizer's factor a * exp(b * target) per calibrated phase: each finite, positive and
+    below LONGEST_LENGTH (lambda = factor / L under 1 at some length), or one line."""
+    tsf, factors = group["threshold_scale_factor"], {}
+    for m, target in group["target_sparsity"].items():
+        try:
+            f = tsf[m]["a"] * math.exp(tsf[m]["b"] * target)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f) or f <= 0:
+            raise UserError(f"{path}: the {m} factor a * exp(b * target) is {f:g}, not a finite positive number; "
+                            f"{REMEDY}.")
+        check_factor_range(path, f"the {m} factor a * exp(b * target)", f, LONGEST_LENGTH)
+        factors[m] = f
+    return factors
 
 
 LOADERS = {"modelopt": load_modelopt, "trtllm": load_trtllm, "sglang": load_sglang, "vllm": load_vllm}
