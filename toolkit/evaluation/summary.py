@@ -38,7 +38,7 @@ from sparsecal.capture.prompts.tasks import TEXT_TASKS
 from sparsecal.evaluation.intervals import MIN_DENSE_SCORE, POINT_STATS, cell_keys, cells, with_split
 from sparsecal.evaluation.paired import mover
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.results import SPEED_INTERVALS, SPEEDS
+from sparsecal.formats.results import SPEED_INTERVALS, SPEEDS, check_values
 
 KEYS = ["method", "config", "length"]
 BENCH_SPARSITY_TOL = 0.02  # a bench row joins a point only within this counted sparsity
@@ -120,6 +120,7 @@ def read_bench(paths) -> tuple[pl.DataFrame, list[dict]]:
         lacking = [c for c in KEYS + ["speedup"] if c not in df.columns]
         if lacking:
             raise UserError(f"--bench {path} lacks columns {', '.join(lacking)}; it should be written by `sparsecal bench`.")
+        check_values(df.select([c for c in ("length", "speedup", "sparsity") if c in df.columns]), f"--bench {path}")
         kind = pl.col("task").fill_null("kernel") if "task" in df.columns else pl.lit("kernel")
         sp = pl.col("sparsity").cast(pl.Float64) if "sparsity" in df.columns else pl.lit(None, pl.Float64)
         disp = pl.col("dispatch").cast(pl.Boolean).fill_null(False) if "dispatch" in df.columns else pl.lit(False)

@@ -41,7 +41,7 @@ Evaluation files usually carry accuracy_rel_dense and benchmark files speedup; `
 each measure over the rows sharing (method, config, length, split) within one directory (the
 point's ``origin``), so an eval row and a bench row of the same point in one directory meet, and
 two evaluations in different directories are never averaged together. A point appears on the
-chart when it has both measures. The values are checked when read (``_check_values``: finite,
+chart when it has both measures. The values are checked when read (``check_values``: finite,
 speedups > 0, accuracies >= 0, sparsities in [0, 1], lengths >= 1, lo <= hi): a file that breaks
 one is refused with one line.
 """
@@ -98,7 +98,7 @@ def read_result_file(path: Path) -> pl.DataFrame:
         raise UserError(f"{path} lacks columns {', '.join(lacking) or ' or '.join(MEASURES)}; see the "
                         "Accuracy-speedup format in toolkit/formats/results.py.")
     keep = [c for c in KEYS + MEASURES + OPTIONAL if c in df.columns]
-    _check_values(df.select(keep), path)
+    check_values(df.select(keep), str(path))
     split = pl.col("split").cast(pl.Utf8) if "split" in df.columns else pl.lit(None, pl.Utf8)
     return df.select(keep + (["split"] if "split" in df.columns else [])).with_columns(
         pl.col("method").cast(pl.Utf8), pl.col("config").cast(pl.Utf8), pl.col("length").cast(pl.Int64),
@@ -115,17 +115,18 @@ def _bounds(col: str) -> tuple[float | None, float | None]:
     return (0.0, None) if col.startswith(("speedup", "accuracy_rel_dense")) else (None, None)
 
 
-def _check_values(df: pl.DataFrame, path: Path) -> None:
+def check_values(df: pl.DataFrame, where: str) -> None:
     """The values themselves: every measure numeric and finite where present, speedups above 0,
     accuracies at least 0, sparsities in [0, 1], lengths >= 1, each interval's lo <= hi. A file
-    that breaks one is refused with one line naming the column, the first bad row and its value."""
+    (``where``: its name in the message) that breaks one is refused with one line naming the
+    column, the first bad row and its value."""
     for col in df.columns:
         if col in ("method", "config"):
             continue
         try:
             x = df[col].cast(pl.Float64, strict=True)
         except Exception:  # noqa: BLE001 - a text or nested column where a number belongs
-            raise UserError(f"{path}: column {col} is not numeric ({df[col].dtype}); re-run its producer "
+            raise UserError(f"{where}: column {col} is not numeric ({df[col].dtype}); re-run its producer "
                             f"({PRODUCERS}) or remove the file.") from None
         lo, hi = _bounds(col)
         speed = col.startswith("speedup")
@@ -137,14 +138,14 @@ def _check_values(df: pl.DataFrame, path: Path) -> None:
         bad = bad.fill_null(False)
         if bad.any():
             i = int(bad.arg_true()[0])
-            raise UserError(f"{path}: column {col} must be {want}; row {i} holds {df[col][i]}. Re-run its "
+            raise UserError(f"{where}: column {col} must be {want}; row {i} holds {df[col][i]}. Re-run its "
                             "producer or remove the file.")
     for col in df.columns:
         if col.endswith("_lo") and col[:-3] + "_hi" in df.columns:
             flip = (df[col] > df[col[:-3] + "_hi"]).fill_null(False)
             if flip.any():
                 i = int(flip.arg_true()[0])
-                raise UserError(f"{path}: row {i} has {col} {df[col][i]} above {col[:-3]}_hi "
+                raise UserError(f"{where}: row {i} has {col} {df[col][i]} above {col[:-3]}_hi "
                                 f"{df[col[:-3] + '_hi'][i]}; re-run its producer or remove the file.")
 
 
