@@ -33,9 +33,41 @@ def read_table(fit_dir, name: str):
     if not path.is_file():
         raise UserError(f"{path} is missing; run `sparsecal fit {Path(fit_dir).parent}` to make it.")
     try:
-        return pl.read_parquet(path)
+        df = pl.read_parquet(path)
     except Exception as e:  # noqa: BLE001 - a damaged file is one user-facing line
         raise UserError(f"{path} is not a readable Parquet table ({type(e).__name__}); run `sparsecal fit` again.")
+    check_table_values(df, path)
+    return df
+
+
+SHARES = ("measured", "measured_min", "measured_max", "predicted", "sparsity", "sparsity_candidates", "retained_mass",
+          "retained_mass_topk", "retained_min", "candidate_share", "achieved", "achieved_candidates", "target",
+          "max_sparsity", "share_zero", "share_below_range", "share_above_range", "head_p10", "head_p90")
+COUNTS = ("k", "layer", "head", "samples", "rows", "positions", "bound_positions", "bound_rows", "n_lengths",
+          "saturated_positions", "open_rows", "diagonal", "middle", "sink")
+
+
+def check_table_values(df, path) -> None:
+    """The values a fit table's readers rely on (export's dispatch record, the dashboard, fit's
+    summary): shares and sparsities (SHARES) in [0, 1], counts and indices (COUNTS) finite and
+    >= 0, lengths >= 1, where the column exists; null passes (not measured). Columns that may
+    legitimately hold NaN or infinities (fit residuals, lambda bounds, histogram edges) are not
+    constrained. One line naming the table, column, row and value."""
+    import polars as pl
+
+    rules = [(c, 0.0, 1.0) for c in SHARES] + [(c, 0.0, None) for c in COUNTS] + [("length", 1.0, None)]
+    for col, lo, hi in rules:
+        if col not in df.columns or df[col].dtype == pl.Null:
+            continue
+        if not df[col].dtype.is_numeric():
+            raise UserError(f"{path}: column {col} is {df[col].dtype}, not numeric. Run `sparsecal fit` again.")
+        x = df[col].cast(pl.Float64)
+        bad = (~x.is_finite() | (x < lo) | ((x > hi) if hi is not None else False)).fill_null(False)
+        if bad.any():
+            i = int(bad.arg_true()[0])
+            span = f"in [{lo:g}, {hi:g}]" if hi is not None else f"finite and >= {lo:g}"
+            raise UserError(f"{path}: column {col} must be {span}; row {i} holds {df[col][i]}. Run `sparsecal fit` "
+                            "again.")
 
 
 def write_json(path: Path, doc: dict) -> None:

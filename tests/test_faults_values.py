@@ -20,6 +20,7 @@ Promises held here, each by the test named after it:
 - no command follows a symbolic link out of the run: RUN/.lock, RUN/fit, a sample folder.
 """
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -357,3 +358,30 @@ def test_symlinked_sample_folder_is_damaged_and_replaced_without_following(run, 
     store.write_sample(rec, stats)
     assert not (run / "samples" / sid).is_symlink() and store.check_sample(sid) is None
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["sample.json", "stats.safetensors"]
+
+
+@pytest.mark.parametrize("table, col, value, says", [
+    ("blasst_layers", "layer", -1, "column layer must be finite and >= 0; row 0 holds -1"),
+    ("blasst_layers", "target", 1.5, "column target must be in [0, 1]; row 0 holds 1.5"),
+    ("bsfa_heads", "measured", float("nan"), "column measured must be in [0, 1]; row 0 holds nan"),
+    ("bsfa_heads", "length", 0, "column length must be finite and >= 1; row 0 holds 0"),
+])
+def test_fit_tables_values_are_checked_when_read(run, tmp_path, table, col, value, says):
+    """A fit table's shares, counts and lengths are checked when read (analysis.tables.read_table):
+    `export --per-layer` reading a damaged blasst_layers table writes nothing and says which column,
+    row and value; NaN `measured` in bsfa_heads (which the dispatch record would have read as a dense
+    layer) is refused the same way."""
+    import polars as pl
+
+    from sparsecal.analysis.tables import read_table
+
+    path = run / "fit" / f"{table}.parquet"
+    df = pl.read_parquet(path)
+    df.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(pl.lit(value)).otherwise(pl.col(col))
+                    .cast(df[col].dtype if not isinstance(value, float) else pl.Float64).alias(col)).write_parquet(path)
+    with pytest.raises(UserError, match=re.escape(f"{table}.parquet: {says}")):
+        read_table(run / "fit", table)
+    if table == "blasst_layers":
+        out = tmp_path / "new-export"
+        assert_user_error(cli("export", run, "--out", out, "--per-layer"), f"{table}.parquet", col, "sparsecal fit")
+        assert not out.exists()
