@@ -11,6 +11,7 @@ import numpy as np
 
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write, atomic_write_text
+from sparsecal.formats.table_values import check_ranges
 from sparsecal.formats.tensors import save_arrays
 from sparsecal.formats.version import SCHEMA_VERSION
 
@@ -53,21 +54,8 @@ def check_table_values(df, path) -> None:
     >= 0, lengths >= 1, where the column exists; null passes (not measured). Columns that may
     legitimately hold NaN or infinities (fit residuals, lambda bounds, histogram edges) are not
     constrained. One line naming the table, column, row and value."""
-    import polars as pl
-
     rules = [(c, 0.0, 1.0) for c in SHARES] + [(c, 0.0, None) for c in COUNTS] + [("length", 1.0, None)]
-    for col, lo, hi in rules:
-        if col not in df.columns or df[col].dtype == pl.Null:
-            continue
-        if not df[col].dtype.is_numeric():
-            raise UserError(f"{path}: column {col} is {df[col].dtype}, not numeric. Run `sparsecal fit` again.")
-        x = df[col].cast(pl.Float64)
-        bad = (~x.is_finite() | (x < lo) | ((x > hi) if hi is not None else False)).fill_null(False)
-        if bad.any():
-            i = int(bad.arg_true()[0])
-            span = f"in [{lo:g}, {hi:g}]" if hi is not None else f"finite and >= {lo:g}"
-            raise UserError(f"{path}: column {col} must be {span}; row {i} holds {df[col][i]}. Run `sparsecal fit` "
-                            "again.")
+    check_ranges(df, str(path), rules, "Run `sparsecal fit` again.")
 
 
 def write_json(path: Path, doc: dict) -> None:

@@ -415,14 +415,23 @@ def test_merge_shards_of_one_evaluation(tmp_path):
 
     from sparsecal.evaluation.store import TIMING, write_parquet
 
+    def timed(n: int, ms: float, **more) -> pl.DataFrame:   # one timing record, its required columns
+        return pl.DataFrame({"label": ["bsfa:4"], "length": [n], "ttft_ms": [ms], "tpot_ms": [ms / 10],
+                             "speedup_ttft": [1.1], "speedup_tpot": [1.0], "sparsity_match": [True],
+                             "decode_sparsity_match": [True], "speed_device": ["cpu"], **more})
+
     for shard, n in (("niah_single", 512), ("text", 1024)):
-        write_parquet(tmp_path / shard / TIMING, pl.DataFrame({"label": ["bsfa:4"], "length": [n], "ttft_ms": [1.0]}))
+        write_parquet(tmp_path / shard / TIMING, timed(n, 1.0))
     joined = merge_shards(tmp_path / "timed", [tmp_path / "niah_single", tmp_path / "text"])
     assert pl.read_parquet(joined.root / TIMING)["length"].to_list() == [512, 1024]
-    write_parquet(tmp_path / "text" / TIMING, pl.DataFrame({"label": ["bsfa:4"], "length": [512], "ttft_ms": [2.0]}))
+    write_parquet(tmp_path / "text" / TIMING, timed(512, 2.0))
     with pytest.raises(UserError, match="timed in two shards"):
         merge_shards(tmp_path / "twice", [tmp_path / "niah_single", tmp_path / "text"])
     assert not (tmp_path / "twice").exists()  # nothing written
+    write_parquet(tmp_path / "text" / TIMING, timed(1024, 2.0, sparsity=[1.7]))   # a shard's values are checked
+    with pytest.raises(UserError, match=r"column sparsity must be in \[0, 1\]; row 0 holds 1.7"):
+        merge_shards(tmp_path / "bad", [tmp_path / "niah_single", tmp_path / "text"])
+    assert not (tmp_path / "bad").exists()
 
 
 def test_export_with_a_dispatch_record_is_recorded(tmp_path):

@@ -169,6 +169,9 @@ def test_speed_only_labels_accuracy_meaningless(evaluated, tmp_path):
     ("nan", "column speedup_tpot holds a value that is not a finite positive number"),
     ("crossed", "speedup_ttft_lo exceeds speedup_ttft_hi"),
     ("column", "lacks columns speed_device"),
+    ("sparsity", "column sparsity must be in [0, 1]; row 0 holds 1.5"),
+    ("count", "column decode_skipped must be finite and >= 0; row 0 holds -3"),
+    ("text", "column speedup_ttft is String, not numeric"),
 ])
 def test_a_damaged_timing_table_is_one_line(evaluated, tmp_path, damage, needle):
     """timing.parquet is checked when read: a file that is not Parquet, a speedup that is not a
@@ -181,6 +184,12 @@ def test_a_damaged_timing_table_is_one_line(evaluated, tmp_path, damage, needle)
         path.write_bytes(b"PAR1 not a table")
     elif damage == "nan":
         t.with_columns(pl.lit(float("nan")).alias("speedup_tpot")).write_parquet(path)
+    elif damage == "sparsity":
+        t.with_columns(pl.lit(1.5).alias("sparsity")).write_parquet(path)
+    elif damage == "count":
+        t.with_columns(pl.lit(-3).alias("decode_skipped")).write_parquet(path)
+    elif damage == "text":
+        t.with_columns(pl.lit("fast").alias("speedup_ttft")).write_parquet(path)
     elif damage == "crossed":
         t.with_columns(pl.lit(1.2).alias("speedup_ttft_lo"), pl.lit(1.1).alias("speedup_ttft_hi")).write_parquet(path)
     else:
@@ -188,6 +197,47 @@ def test_a_damaged_timing_table_is_one_line(evaluated, tmp_path, damage, needle)
     res = cli("eval", evaluated[2], "--out", out)
     last = res.stderr.strip().splitlines()[-1]  # the progress lines first, then the refusal in one line
     assert res.exit_code == 2 and last.startswith("error: ") and needle in last and "time again" in last, res.output
+
+
+def test_timing_shares_outside_their_range_read_as_null(evaluated, tmp_path):
+    """A table written before shares came from graph replays (a share of -0.13): read_timing keeps
+    the times and speedups and reads that share, and the ideal derived from it, as null."""
+    from sparsecal.evaluation.timing_table import read_timing
+
+    out = tmp_path / "ev"
+    shutil.copytree(evaluated[0], out)
+    path = out / "data" / "timing.parquet"
+    t = pl.read_parquet(path)
+    t.with_columns(pl.lit(-0.13).alias("attention_share_decode"), pl.lit(0.97).alias("ideal_tpot"),
+                   pl.lit(0.2).alias("attention_share")).write_parquet(path)
+    got = read_timing(out)
+    assert got["attention_share_decode"].null_count() == got["ideal_tpot"].null_count() == got.height > 0
+    assert (got["attention_share"] == 0.2).all() and got["speedup_ttft"].equals(t["speedup_ttft"])
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("kl", "column kl must be finite; row 0 holds nan"),
+    ("sparsity", "column sparsity must be in [0, 1]; row 0 holds 4.0"),
+    ("label", "lacks columns label"),
+])
+def test_damaged_rows_are_one_line(evaluated, tmp_path, damage, needle):
+    """rows.parquet is checked when read (EvalStore): a NaN measure, a sparsity of 4, a missing key
+    column: one line naming the table, column, row and value, exit 2 (before: a crash in finish)."""
+    out = tmp_path / "ev"
+    shutil.copytree(evaluated[0], out)
+    path = out / "data" / "rows.parquet"
+    t = pl.read_parquet(path)
+    first = pl.int_range(pl.len()) == 0
+    if damage == "kl":
+        t = t.with_columns(pl.when(first).then(float("nan")).otherwise(pl.col("kl")).alias("kl"))
+    elif damage == "sparsity":
+        t = t.with_columns(pl.when(first).then(4.0).otherwise(pl.col("sparsity")).alias("sparsity"))
+    else:
+        t = t.drop("label")
+    t.write_parquet(path)
+    res = cli("eval", evaluated[2], "--out", out)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.exit_code == 2 and last.startswith("error: ") and needle in last and "evaluate" in last, res.output
 
 
 def test_attention_share_from_device_time_and_in_range():

@@ -433,7 +433,8 @@ def timing_phase(job: EvalJob, store) -> None:
 
     from sparsecal.capture.models import load_model
     from sparsecal.evaluation.store import TIMING, write_parquet
-    from sparsecal.evaluation.timing import TimingOptions, gpu_lock, other_gpu_processes, read_timing, run_timing
+    from sparsecal.evaluation.timing import TimingOptions, gpu_lock, other_gpu_processes, run_timing
+    from sparsecal.evaluation.timing_table import read_timing
 
     req, plan = job.req, job.plan
     opts = req.timing or TimingOptions()
@@ -502,7 +503,8 @@ def finish(store, bench_files=()) -> dict:
     from sparsecal.evaluation.laws import law_cells, law_lines
     from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
     from sparsecal.evaluation.summary import check_bench, curves, noise_floor, read_bench, result_rows, summarize
-    from sparsecal.evaluation.timing import print_speed, read_timing, with_speed
+    from sparsecal.evaluation.timing import print_speed, with_speed
+    from sparsecal.evaluation.timing_table import read_timing
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance
 

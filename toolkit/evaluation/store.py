@@ -136,10 +136,11 @@ class EvalStore:
             if not path.is_file():
                 continue
             try:
-                found = pl.read_parquet(path).to_dicts()
+                table = pl.read_parquet(path)
             except Exception as e:  # noqa: BLE001 - a damaged table is one line
                 raise UserError(f"{path} is not readable ({type(e).__name__}); remove it to evaluate again.")
-            for r in found:
+            check_rows(table, path)
+            for r in table.to_dicts():
                 if (r["sample_id"], r["label"]) not in seen:
                     seen.add((r["sample_id"], r["label"]))
                     rows.append(r)
@@ -229,12 +230,33 @@ def merge_shards(root: Path, shards: list) -> EvalStore:
     return store
 
 
+ROW_RANGES = ([(c, 0.0, 1.0) for c in ("sparsity", "decode_sparsity", "top1")]
+              + [(c, 0.0, None) for c in ("kl", "nll", "prefill_skipped", "prefill_reachable", "decode_skipped",
+                                          "decode_reachable", "new_tokens", "answer_tokens", "prefill_s", "decode_s",
+                                          "seconds")]
+              + [("ppl", 1.0, None), ("length", 1.0, None), ("answer_logprob", None, 0.0)])
+
+
+def check_rows(table, path) -> None:
+    """An evaluation's rows as ``finish`` and the pages use them: sample_id and label present, every
+    number finite (no measure is NaN: an undefined one is null), ROW_RANGES held; one line."""
+    from sparsecal.formats.table_values import check_ranges, numeric_columns
+
+    lacking = [c for c in ("sample_id", "label") if c not in table.columns]
+    redo = "Remove it to evaluate those rows again."
+    if lacking:
+        raise UserError(f"{path} lacks columns {', '.join(lacking)}. {redo}")
+    check_ranges(table, str(path), [(c, None, None) for c in numeric_columns(table)] + ROW_RANGES, redo)
+
+
 def _merged_timing(stores: list):
     """The shards' timing records in one polars DataFrame (each length is timed in one shard, `eval
     --time-only`), None when no shard has any; a (label, length) timed in two shards is refused."""
     import polars as pl
 
-    parts = [pl.read_parquet(st.root / TIMING) for st in stores if (st.root / TIMING).is_file()]
+    from sparsecal.evaluation.timing_table import read_timing
+
+    parts = [t for t in (read_timing(st.root) for st in stores) if t is not None]
     if not parts:
         return None
     table = pl.concat(parts, how="diagonal_relaxed")

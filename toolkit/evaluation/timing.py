@@ -528,43 +528,6 @@ def with_speed(rows: list[dict], cur) -> list[dict]:
         speed.drop("label", "sparsity", "decode_sparsity"), on=KEYS, how="left").to_dicts()
 
 
-TIMING_REQUIRED = ("label", "length", "ttft_ms", "tpot_ms", "speedup_ttft", "speedup_tpot", "sparsity_match",
-                   "decode_sparsity_match", "speed_device")
-
-
-def read_timing(root):
-    """The timing phase's records (EVAL/data/timing.parquet), None before any timing phase; checked:
-    readable, TIMING_REQUIRED columns, every time and speedup (and interval end) finite and > 0 where
-    present, each interval's lo <= hi. A damaged file is one line (UserError) saying how to redo it."""
-    from pathlib import Path
-
-    import polars as pl
-
-    from sparsecal.evaluation.store import TIMING
-    from sparsecal.formats.errors import UserError
-
-    path = Path(root) / TIMING
-    if not path.is_file():
-        return None
-    redo = "delete it and time again (sparsecal eval ... --time-only)"
-    try:
-        df = pl.read_parquet(path)
-    except Exception as e:  # noqa: BLE001 - a damaged table is one line
-        raise UserError(f"{path} is not readable ({type(e).__name__}); {redo}.") from None
-    lacking = [c for c in TIMING_REQUIRED if c not in df.columns]
-    if lacking:
-        raise UserError(f"{path} lacks columns {', '.join(lacking)}; {redo}.")
-    values = [c for c in df.columns if (c.endswith("_ms") and not c.endswith("rounds_ms")) or c.startswith("speedup_")]
-    for c in values:
-        v = df[c].cast(pl.Float64, strict=False).drop_nulls()
-        if v.len() and not bool((v.is_finite() & (v > 0)).all()):
-            raise UserError(f"{path}: column {c} holds a value that is not a finite positive number; {redo}.")
-    for name in SPEEDUPS:
-        if f"{name}_lo" in df.columns and f"{name}_hi" in df.columns and bool((df[f"{name}_lo"] > df[f"{name}_hi"]).any()):
-            raise UserError(f"{path}: {name}_lo exceeds {name}_hi; {redo}.")
-    return df
-
-
 def print_speed(cur, meaningful: bool) -> None:
     """One line per timed point: its own TTFT and TPOT speedups against best SDPA, the ideal, and
     whether the timed sparsity matched the evaluated one."""
