@@ -39,6 +39,7 @@ from sparsecal.analysis import blasst_laws as BL
 from sparsecal.analysis.samples import decode_reachable, finished_records, load_arrays, split_samples
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
+from sparsecal.formats.json_values import fit_values
 from sparsecal.formats.run import FIT_DIR, FIT_KIND, GROUP_GAP_KEYS, JOINT_KEYS, captured_layers
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.version import SCHEMA_VERSION
@@ -315,22 +316,3 @@ def load_fit(root) -> dict:
     return doc
 
 
-def _pos_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def fit_values(doc: dict) -> str | None:
-    """None when fit.json's values are possible: lengths and k values positive integers, the split
-    two lists of sample ids, every BLASST factor a finite positive number; else what is wrong."""
-    for key in ("lengths", "k_values"):
-        v = doc.get(key)
-        if not isinstance(v, list) or not v or not all(map(_pos_int, v)):
-            return f"{key} is {v!r}, not a list of positive integers"
-    split = doc.get("split")
-    if not isinstance(split, dict) or not all(isinstance(split.get(k), list) for k in ("train", "test")):
-        return "split does not list the train and test sample ids"
-    for c in doc.get("blasst") or []:
-        a = c.get("a") if isinstance(c, dict) else None
-        if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a <= 0:
-            return f"a BLASST factor (a) is {a!r}, not a finite positive number"
-    return None

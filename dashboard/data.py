@@ -37,6 +37,7 @@ import streamlit as st
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, load_blasst
 from sparsecal.formats.files import check_schema, read_json_manifest
+from sparsecal.formats.json_values import fit_values
 from sparsecal.formats.run import (
     FIT_DIR,
     FIT_KIND,
@@ -214,7 +215,11 @@ def fit_doc(root: Path) -> dict:
     path = Path(root) / FIT / "fit.json"
     if not path.is_file():
         raise Missing(f"{root} has no fit yet; run {_fit_cmd(root)} to make RUN/fit/.")
-    return _manifest(str(path), _stamp(path), FIT_KIND, f"run {_fit_cmd(root)} again")
+    doc = _manifest(str(path), _stamp(path), FIT_KIND, f"run {_fit_cmd(root)} again")
+    why = fit_values(doc)
+    if why:
+        raise Broken(f"{path}: {why}; run {_fit_cmd(root)} again.")
+    return doc
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -304,9 +309,29 @@ def _gap_cum(path: str, stamp) -> dict:
         keys = [f"{mode}.{k}" for k in ("lengths", "count_bins", "mass_bins", "reach", "npos")]
         if all(k in arrays for k in keys) and "log_lambda" in arrays:
             lens, count, mass, reach, npos = (arrays[k] for k in keys)
+            why = _gap_cum_values(arrays["log_lambda"], lens, count, mass, reach)
+            if why:
+                raise Broken(f"{path}: {mode} {why}; run `sparsecal fit` again.")
             out[mode] = GapCum(arrays["log_lambda"].astype(np.float64), lens, np.cumsum(count, -1),
                                np.cumsum(mass, -1), reach, npos, tuple(json.loads(meta.get("orders", "[]"))))
     return out
+
+
+def _gap_cum_values(log_lambda, lens, count, mass, reach) -> str | None:
+    """What is impossible in one mode's pooled gap histograms, else None: the ln(lambda) grid finite
+    and ascending, lengths positive, counts and masses finite and >= 0 with one row per length."""
+    ll = np.asarray(log_lambda, np.float64)
+    if ll.size and (not np.isfinite(ll).all() or (np.diff(ll) <= 0).any()):
+        return "log_lambda is not a finite ascending grid"
+    if (np.asarray(lens) < 1).any():
+        return "a length is below 1"
+    for name, a in (("count_bins", count), ("mass_bins", mass), ("reach", reach)):
+        a = np.asarray(a, np.float64)
+        if not np.isfinite(a).all() or (a < 0).any():
+            return f"{name} holds a NaN, infinite or negative value"
+        if a.shape[:1] != np.shape(lens):
+            return f"{name} has {a.shape[0] if a.ndim else 0} rows for {len(lens)} lengths"
+    return None
 
 
 def gap_cum(root: Path) -> dict[str, GapCum]:
@@ -321,9 +346,16 @@ def gap_cum(root: Path) -> dict[str, GapCum]:
 def _thresholds(path: str, stamp) -> tuple[np.ndarray, list]:
     arrays, meta = _read_safetensors(Path(path))
     _broken(check_schema, path, meta.get("schema_version"), "run `sparsecal fit` again")
-    if "thresholds" not in arrays:
-        raise Broken(f"{path} holds no thresholds; run `sparsecal fit` again.")
-    return arrays["thresholds"].astype(np.float32), [int(k) for k in arrays["k_values"].tolist()]
+    if "thresholds" not in arrays or "k_values" not in arrays:
+        raise Broken(f"{path} holds no thresholds or k values; run `sparsecal fit` again.")
+    thr, ks = arrays["thresholds"].astype(np.float32), [int(k) for k in arrays["k_values"].tolist()]
+    if thr.ndim != 4 or len(ks) != thr.shape[0] or ks != sorted(set(ks)) or min(ks, default=0) < 1:
+        raise Broken(f"{path}: k values {ks} do not index the thresholds' first axis {list(thr.shape)} (positive, "
+                     "ascending); run `sparsecal fit` again.")
+    if np.isnan(thr).any() or np.isposinf(thr).any():
+        raise Broken(f"{path}: a threshold is NaN or +inf (each is finite, or -inf: keep every candidate); "
+                     "run `sparsecal fit` again.")
+    return thr, ks
 
 
 def fit_thresholds(root: Path) -> tuple[np.ndarray, list]:

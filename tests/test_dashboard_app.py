@@ -298,6 +298,45 @@ def test_broken_and_old_files_are_errors_on_the_page(monkeypatch, damaged):
     assert not at.exception and any("raw tile file" in e.value for e in at.error)
 
 
+def test_impossible_fit_values_are_errors_on_the_page(monkeypatch, damaged):
+    """The fit's values, not only its files: a NaN threshold, a negative gap count, a fit.json length of
+    -5, a NaN sparsity in a fit table: each an error line on the pages that show it, no traceback."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    fit = damaged / "fit"
+    path = fit / "bsfa_thresholds.safetensors"
+    with safe_open(str(path), framework="np") as f:
+        meta = f.metadata()
+    arrays = load_file(str(path))
+    arrays["thresholds"].reshape(-1)[3] = np.nan
+    save_file(arrays, str(path), metadata=meta)
+    doc = json.loads((fit / "fit.json").read_text())
+    (fit / "fit.json").write_text(json.dumps(dict(doc, lengths=[-5])))
+    heads = pl.read_parquet(fit / "bsfa_density.parquet")
+    heads.with_columns(pl.lit(float("nan")).alias("measured")).write_parquet(fit / "bsfa_density.parquet")
+    at = _app(monkeypatch, damaged)
+    expect = {"overview": "lengths is [-5], not a list of positive integers",
+              "density": "column measured must be in [0, 1]"}
+    for name, text in expect.items():
+        _page(at, name)
+        assert not at.exception, (name, [e.value for e in at.exception])
+        assert any(text in e.value for e in at.error), (name, [e.value for e in at.error])
+    from sparsecal.dashboard import data as D
+
+    with pytest.raises(D.Broken, match="a threshold is NaN or \\+inf"):
+        D.fit_thresholds(damaged)
+    cum = fit / "gap_cum.safetensors"
+    with safe_open(str(cum), framework="np") as f:
+        meta = f.metadata()
+    arrays = load_file(str(cum))
+    key = next(k for k in arrays if k.startswith("prefill.count_bins"))
+    arrays[key].reshape(-1)[0] = -1
+    save_file(arrays, str(cum), metadata=meta)
+    with pytest.raises(D.Broken, match="prefill count_bins holds a NaN, infinite or negative value"):
+        D.gap_cum(damaged)
+
+
 def test_several_runs_and_a_bad_run_path(monkeypatch, damaged, tmp_path):
     (tmp_path / "notarun").mkdir()
     at = _app(monkeypatch, FIXTURE, damaged, tmp_path / "notarun")

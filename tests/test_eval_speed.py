@@ -202,7 +202,7 @@ def test_a_damaged_timing_table_is_one_line(evaluated, tmp_path, damage, needle)
 def test_timing_shares_outside_their_range_read_as_null(evaluated, tmp_path):
     """A table written before shares came from graph replays (a share of -0.13): read_timing keeps
     the times and speedups and reads that share, and the ideal derived from it, as null."""
-    from sparsecal.evaluation.timing_table import read_timing
+    from sparsecal.evaluation.store import read_timing
 
     out = tmp_path / "ev"
     shutil.copytree(evaluated[0], out)

@@ -385,3 +385,45 @@ def test_fit_tables_values_are_checked_when_read(run, tmp_path, table, col, valu
         out = tmp_path / "new-export"
         assert_user_error(cli("export", run, "--out", out, "--per-layer"), f"{table}.parquet", col, "sparsecal fit")
         assert not out.exists()
+
+
+def _reshape(path, key, shape):
+    """Replace array ``key`` of a safetensors file by zeros of ``shape`` (its dtype and metadata kept)."""
+    with safe_open(str(path), framework="np") as f:
+        meta, arrays = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    name = key if key in arrays else f"{key}.val"
+    arrays = {k: v for k, v in arrays.items() if not k.startswith(f"{key}.")} if name != key else arrays
+    arrays[key] = np.zeros(shape, dtype=arrays.get(name, np.zeros(1, np.float32)).dtype)
+    save_file(arrays, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("key, tail", [("gap_count", (1, 100)), ("bsfa_threshold", (4, 3)), ("tstar_hist", (1, 7))])
+def test_trailing_axes_of_the_runs_settings_are_checked(run, key, tail):
+    """A sample array whose trailing axes are not the run's settings (gap bins, k values, t* bins)
+    is damaged: `fit` leaves it out by name in one warning (before: a broadcast ValueError or an
+    IndexError deep in the fit)."""
+    from sparsecal.formats.sample_values import trailing_shapes
+
+    store = RunStore.open(run)
+    cfg = StatsConfig.from_dict(store.manifest["config"])
+    sid = "synthetic-512-0000"
+    assert trailing_shapes(cfg, 512)[key] != tail
+    _reshape(run / "samples" / sid / "stats.safetensors", key, (2, 4, *tail))
+    assert key in (RunStore.open(run).scan()[sid] or "")
+    res = cli("fit", run, "--targets", "0.3", "--holdout", "0")
+    assert res.exit_code == 0 and sid in res.output and key in res.output, res.output
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"block_m": 0}, "block sizes must be positive"),
+    ({"gap_step": 0.0}, "gap_step and qinit_step must be positive"),
+    ({"k_values": [4, 2]}, "k values must be distinct positive integers in ascending order"),
+])
+def test_a_manifest_config_that_cannot_be_a_captures_is_one_line(run, edit, says):
+    """The manifest's capture settings are checked when the run is opened (before: ZeroDivisionError
+    or a bare ValueError inside fit): one line naming the setting and `doctor`."""
+    path = run / "manifest.json"
+    man = json.loads(path.read_text())
+    man["config"].update(edit)
+    path.write_text(json.dumps(man))
+    assert_user_error(cli("fit", run, "--targets", "0.3"), says, "sparsecal doctor")

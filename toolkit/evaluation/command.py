@@ -432,9 +432,8 @@ def timing_phase(job: EvalJob, store) -> None:
     import torch
 
     from sparsecal.capture.models import load_model
-    from sparsecal.evaluation.store import TIMING, write_parquet
+    from sparsecal.evaluation.store import TIMING, read_timing, write_parquet
     from sparsecal.evaluation.timing import TimingOptions, gpu_lock, other_gpu_processes, run_timing
-    from sparsecal.evaluation.timing_table import read_timing
 
     req, plan = job.req, job.plan
     opts = req.timing or TimingOptions()
@@ -501,10 +500,9 @@ def finish(store, bench_files=()) -> dict:
 
     from sparsecal.evaluation.intervals import cells
     from sparsecal.evaluation.laws import law_cells, law_lines
-    from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, write_parquet
+    from sparsecal.evaluation.store import CURVES, RESULTS, SUMMARY, read_timing, write_parquet
     from sparsecal.evaluation.summary import check_bench, curves, noise_floor, read_bench, result_rows, summarize
     from sparsecal.evaluation.timing import print_speed, with_speed
-    from sparsecal.evaluation.timing_table import read_timing
     from sparsecal.formats.files import atomic_write_text
     from sparsecal.formats.provenance import provenance
 

@@ -14,7 +14,11 @@ that an interrupted evaluation resumes where it stopped.
                                or at the start of the next run after a rank stopped
       data/summary.parquet     every metric per method, config, length and task
       data/timing.parquet      the timing phase's records, one per (method label, length)
-                               (evaluation/timing.py; rewritten whole by each timing phase)
+                               (evaluation/timing.py; rewritten whole by each timing phase;
+                               read back by ``read_timing``)
+
+Every table is checked when read: rows (``check_rows``) and timing (``read_timing``) values
+finite and in range, else one line (UserError).
 
 Only the dashboard's result files sit at the top: `sparsecal dashboard RUN --results EVAL` reads
 every Parquet and JSON file there as accuracy-speedup rows.
@@ -29,6 +33,8 @@ from pathlib import Path
 
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
+from sparsecal.formats.results import SPEEDS
+from sparsecal.formats.table_values import check_ranges
 from sparsecal.formats.version import SCHEMA_VERSION
 
 EVAL_KIND = "sparsecal-eval-run"
@@ -240,7 +246,7 @@ ROW_RANGES = ([(c, 0.0, 1.0) for c in ("sparsity", "decode_sparsity", "top1")]
 def check_rows(table, path) -> None:
     """An evaluation's rows as ``finish`` and the pages use them: sample_id and label present, every
     number finite (no measure is NaN: an undefined one is null), ROW_RANGES held; one line."""
-    from sparsecal.formats.table_values import check_ranges, numeric_columns
+    from sparsecal.formats.table_values import numeric_columns
 
     lacking = [c for c in ("sample_id", "label") if c not in table.columns]
     redo = "Remove it to evaluate those rows again."
@@ -253,8 +259,6 @@ def _merged_timing(stores: list):
     """The shards' timing records in one polars DataFrame (each length is timed in one shard, `eval
     --time-only`), None when no shard has any; a (label, length) timed in two shards is refused."""
     import polars as pl
-
-    from sparsecal.evaluation.timing_table import read_timing
 
     parts = [t for t in (read_timing(st.root) for st in stores) if t is not None]
     if not parts:
@@ -273,3 +277,63 @@ def _first_difference(have: dict, want: dict) -> str:
         if have.get(key) != want.get(key):
             return f"{key} {have.get(key)!r} vs {want.get(key)!r}"
     return ""
+
+
+TIMING_REQUIRED = ("label", "length", "ttft_ms", "tpot_ms", "speedup_ttft", "speedup_tpot", "sparsity_match",
+                   "decode_sparsity_match", "speed_device")
+
+
+def read_timing(root):
+    """The timing phase's records (EVAL/data/timing.parquet), None before any timing phase; checked:
+    readable, TIMING_REQUIRED columns, every time and speedup (and interval end) finite and > 0 where
+    present, each interval's lo <= hi, sparsities in [0, 1], counts >= 0, lengths >= 1
+    (TIMING_RANGES). A damaged file is one line (UserError) saying how to redo it. Attention shares
+    outside [0, 1] and their ideals read as null (``_derived_in_range``)."""
+    import polars as pl
+
+    path = Path(root) / TIMING
+    if not path.is_file():
+        return None
+    redo = "delete it and time again (sparsecal eval ... --time-only)"
+    try:
+        df = pl.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - a damaged table is one line
+        raise UserError(f"{path} is not readable ({type(e).__name__}); {redo}.") from None
+    lacking = [c for c in TIMING_REQUIRED if c not in df.columns]
+    if lacking:
+        raise UserError(f"{path} lacks columns {', '.join(lacking)}; {redo}.")
+    values = [c for c in df.columns if (c.endswith("_ms") and not c.endswith("rounds_ms")) or c.startswith("speedup_")]
+    for c in values:
+        try:
+            v = df[c].cast(pl.Float64, strict=True).drop_nulls()
+        except Exception:  # noqa: BLE001 - text where a time belongs
+            raise UserError(f"{path}: column {c} is {df[c].dtype}, not numeric; {redo}.") from None
+        if v.len() and not bool((v.is_finite() & (v > 0)).all()):
+            raise UserError(f"{path}: column {c} holds a value that is not a finite positive number; {redo}.")
+    for name in SPEEDS:
+        if f"{name}_lo" in df.columns and f"{name}_hi" in df.columns and bool((df[f"{name}_lo"] > df[f"{name}_hi"]).any()):
+            raise UserError(f"{path}: {name}_lo exceeds {name}_hi; {redo}.")
+    check_ranges(df, str(path), TIMING_RANGES, "Delete it and time again (sparsecal eval ... --time-only).")
+    return _derived_in_range(df)
+
+
+TIMING_RANGES = ([(c, 0.0, 1.0) for c in ("sparsity", "decode_sparsity", "point_sparsity", "point_decode_sparsity")]
+                 + [(c, 0.0, None) for c in ("prefill_skipped", "prefill_reachable", "decode_skipped", "decode_reachable",
+                                             "sparse_layers", "row_prefill_reachable", "rounds", "reps", "warmup",
+                                             "decode_steps")] + [("length", 1.0, None)])
+
+
+def _derived_in_range(df):
+    """The attention shares and their ideals as a reader may use them: a share outside [0, 1]
+    (tables written before shares came from graph replays: an eager host-bound step timed its
+    attention-free twin slower than itself) is null, and so is the ideal derived from it."""
+    import polars as pl
+
+    for share, ideal in (("attention_share", "ideal_ttft"), ("attention_share_decode", "ideal_tpot")):
+        if share not in df.columns or not df[share].dtype.is_numeric():
+            continue
+        ok = df[share].cast(pl.Float64).is_between(0.0, 1.0).fill_null(False)
+        df = df.with_columns(pl.when(ok).then(pl.col(share)).otherwise(None).alias(share))
+        if ideal in df.columns:
+            df = df.with_columns(pl.when(ok).then(pl.col(ideal)).otherwise(None).alias(ideal))
+    return df

@@ -27,3 +27,24 @@ def in_range(x, lo: float, hi: float | None = None) -> bool:
     """A number (not a bool) with lo <= x (<= hi); None is not in range."""
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= lo
     return ok and (hi is None or x <= hi)
+
+
+def _pos_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def fit_values(doc: dict) -> str | None:
+    """None when fit.json's values are possible: lengths and k values positive integers, the split
+    two lists of sample ids, every BLASST factor a finite positive number; else what is wrong."""
+    for key in ("lengths", "k_values"):
+        v = doc.get(key)
+        if not isinstance(v, list) or not v or not all(map(_pos_int, v)):
+            return f"{key} is {v!r}, not a list of positive integers"
+    split = doc.get("split")
+    if not isinstance(split, dict) or not all(isinstance(split.get(k), list) for k in ("train", "test")):
+        return "split does not list the train and test sample ids"
+    for c in doc.get("blasst") or []:
+        a = c.get("a") if isinstance(c, dict) else None
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a <= 0:
+            return f"a BLASST factor (a) is {a!r}, not a finite positive number"
+    return None

@@ -39,6 +39,7 @@ from pathlib import Path
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text, read_json_manifest
 from sparsecal.formats.sample_values import check_record, check_shapes, check_values
+from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import header_shapes, load_arrays, serialize_arrays, write_bytes
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
@@ -255,8 +256,10 @@ class RunStore:
             return f"stats.safetensors has schema version {meta.get('schema_version')}"
         model = self.manifest.get("model") or {}
         if isinstance(model.get("num_heads"), int):
-            return check_shapes(shapes, record["length"], self.manifest["config"]["block_m"], len(self.layers()),
-                                model["num_heads"])
+            cfg = self.manifest["config"]
+            full = {"orders", "k_values"} <= set(cfg)   # a run made by hand may name a few settings only
+            return check_shapes(shapes, record["length"], cfg["block_m"], len(self.layers()), model["num_heads"],
+                                StatsConfig.from_dict(cfg) if full else None)
         return None
 
     def check_values(self, sid: str) -> str | None:
@@ -407,6 +410,16 @@ def check_manifest(path: Path, man: dict) -> None:
     if not isinstance(man["model"].get("id"), str) or not all(isinstance(r, dict) and "id" in r for r in man["samples"]):
         raise UserError(f"{path}: the model id or a planned sample's id is missing; the manifest is damaged: "
                         f"`sparsecal doctor {Path(path).parent}` rebuilds it from the samples.")
+    for key in ("num_layers", "num_heads"):
+        n = man["model"].get(key)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise UserError(f"{path}: model.{key} is {n!r}, not a positive integer; the manifest is damaged: "
+                            f"`sparsecal doctor {Path(path).parent}` rebuilds it from the samples.")
+    try:   # the settings it holds (a run made by hand may hold a few: the rest are the defaults)
+        StatsConfig.from_dict({**StatsConfig().to_dict(), **man["config"]})
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path}: config is not a capture's settings ({e}); the manifest is damaged: "
+                        f"`sparsecal doctor {Path(path).parent}` rebuilds it from the samples.") from None
 
 
 @contextlib.contextmanager

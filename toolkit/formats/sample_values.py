@@ -7,8 +7,9 @@ Checked by every reader of a sample (``RunStore.load_sample`` on the arrays it r
 - sample.json: an object whose ``id`` is the folder's name, ``task`` a string and ``length`` a
   positive integer N;
 - stats.safetensors, from its header: ``input_ids`` [N], ``candidates`` and ``reachable`` [P] with
-  P = ceil(N / block_m), every other array [Lc, H, ...] (captured layers, query heads), and
-  ``joint_count`` (where present) the shape of ``qinit_count`` (the same bins);
+  P = ceil(N / block_m), every other array [Lc, H, ...] (captured layers, query heads),
+  ``joint_count`` (where present) the shape of ``qinit_count`` (the same bins), and the trailing
+  axes the run's settings fix (``trailing_shapes``: histogram bins, orders, k values);
 - values: no NaN anywhere; thresholds and sorted block maxima (THRESHOLD_KEYS) finite or -inf
   (-inf: keep every candidate / padding); every other statistic finite and >= 0; per-position
   masses (UNIT_KEYS) at most 1 + UNIT_EPS; ``candidates`` and ``reachable`` exactly the block
@@ -21,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparsecal.formats.geometry import block_counts, cdiv
+from sparsecal.formats.stats_config import StatsConfig
 
 THRESHOLD_KEYS = frozenset({"bsfa_threshold", "bsfa_top_bmax", "decode_bsfa_threshold", "decode_bsfa_top_bmax"})
 UNIT_KEYS = frozenset({"bsfa_skipped_mass", "bsfa_top_mass", "bsfa_cand_mass", "decode_bsfa_skipped_mass",
@@ -43,8 +45,27 @@ def check_record(sid: str, record) -> str | None:
     return None
 
 
-def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: int, heads: int) -> str | None:
-    """None when the arrays' shapes {name: shape} fit a sample of ``length`` tokens; else what is wrong."""
+GAP_KEYS = ("gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass", "diag_gap_count", "diag_gap_mass",
+            "decode_diag_gap_count", "decode_diag_gap_mass")
+K_KEYS = ("bsfa_kept", "bsfa_skipped_mass", "bsfa_threshold")
+
+
+def trailing_shapes(cfg: StatsConfig, length: int) -> dict[str, tuple]:
+    """The trailing axes (after [Lc, H]) the run's settings fix for a ``length``-token sample: the
+    gap histograms [O, gap bins], t* [O, 3] and [O, tstar_bins], q-init and joint [q-init bins], the
+    BSFA per-position statistics [P, K] (O scan orders, P query blocks, K k values)."""
+    o, p = len(cfg.orders), cdiv(length, cfg.block_m)
+    out = {k: (o, len(cfg.gap_edges()) + 1) for k in GAP_KEYS}
+    out |= {k: (p, len(cfg.k_values)) for k in K_KEYS}
+    out |= {"tstar_where": (o, 3), "tstar_hist": (o, cfg.tstar_bins)}
+    out |= {k: (len(cfg.qinit_edges()) + 1,) for k in ("qinit_count", "joint_count")}
+    return out
+
+
+def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: int, heads: int,
+                 cfg: StatsConfig | None = None) -> str | None:
+    """None when the arrays' shapes {name: shape} fit a sample of ``length`` tokens (with ``cfg``,
+    the run's settings: ``trailing_shapes`` too); else what is wrong."""
     want = {"input_ids": (length,), "candidates": (cdiv(length, block_m),), "reachable": (cdiv(length, block_m),)}
     for name in FLAT_KEYS:
         if name not in shapes:
@@ -58,6 +79,10 @@ def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: in
     for name, like in SAME_SHAPE.items():
         if name in shapes and like in shapes and tuple(shapes[name]) != tuple(shapes[like]):
             return f"{name} has shape {list(shapes[name])}, not {list(shapes[like])} of {like} (the same bins)"
+    for name, tail in (trailing_shapes(cfg, length) if cfg is not None else {}).items():
+        if name in shapes and tuple(shapes[name][2:]) != tail:
+            return (f"{name} has shape {list(shapes[name])}, not [{layers}, {heads}, {', '.join(map(str, tail))}] "
+                    "of this run's settings")
     return None
 
 

@@ -50,6 +50,10 @@ class StatsConfig:
             raise ValueError("k values must be distinct positive integers in ascending order")
         if self.rescale_bins < 2 or self.shortfall_hi <= 0 or self.shortfall_step <= 0:
             raise ValueError("rescale_bins must be at least 2, shortfall_hi and shortfall_step positive")
+        if not (self.gap_step > 0 and self.gap_lo < 0 and self.qinit_step > 0 and self.qinit_lo < self.qinit_hi):
+            raise ValueError("gap_step and qinit_step must be positive, gap_lo below 0 and qinit_lo below qinit_hi")
+        if self.tstar_bins < 1 or self.top_bmax < 0 or self.decode_rows < 0:
+            raise ValueError("tstar_bins must be at least 1, top_bmax and decode_rows at least 0")
         for o in self.orders:
             if o not in ORDERS:
                 raise ValueError(f"Unknown scan order '{o}'. Available: {', '.join(ORDERS)}.")
