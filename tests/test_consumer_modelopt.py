@@ -188,3 +188,8 @@ def test_verify_file_with_an_impossible_value_is_one_line(tmp_path):
     with pytest.raises(UserError, match="row 3"):
         load_verify(tmp_path)
     assert load_verify(tmp_path / "nothing") is None
+    doc["rows"][3]["measured_dense"] = 0.5
+    doc["rows"][2]["lambda"] = float("nan")   # shown on the Export page, checked like the sparsities
+    (tmp_path / VERIFY_JSON).write_text(json.dumps(doc))
+    with pytest.raises(UserError, match=r"rows\[2\]\.lambda is nan"):
+        load_verify(tmp_path)

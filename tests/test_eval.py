@@ -15,7 +15,15 @@ from sparsecal.evaluation.methods import GRAMMAR, Method, parse_methods, with_de
 from sparsecal.evaluation.metrics import Fidelity, Reference, fidelity, sparsity
 from sparsecal.formats.errors import UserError
 
-from helpers import CALIBRATION, NOOP_BLASST_FACTOR, assert_user_error, block_counts_torch, cli, make_checkpoint
+from helpers import (
+    CALIBRATION,
+    FIXTURE,
+    NOOP_BLASST_FACTOR,
+    assert_user_error,
+    block_counts_torch,
+    cli,
+    make_checkpoint,
+)
 
 CAL = CALIBRATION
 
@@ -445,3 +453,27 @@ def test_export_with_a_dispatch_record_is_recorded(tmp_path):
     info = load_export(dispatch_export(tmp_path / "with"), model)
     assert info.dispatch == {"name": "be.json", "gpu": "test", "commit": "c0ffee1", "date": None}
     assert load_export(dispatch_export(tmp_path / "without", dispatch=False), model).dispatch is None
+
+
+@pytest.mark.parametrize("lengths", ["[256, oops", "[-3, 0]", "{\"a\": 1}"])
+def test_export_metadata_lengths_are_checked(tmp_path, lengths):
+    """An export's thresholds metadata `lengths` (the calibration lengths eval reports against) is a
+    JSON list of positive token counts, else one line (before: a JSONDecodeError, or -3 accepted)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from sparsecal.evaluation.inputs import load_export
+    from sparsecal.formats.errors import UserError
+
+    export = tmp_path / "export"
+    shutil.copytree(FIXTURE / "export", export)
+    model = json.loads((FIXTURE / "manifest.json").read_text())["model"]
+    path = export / "thresholds.safetensors"
+    assert load_export(export, model).calibration_lengths
+    with safe_open(str(path), framework="np") as f:
+        meta, arrays = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(arrays, str(path), metadata=dict(meta, lengths=lengths))
+    with pytest.raises(UserError, match="metadata lengths .* is not a list of positive token counts"):
+        load_export(export, model)

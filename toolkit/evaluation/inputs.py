@@ -63,6 +63,19 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def _meta_lengths(path, meta: dict) -> list[int]:
+    """The calibration lengths a BSFA export's metadata records (a JSON list of positive integers;
+    [] when absent), or one line."""
+    try:
+        lens = json.loads(meta.get("lengths", "[]"))
+    except (json.JSONDecodeError, TypeError):
+        lens = None
+    if not isinstance(lens, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lens):
+        raise UserError(f"export {path}: its thresholds' metadata lengths {meta.get('lengths')!r} is not a list of "
+                        "positive token counts; export it again with `sparsecal export RUN --out DIR`.")
+    return lens
+
+
 def load_export(path: Path, model: dict) -> ExportInfo:
     """Read the export directory and check it against the model (``model_info`` dict)."""
     from sparsecal.formats.exports import BLASST_JSON, BSFA_PT, BSFA_ST, blasst_group_law, load_blasst
@@ -82,7 +95,7 @@ def load_export(path: Path, model: dict) -> ExportInfo:
         meta = exp.meta or {}
         info = ExportInfo(path.resolve(), {}, exp.model, exp.num_layers, exp.num_heads, exp.q_block_size,
                           exp.k_block_size, exp.k_values, int(exp.thresholds.shape[3]),
-                          calibration_lengths=json.loads(meta.get("lengths", "[]")), run=meta.get("run"),
+                          calibration_lengths=_meta_lengths(path, meta), run=meta.get("run"),
                           bsfa_decode=exp.decode_thresholds is not None)
     if BLASST_JSON in present:
         doc = load_blasst(path, expect)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import read_json_manifest
+from sparsecal.formats.json_values import first_non_finite
 
 VERIFY_KIND = "sparsecal-verify"
 VERIFY_JSON = "verify-modelopt.json"
@@ -26,6 +27,9 @@ def load_verify(export) -> dict | None:
     if not path.is_file():
         return None
     doc = read_json_manifest(path, VERIFY_KIND, REMEDY)
+    bad = first_non_finite(doc)
+    if bad:
+        raise UserError(f"{path}: {bad[0]} is {bad[1]}; every number of a verify document is finite: {REMEDY}.")
     rows = doc.get("rows")
     if not isinstance(rows, list):
         raise UserError(f"{path}: rows is not a list; {REMEDY}.")
