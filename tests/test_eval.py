@@ -465,7 +465,6 @@ def test_export_metadata_lengths_are_checked(tmp_path, lengths):
     from safetensors.numpy import save_file
 
     from sparsecal.evaluation.inputs import load_export
-    from sparsecal.formats.errors import UserError
 
     export = tmp_path / "export"
     shutil.copytree(FIXTURE / "export", export)
@@ -473,7 +472,7 @@ def test_export_metadata_lengths_are_checked(tmp_path, lengths):
     path = export / "thresholds.safetensors"
     assert load_export(export, model).calibration_lengths
     with safe_open(str(path), framework="np") as f:
-        meta, arrays = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        meta, arrays = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not iterable
     save_file(arrays, str(path), metadata=dict(meta, lengths=lengths))
     with pytest.raises(UserError, match="metadata lengths .* is not a list of positive token counts"):
         load_export(export, model)
