@@ -28,7 +28,6 @@ Shape legend: H query heads, Hkv KV heads, N tokens, D head dim.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -104,7 +103,9 @@ def geometry(run: Path, lengths=None) -> tuple[dict, list[int], dict]:
                         f"({', '.join(map(str, TRITON_HEAD_DIMS))}): its prefill always runs the reference.")
     fit = Path(run) / "fit" / "fit.json"
     if lengths is None:
-        lengths = json.loads(fit.read_text()).get("lengths") if fit.is_file() else None
+        from sparsecal.analysis.fit import load_fit  # fit.json checked: lengths positive integers
+
+        lengths = load_fit(run)["lengths"] if fit.is_file() else None
         lengths = sorted({int(n) for n in lengths or [r["length"] for r in man["samples"]]})
     geo = {"block_m": int(cfg["block_m"]), "block_n": int(cfg["block_n"]), "heads": int(model["num_heads"]),
            "kv_heads": int(model["num_kv_heads"]), "head_dim": int(model["head_dim"]), "dtype": "bfloat16",
