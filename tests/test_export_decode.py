@@ -87,3 +87,8 @@ def test_damaged_decode_thresholds_refused(exported, tmp_path):
     torch.save({k: v for k, v in d.items() if k != "decode_positions"}, tmp_path / "half.bsfa.pt")
     with pytest.raises(UserError, match="does not hold the BSFA export keys"):
         load_bsfa(tmp_path / "half.bsfa.pt")
+    pos = list(d["decode_positions"])
+    for wrong in (pos[::-1], [p - max(pos) - 1 for p in pos]):   # out of order; negative
+        torch.save(dict(d, decode_positions=wrong), tmp_path / "pos.bsfa.pt")
+        with pytest.raises(UserError, match="decode positions .* are not ascending block positions >= 0"):
+            load_bsfa(tmp_path / "pos.bsfa.pt")

@@ -13,6 +13,7 @@ and raises ``UserError`` with one line that names the mismatch.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -240,6 +241,9 @@ def check_bsfa_values(path: Path, exp: BsfaExport) -> None:
             raise UserError(f"{path}: decode thresholds of shape {dec.shape} differ from the thresholds' {thr.shape}; "
                             "export it again.")
         _check_finite(path, dec, exp, "decode threshold")
+        pos = list(exp.decode_positions) if exp.decode_positions is not None else None
+        if pos is not None and (not pos or pos[0] < 0 or any(b <= a for a, b in itertools.pairwise(pos))):
+            raise UserError(f"{path}: decode positions {pos} are not ascending block positions >= 0; export it again.")
     ks = list(exp.k_values)
     if not ks or ks != sorted(set(ks)) or ks[0] < 1:
         raise UserError(f"{path}: k values {ks} are not distinct positive integers in ascending order; export it again.")
