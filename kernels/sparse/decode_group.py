@@ -190,6 +190,23 @@ def _scores_tma(q, K, BT, b, hk, j, s_bt, offs_n, keys, length, qk_scale, softca
 
 
 @triton.jit
+def _tile_scores(q, K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, offs_d, offs_n, keys, length, qk_scale, softcap,
+                 BN: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                 PAGED: tl.constexpr, TMA: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Every key's score of tile j for an in-loop decision: (s [GP, BLOCK_N], kmask [BLOCK_N]), K
+    read by TMA (``_scores_tma``) or per thread (``_scores``)."""
+    if TMA:
+        s, kmask = _scores_tma(q, K, BT, b, hk, j, s_bt, offs_n, keys, length, qk_scale, softcap, BN, BLOCK_N,
+                               HEAD_DIM, PAGE, PAGED, SOFTCAP, PREC, UPCAST)
+    else:
+        k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
+        s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap, offs_n >= 0, BN,
+                           SOFTCAP, PREC, UPCAST)
+    return s, kmask
+
+
+@triton.jit
 def _keep(tm, pre_keep, j, n_cand, thr, ll2, window, run, g_ok, DECIDE: tl.constexpr, GROUP: tl.constexpr):
     """The tile's decision: (keep [GP] per head, gkeep (some head keeps it), run [GP]). tm [GP] tile
     maxima (log2 units); pre_keep [GP] the torch mask's keep (DECIDE 1); run the BLASST running max
@@ -317,13 +334,8 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
             s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
                                _spread(gkeep, offs_n), BN, SOFTCAP, PREC, UPCAST)
         else:
-            if TMA:
-                s, kmask = _scores_tma(q, K, BT, b, hk, j, s_bt, offs_n, keys, length, qk_scale, softcap, BN,
-                                       BLOCK_N, HEAD_DIM, PAGE, PAGED, SOFTCAP, PREC, UPCAST)
-            else:
-                k_base = _tile_base(K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, BN, PAGE, PAGED)
-                s, kmask = _scores(q, k_base, sk_n, offs_d, offs_n, keys, length, qk_scale, softcap,
-                                   offs_n >= 0, BN, SOFTCAP, PREC, UPCAST)
+            s, kmask = _tile_scores(q, K, BT, b, hk, j, sk_b, sk_h, sk_n, s_bt, offs_d, offs_n, keys, length, qk_scale,
+                                    softcap, BN, BLOCK_N, HEAD_DIM, PAGE, PAGED, TMA, SOFTCAP, PREC, UPCAST)
             keep, gkeep, run = _keep(tl.max(s, 1), g_ok, j, n_cand, thr, ll2, window, run, g_ok, DECIDE, GROUP)
         acc, m_i, l_i = _kept_step(acc, m_i, l_i, s_prev, v, gk_prev, STEP_IF, PREC, UPCAST)   # tile j - 1
         n_skip += (g_ok & ~keep).to(tl.int32)
