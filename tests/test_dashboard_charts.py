@@ -287,12 +287,12 @@ def test_two_evaluations_and_two_splits_are_never_one_point(tmp_path):
 
 
 @pytest.mark.parametrize("col, value, says", [
-    ("speedup", float("nan"), "speedup must be finite, > 0; row 1 holds nan"),
-    ("speedup", -1.2, "speedup must be finite, > 0; row 1 holds -1.2"),
-    ("accuracy_rel_dense", float("inf"), "accuracy_rel_dense must be finite, >= 0; row 1 holds inf"),
-    ("sparsity", 1.5, "sparsity must be finite, >= 0, <= 1; row 1 holds 1.5"),
-    ("speedup_tpot_graph", 0.0, "speedup_tpot_graph must be finite, > 0"),
-    ("length", 0, "length must be finite, >= 1"),
+    ("speedup", float("nan"), "speedup must be finite and > 0; row 1 holds nan"),
+    ("speedup", -1.2, "speedup must be finite and > 0; row 1 holds -1.2"),
+    ("accuracy_rel_dense", float("inf"), "accuracy_rel_dense must be finite and >= 0; row 1 holds inf"),
+    ("sparsity", 1.5, "sparsity must be in [0, 1]; row 1 holds 1.5"),
+    ("speedup_tpot_graph", 0.0, "speedup_tpot_graph must be finite and > 0"),
+    ("length", 0, "length must be finite and >= 1"),
     ("speedup_ttft_lo", 3.0, "speedup_ttft_lo 3.0 above speedup_ttft_hi"),
 ])
 def test_results_refuse_values_out_of_range(tmp_path, col, value, says):

@@ -135,8 +135,8 @@ def test_bench_join_only_for_the_same_configuration(evaluated, tmp_path):
     for bad, why in ((dict(same, sparsity=s["bsfa:1+dispatch"] + 0.05), "ran sparsity"),
                      (dict(same, config="k=2"), "has no evaluated configuration"),
                      ({k: v for k, v in same.items() if k != "sparsity"}, "records no sparsity"),
-                     (dict(same, speedup=-2.0), "column speedup must be finite, > 0; row 0 holds -2.0"),
-                     (dict(same, sparsity=float("nan")), "column sparsity must be finite, >= 0, <= 1"),
+                     (dict(same, speedup=-2.0), "column speedup must be finite and > 0; row 0 holds -2.0"),
+                     (dict(same, sparsity=float("nan")), "column sparsity must be in [0, 1]"),
                      (dict(same, speedup="fast"), "column speedup is not numeric")):
         with pytest.raises(UserError) as e:
             finish(store, [_bench(tmp_path / "bad.json", [bad])])

@@ -42,8 +42,8 @@ each measure over the rows sharing (method, config, length, split) within one di
 point's ``origin``), so an eval row and a bench row of the same point in one directory meet, and
 two evaluations in different directories are never averaged together. A point appears on the
 chart when it has both measures. The values are checked when read (``check_values``: finite,
-speedups > 0, accuracies >= 0, sparsities in [0, 1], lengths >= 1, lo <= hi): a file that breaks
-one is refused with one line.
+speedups > 0, relative accuracies >= 0, sparsities in [0, 1], lengths >= 1, lo <= hi): a file
+that breaks one is refused with one line.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ from pathlib import Path
 import polars as pl
 
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.table_values import check_ranges
 
 KEYS = ("method", "config", "length")
 POINT = KEYS + ("origin", "split")  # a chart point: one directory's rows of one split
@@ -105,14 +106,18 @@ def read_result_file(path: Path) -> pl.DataFrame:
         pl.lit(path.name).alias("source"), pl.lit(path.parent.name).alias("origin"), split.alias("split"))
 
 
-RANGES = {"accuracy_rel_dense": (0.0, None), "speedup": (0.0, None), "sparsity": (0.0, 1.0),
-          "decode_sparsity": (0.0, 1.0), "length": (1.0, None)}   # inclusive bounds (None: open); speeds > 0
+RANGES = {"sparsity": (0.0, 1.0), "decode_sparsity": (0.0, 1.0), "length": (1.0, None)}
 
 
-def _bounds(col: str) -> tuple[float | None, float | None]:
-    if col in RANGES:
-        return RANGES[col]
-    return (0.0, None) if col.startswith(("speedup", "accuracy_rel_dense")) else (None, None)
+def _rule(col: str) -> tuple:
+    """(col, lo, hi[, strict]) of check_ranges: speedups (and their interval ends) above 0, the
+    relative accuracy at least 0 (its interval ends only finite: a paired interval of a ratio near 0
+    may reach below it), RANGES, else finite."""
+    if col.startswith("speedup"):
+        return col, 0.0, None, True
+    if col == "accuracy_rel_dense":
+        return col, 0.0, None
+    return (col, *RANGES.get(col, (None, None)))
 
 
 def check_values(df: pl.DataFrame, where: str) -> None:
@@ -120,33 +125,21 @@ def check_values(df: pl.DataFrame, where: str) -> None:
     accuracies at least 0, sparsities in [0, 1], lengths >= 1, each interval's lo <= hi. A file
     (``where``: its name in the message) that breaks one is refused with one line naming the
     column, the first bad row and its value."""
-    for col in df.columns:
-        if col in ("method", "config"):
-            continue
+    redo = "Re-run its producer or remove the file."
+    cols = [c for c in df.columns if c not in ("method", "config")]
+    for col in cols:   # text where a number belongs (a numeric column stored as strings casts strictly)
         try:
-            x = df[col].cast(pl.Float64, strict=True)
+            df = df.with_columns(df[col].cast(pl.Float64, strict=True).alias(col))
         except Exception:  # noqa: BLE001 - a text or nested column where a number belongs
-            raise UserError(f"{where}: column {col} is not numeric ({df[col].dtype}); re-run its producer "
-                            f"({PRODUCERS}) or remove the file.") from None
-        lo, hi = _bounds(col)
-        speed = col.startswith("speedup")
-        bad, want = ~x.is_finite(), "finite"
-        if lo is not None:
-            bad, want = (bad | (x <= lo), f"{want}, > {lo:g}") if speed else (bad | (x < lo), f"{want}, >= {lo:g}")
-        if hi is not None:
-            bad, want = bad | (x > hi), f"{want}, <= {hi:g}"
-        bad = bad.fill_null(False)
-        if bad.any():
-            i = int(bad.arg_true()[0])
-            raise UserError(f"{where}: column {col} must be {want}; row {i} holds {df[col][i]}. Re-run its "
-                            "producer or remove the file.")
-    for col in df.columns:
+            raise UserError(f"{where}: column {col} is not numeric ({df[col].dtype}); {redo}") from None
+    check_ranges(df, where, [_rule(c) for c in cols], redo)
+    for col in cols:
         if col.endswith("_lo") and col[:-3] + "_hi" in df.columns:
             flip = (df[col] > df[col[:-3] + "_hi"]).fill_null(False)
             if flip.any():
                 i = int(flip.arg_true()[0])
                 raise UserError(f"{where}: row {i} has {col} {df[col][i]} above {col[:-3]}_hi "
-                                f"{df[col[:-3] + '_hi'][i]}; re-run its producer or remove the file.")
+                                f"{df[col[:-3] + '_hi'][i]}; {redo}")
 
 
 def curves(frames: list[pl.DataFrame]) -> pl.DataFrame:
