@@ -48,6 +48,7 @@ from sparsecal.formats.run import (
     captured_layers,
     check_manifest,
 )
+from sparsecal.formats.sample_values import check_record
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
@@ -174,9 +175,9 @@ def _samples(root: str, stamp) -> tuple[list[dict], list[str]]:
             rec = json.loads(d.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             rec, why = None, f"not readable JSON ({type(e).__name__})"
-        if why is None and not (isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("task"), str)
-                                and isinstance(rec.get("length"), int) and not isinstance(rec.get("length"), bool)):
-            why = "not a sample record (id, task, length)"
+        if why is None:
+            bad = check_record(d.parent.name, rec)   # the run reader's rule: its id, a task, a length >= 1
+            why = None if bad is None else f"not this sample's record: {bad}"
         if why is not None:
             damaged.append(f"{d.parent.name}: {d.name} is {why}")
             continue

@@ -137,3 +137,20 @@ def test_without_the_runs_samples_blasst_falls_back_to_the_pooled_fit_table(expo
             want = heads.filter(((pl.col("target") - e["value"]).abs() < 1e-9) & (pl.col("layer") == layer)).group_by(
                 "length").agg(pl.col("sparsity").mean()).sort("length")["sparsity"].to_numpy()
             np.testing.assert_allclose(e["sparsity"][layer], want, rtol=1e-12)
+
+
+def test_a_pooled_fit_table_naming_a_layer_past_the_model_is_one_line(exported, tmp_path):
+    """blasst_heads naming layer 7 of a 2-layer export (an edited or foreign table) is refused in one
+    line naming the table and `sparsecal fit` (before: an IndexError)."""
+    import shutil
+
+    run, _, _ = exported
+    bare = tmp_path / "run"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("samples"))
+    heads = pl.read_parquet(bare / "fit" / "blasst_heads.parquet")
+    heads.with_columns(pl.lit(7).cast(heads["layer"].dtype).alias("layer")).write_parquet(
+        bare / "fit" / "blasst_heads.parquet")
+    res = runner.invoke(app, ["export", str(bare), "--out", str(tmp_path / "e"), "--break-even",
+                              str(_be_file(tmp_path / "be.json"))])
+    assert res.exit_code == 2 and "blasst_heads.parquet names layer 7" in res.output, res.output
+    assert not (tmp_path / "e").exists()

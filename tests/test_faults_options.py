@@ -297,6 +297,21 @@ def test_garbled_sample_leaves_one_sample_out_of_overview_and_tiles(monkeypatch,
     assert any(bad.name in w.value for w in at.warning) and len(at.get("plotly_chart")) == 3
 
 
+def test_a_sample_record_with_length_zero_is_left_out_by_name(monkeypatch, tmp_path):
+    """The dashboard checks a sample record as the run reader does (formats.sample_values.check_record):
+    a length of 0 leaves the sample out with a warning naming it, the other samples are shown."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    bad = sorted((run / "samples").iterdir())[0]
+    rec = json.loads((bad / "sample.json").read_text())
+    (bad / "sample.json").write_text(json.dumps(dict(rec, length=0)))
+    at = _app(monkeypatch, run)
+    at.switch_page("page_overview.py").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert any(bad.name in w.value and "length is 0" in w.value for w in at.warning), [w.value for w in at.warning]
+    assert int(at.dataframe[0].value["finished"].sum()) == 7
+
+
 def test_committed_calibration_says_its_samples_are_not_here(monkeypatch):
     at = _app(monkeypatch, CALIBRATION)
     at.switch_page("page_overview.py").run()

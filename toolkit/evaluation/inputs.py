@@ -180,7 +180,11 @@ def find_calibration(info: ExportInfo, given: Path | None, model_id: str) -> Cal
             if given is not None:
                 raise UserError(f"--calibration {given} is not a sparsecal run (no {MANIFEST}).")
             continue
-        if json.loads((root / MANIFEST).read_text()).get("kind") != "sparsecal-run":
+        try:
+            kind = json.loads((root / MANIFEST).read_text()).get("kind")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            kind = None   # not readable as a run manifest: not a calibration run
+        if kind != "sparsecal-run":
             continue
         man = RunStore.open(root).manifest
         if man["model"].get("id") != model_id:

@@ -164,6 +164,9 @@ def blasst_pooled_sparsity(root: Path, doc: dict, lengths: list[int], target: fl
     out = np.full((doc["num_layers"], len(lengths)), np.nan)
     for r in tab.iter_rows(named=True):
         layer, n = int(r["layer"]), int(r["length"])
+        if not 0 <= layer < len(factors):
+            raise UserError(f"{root / FIT_DIR}/blasst_heads.parquet names layer {layer}, but the export has "
+                            f"{len(factors)} layers; run `sparsecal fit {root}` again.")
         if n in lengths and factors[layer] is not None:
             dense = blasst_runtime_lambda(a, n, min_length) is None
             out[layer, lengths.index(n)] = 0.0 if dense else float(r["sparsity"])
