@@ -302,7 +302,7 @@ def test_a_sample_record_with_length_zero_is_left_out_by_name(monkeypatch, tmp_p
     a length of 0 leaves the sample out with a warning naming it, the other samples are shown."""
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run)
-    bad = sorted((run / "samples").iterdir())[0]
+    bad = min((run / "samples").iterdir())
     rec = json.loads((bad / "sample.json").read_text())
     (bad / "sample.json").write_text(json.dumps(dict(rec, length=0)))
     at = _app(monkeypatch, run)
