@@ -389,12 +389,18 @@ def _raw_slice(path: str, stamp, layer: int, head: int) -> dict:
             shape = f.get_slice("raw_bmax").get_shape()
             if not (0 <= layer < shape[0] and 0 <= head < shape[1]):
                 raise Broken(f"{path} has {shape[0]} layers x {shape[1]} heads; no layer {layer}, head {head}.")
-            return {k[4:]: np.asarray(f.get_slice(k)[layer, head], dtype=np.float32)
-                    for k in ("raw_bmax", "raw_gap", "raw_mass")}
+            out = {k[4:]: np.asarray(f.get_slice(k)[layer, head], dtype=np.float32)
+                   for k in ("raw_bmax", "raw_gap", "raw_mass")}
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001
         raise Broken(f"{path} is not a readable raw tile file ({type(e).__name__}).") from None
+    for name, a in out.items():   # -inf marks an unreachable tile; NaN and +inf are never a tile's value
+        mass = name == "mass" and bool(((a[np.isfinite(a)] < 0) | (a[np.isfinite(a)] > 1 + 1e-3)).any())
+        if np.isnan(a).any() or np.isposinf(a).any() or mass:
+            raise Broken(f"{path}: raw_{name} of layer {layer}, head {head} holds NaN, +inf or a mass outside [0, 1]; "
+                         "capture the sample again with --raw.")
+    return out
 
 
 def raw_tiles(root: Path, sid: str, layer: int, head: int) -> dict[str, np.ndarray]:

@@ -384,3 +384,23 @@ def test_blasst_decode_group_decision(monkeypatch, tmp_path, seed):
     at = _page(_app(monkeypatch, FIXTURE), "blasst")
     _set(at, "selectbox", "bl_mode", "decode", 4)
     assert any("group-decision table" in i.value for i in at.info)
+
+
+def test_impossible_raw_tile_values_are_an_error(damaged):
+    """Raw tiles are checked when read (-inf marks an unreachable tile): a NaN mass, or a mass above 1,
+    in the layer and head shown is one line naming the file and the capture command."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from sparsecal.dashboard import data as D
+
+    sample = next(damaged.glob("samples/*/raw.safetensors"))
+    sid = sample.parent.name
+    assert np.isfinite(D.raw_tiles(damaged, sid, 0, 0)["mass"]).any()
+    for value in (float("nan"), 1.5):
+        with safe_open(str(sample), framework="np") as f:
+            meta, arrays = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not iterable
+        arrays["raw_mass"][0, 0].reshape(-1)[0] = value
+        save_file(arrays, str(sample), metadata=meta)
+        with pytest.raises(D.Broken, match=r"raw_mass of layer 0, head 0 holds NaN, \+inf or a mass outside"):
+            D.raw_tiles(damaged, sid, 0, 0)
