@@ -66,11 +66,13 @@ def _digest(path: Path) -> str:
 def _meta_lengths(path, meta: dict) -> list[int]:
     """The calibration lengths a BSFA export's metadata records (a JSON list of positive integers;
     [] when absent), or one line."""
+    from sparsecal.formats.json_values import positive_int
+
     try:
         lens = json.loads(meta.get("lengths", "[]"))
     except (json.JSONDecodeError, TypeError):
         lens = None
-    if not isinstance(lens, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lens):
+    if not isinstance(lens, list) or not all(map(positive_int, lens)):
         raise UserError(f"export {path}: its thresholds' metadata lengths {meta.get('lengths')!r} is not a list of "
                         "positive token counts; export it again with `sparsecal export RUN --out DIR`.")
     return lens

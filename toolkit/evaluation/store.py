@@ -313,7 +313,7 @@ def read_timing(root):
     for name in SPEEDS:
         if f"{name}_lo" in df.columns and f"{name}_hi" in df.columns and bool((df[f"{name}_lo"] > df[f"{name}_hi"]).any()):
             raise UserError(f"{path}: {name}_lo exceeds {name}_hi; {redo}.")
-    check_ranges(df, str(path), TIMING_RANGES, "Delete it and time again (sparsecal eval ... --time-only).")
+    check_ranges(df, str(path), TIMING_RANGES, f"{redo.capitalize()}.")
     return _derived_in_range(df)
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text, read_json_manifest
+from sparsecal.formats.json_values import finite_number, positive_int
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
 KIND = "sparsecal-break-even"
@@ -175,14 +176,6 @@ def load_break_even(path) -> dict:
     return doc
 
 
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _pos_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
 def _row_backends(r: dict) -> tuple:
     """The dense backends a row may name: SDPA's; a decode row's also the project's own (OWN_DENSE)."""
     return DECODE_BACKENDS if r.get("phase") == "decode" else SDPA_BACKENDS
@@ -191,19 +184,19 @@ def _row_backends(r: dict) -> tuple:
 def _dense_ok(r: dict) -> bool:
     """A row's ``dense`` timings (optional): {backend the row may name: positive ms}."""
     dense = r.get("dense", {})
-    return isinstance(dense, dict) and all(b in _row_backends(r) and _num(ms) and ms > 0 for b, ms in dense.items())
+    return isinstance(dense, dict) and all(b in _row_backends(r) and finite_number(ms) and ms > 0 for b, ms in dense.items())
 
 
 def _row_ok(r) -> bool:
     pts = r.get("points") if isinstance(r, dict) else None
-    return (isinstance(r, dict) and r.get("method") in METHODS and all(_pos_int(r.get(k)) for k in
-            ("head_dim", "group", "length")) and _num(r.get("dense_ms")) and r["dense_ms"] > 0
+    return (isinstance(r, dict) and r.get("method") in METHODS and all(positive_int(r.get(k)) for k in
+            ("head_dim", "group", "length")) and finite_number(r.get("dense_ms")) and r["dense_ms"] > 0
             and r.get("dense_backend") in _row_backends(r) and _dense_ok(r) and isinstance(pts, list) and bool(pts)
-            and all(isinstance(p, dict) and _num(p.get("sparsity")) and 0 <= p["sparsity"] <= 1 and _num(p.get("ms"))
+            and all(isinstance(p, dict) and finite_number(p.get("sparsity")) and 0 <= p["sparsity"] <= 1 and finite_number(p.get("ms"))
                     and p["ms"] > 0 for p in pts)
-            and (r.get("break_even") is None or (_num(r["break_even"]) and 0 <= r["break_even"] <= 1))
+            and (r.get("break_even") is None or (finite_number(r["break_even"]) and 0 <= r["break_even"] <= 1))
             and r.get("phase", "prefill") in PHASES and r.get("timing", "eager") in TIMINGS
-            and ((r.get("decision") in DECISIONS and _pos_int(r.get("batch"))) if r.get("phase") == "decode"
+            and ((r.get("decision") in DECISIONS and positive_int(r.get("batch"))) if r.get("phase") == "decode"
                  else r.get("decision") is None))
 
 
@@ -212,7 +205,7 @@ def check_break_even(path, doc) -> None:
     [0, 1], one row per key (row_key: decode rows of several batches side by side), and each
     break_even what its points give."""
     geo = doc.get("geometry") if isinstance(doc, dict) else None
-    if not isinstance(geo, dict) or not all(_pos_int(geo.get(k)) for k in GEOMETRY_KEYS):
+    if not isinstance(geo, dict) or not all(positive_int(geo.get(k)) for k in GEOMETRY_KEYS):
         raise UserError(f"{path}: geometry must give {', '.join(GEOMETRY_KEYS)} as positive integers; {REMEDY}.")
     rows = doc.get("rows")
     if not isinstance(rows, list) or not rows:
@@ -480,14 +473,14 @@ def _backends_ok(backends, n_len: int, allowed: tuple) -> bool:
 def _per_length_ok(e: dict, n_len: int, allowed: tuple = SDPA_BACKENDS) -> bool:
     """A break-even, extrapolation flag and dense backend (one of ``allowed``) per length."""
     be, ext = e.get("break_even"), e.get("extrapolated")
-    return (isinstance(be, list) and len(be) == n_len and all(x is None or (_num(x) and 0 <= x <= 1) for x in be)
+    return (isinstance(be, list) and len(be) == n_len and all(x is None or (finite_number(x) and 0 <= x <= 1) for x in be)
             and isinstance(ext, list) and len(ext) == n_len and all(isinstance(x, bool) for x in ext)
             and _backends_ok(e.get("dense_backend"), n_len, allowed))
 
 
 def _grids_ok(e, n_layers: int, n_len: int) -> bool:
     return (isinstance(e, dict)
-            and _grid_ok(e.get("sparsity"), n_layers, n_len, lambda x: x is None or (_num(x) and 0 <= x <= 1))
+            and _grid_ok(e.get("sparsity"), n_layers, n_len, lambda x: x is None or (finite_number(x) and 0 <= x <= 1))
             and _grid_ok(e.get("sparse"), n_layers, n_len, lambda x: isinstance(x, bool)))
 
 
@@ -497,14 +490,14 @@ def _one_batch_ok(d, n_layers: int, n_len: int) -> bool:
     return (d.get("decision") in DECISIONS and _per_length_ok(d, n_len, DECODE_BACKENDS) and isinstance(modes, dict)
             and bool(modes)
             and ("fastest_backend" not in d or _backends_ok(d["fastest_backend"], n_len, DECODE_BACKENDS))
-            and ("batch" not in d or _pos_int(d["batch"]))  # the decode rows' batch (older records lack it)
+            and ("batch" not in d or positive_int(d["batch"]))  # the decode rows' batch (older records lack it)
             and all(m in DECODE_MODES and _grids_ok(g, n_layers, n_len) for m, g in modes.items()))
 
 
 def _batches_ok(d: dict) -> bool:
     """``batches`` ascending positive integers, ``by_batch`` one entry per batch with flags per mode."""
     bs, by, modes = d.get("batches"), d.get("by_batch"), d.get("modes")
-    return (isinstance(bs, list) and bool(bs) and all(map(_pos_int, bs)) and bs == sorted(set(bs))
+    return (isinstance(bs, list) and bool(bs) and all(map(positive_int, bs)) and bs == sorted(set(bs))
             and isinstance(by, dict) and set(by) == {str(b) for b in bs} and isinstance(modes, dict)
             and all(isinstance(g, dict) for g in modes.values())
             and all(isinstance(e, dict) and isinstance(e.get("sparse"), dict) and set(e["sparse"]) == set(modes)
@@ -553,8 +546,8 @@ def check_dispatch(path, rec, num_layers: int) -> None:
         raise UserError(f"{bad}is not an object; export it again with `sparsecal export --break-even FILE`.")
     lens = rec.get("lengths")
     timing = rec.get("timing", {"prefill": "eager", "decode": None})  # records written before timings: eager
-    if not (isinstance(lens, list) and lens and all(map(_pos_int, lens)) and lens == sorted(set(lens))
-            and _num(rec.get("margin")) and isinstance(rec.get("configs"), list) and isinstance(timing, dict)
+    if not (isinstance(lens, list) and lens and all(map(positive_int, lens)) and lens == sorted(set(lens))
+            and finite_number(rec.get("margin")) and isinstance(rec.get("configs"), list) and isinstance(timing, dict)
             and timing.get("prefill") in TIMINGS and timing.get("decode") in (*TIMINGS, None)
             and timing.get("decode_group") in (*TIMINGS, None)):
         raise UserError(f"{bad}needs ascending positive lengths, a margin, timings and configs; export it again.")

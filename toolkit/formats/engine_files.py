@@ -34,7 +34,7 @@ from sparsecal.formats.exports import (
     longest_length,
 )
 from sparsecal.formats.files import atomic_write_text, check_schema, read_json_manifest
-from sparsecal.formats.json_values import first_non_finite
+from sparsecal.formats.json_values import finite_number, first_non_finite
 from sparsecal.formats.version import __version__
 
 ENGINE_JSON = "engine.json"
@@ -47,10 +47,6 @@ VLLM_LAUNCHER = "vllm_serve_sparse_attn.py"   # NVIDIA/Model-Optimizer examples/
 VLLM_LEGACY = "vllm.args"
 BACKUP_SUFFIX = ".sparsecal-backup"
 REMEDY = "export it again with `sparsecal export RUN --out DIR --format ...`"
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # ---- writing ---------------------------------------------------------------------------------------
@@ -130,7 +126,7 @@ def _check_factors(path, factors, where: str, longest: int = LONGEST_LENGTH) -> 
     if not isinstance(factors, dict) or not set(factors) <= set(PHASES) or not any(f is not None for f in factors.values()):
         raise UserError(f"{path}: {where} must hold a prefill and/or decode factor; {REMEDY}.")
     for m, f in factors.items():
-        if f is not None and (not _number(f) or f <= 0):
+        if f is not None and (not finite_number(f) or f <= 0):
             raise UserError(f"{path}: {where}.{m} is {f!r}, not a finite positive number (lambda = factor / "
                             f"kv_len); {REMEDY}.")
         if f is not None:
@@ -171,7 +167,7 @@ def load_engine_manifest(path, expect: dict | None = None) -> dict:
     doc = read_json_manifest(path, ENGINE_KIND, REMEDY)
     _identity(path, doc, expect)
     t = doc.get("target_sparsity")
-    if not _number(t) or not 0.0 < t < 1.0:
+    if not finite_number(t) or not 0.0 < t < 1.0:
         raise UserError(f"{path}: target_sparsity is {t!r}, not a number in (0, 1); {REMEDY}.")
     longest = longest_length(doc)
     _check_factors(path, doc.get("factors"), "factors", longest)
@@ -243,7 +239,7 @@ def load_trtllm(path, expect: dict | None = None) -> dict:
     entry = man["formats"]["trtllm"]
     if "target_sparsity" in cfg and "threshold_scale_factor" not in cfg:
         tgt = cfg["target_sparsity"]
-        tgt = {m: tgt for m in PHASES} if _number(tgt) else tgt
+        tgt = {m: tgt for m in PHASES} if finite_number(tgt) else tgt
         if not isinstance(tgt, dict) or tgt != entry.get("target_sparsity"):
             raise UserError(f"{path} holds target_sparsity {tgt} but {ENGINE_JSON} beside it says "
                             f"{entry.get('target_sparsity')}: the file was edited or belongs to another export; "
@@ -251,7 +247,7 @@ def load_trtllm(path, expect: dict | None = None) -> dict:
         return {"factors": {m: f for m, f in entry["factors"].items() if f is not None}, "manifest": man,
                 "config": cfg, "form": "target_sparsity"}
     tsf = cfg.get("threshold_scale_factor")
-    factors = {m: tsf for m in PHASES} if _number(tsf) else tsf
+    factors = {m: tsf for m in PHASES} if finite_number(tsf) else tsf
     _check_factors(path, factors, "sparse_attention_config.threshold_scale_factor")
     _same(path, "trtllm", factors, man)
     return {"factors": factors, "manifest": man, "config": cfg, "form": "factor"}
@@ -332,10 +328,10 @@ def _skip_group(path, block) -> dict:
     for m, law in tsf.items():
         if m == "formula":
             continue
-        if m not in PHASES or not isinstance(law, dict) or not _number(law.get("a")) or law["a"] <= 0 or \
-                not _number(law.get("b")):
+        if m not in PHASES or not isinstance(law, dict) or not finite_number(law.get("a")) or law["a"] <= 0 or \
+                not finite_number(law.get("b")):
             raise UserError(f"{path}: threshold_scale_factor.{m} must be {{'a': positive, 'b': number}}; {REMEDY}.")
-    if not set(tgt) <= set(tsf) - {"formula"} or not all(_number(s) and 0 <= s <= 1 for s in tgt.values()):
+    if not set(tgt) <= set(tsf) - {"formula"} or not all(finite_number(s) and 0 <= s <= 1 for s in tgt.values()):
         raise UserError(f"{path}: target_sparsity must give a value in [0, 1] for a calibrated phase; {REMEDY}.")
     if not isinstance(g.get("targets"), list) or not isinstance(g.get("ignore", []), list):
         raise UserError(f"{path}: targets and ignore must be lists of module names; {REMEDY}.")

@@ -24,7 +24,7 @@ import numpy as np
 from sparsecal.formats.dispatch import check_dispatch
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write, check_schema
-from sparsecal.formats.json_values import first_non_finite, in_range
+from sparsecal.formats.json_values import finite_number, first_non_finite, in_range, positive_int
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
 
 BSFA_PT = "thresholds.bsfa.pt"
@@ -305,10 +305,6 @@ def load_blasst(path, expect: dict | None = None) -> dict:
 GEOMETRY_KEYS = {"model": str, "num_layers": int, "num_heads": int, "q_block_size": int, "k_block_size": int}
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 LONGEST_LENGTH = 1 << 31  # the bound on a factor when an export names no length (no sequence is that long)
 
 
@@ -316,11 +312,11 @@ def longest_length(doc: dict) -> int:
     """The longest length a blasst.json or engine.json covers: its calibrated ``lengths``, else the
     longest of its ``validity`` ranges, else LONGEST_LENGTH."""
     lens = doc.get("lengths")
-    if isinstance(lens, list) and lens and all(map(_positive_int, lens)):
+    if isinstance(lens, list) and lens and all(map(positive_int, lens)):
         return max(lens)
     val = doc.get("validity")
     ends = [v.get("max_length") for v in val.values() if isinstance(v, dict)] if isinstance(val, dict) else []
-    return max([n for n in ends if _positive_int(n)], default=LONGEST_LENGTH)
+    return max([n for n in ends if positive_int(n)], default=LONGEST_LENGTH)
 
 
 def check_factor_range(path, where: str, factor: float, longest: int) -> None:
@@ -340,14 +336,14 @@ def _check_entry(path, entry, where: str, longest: int = LONGEST_LENGTH) -> None
     if not isinstance(entry, dict):
         raise UserError(f"{bad} is not an object; export it again with `sparsecal export`.")
     t = entry.get("target_sparsity")
-    if not _number(t) or not 0.0 < t < 1.0:
+    if not finite_number(t) or not 0.0 < t < 1.0:
         raise UserError(f"{bad}.target_sparsity is {t!r}, not a number in (0, 1); export it again.")
     tsf = entry.get("threshold_scale_factor")
     if not isinstance(tsf, dict) or not set(tsf) <= {"prefill", "decode"} or not tsf:
         raise UserError(f"{bad}.threshold_scale_factor must be an object with prefill and/or decode factors; "
                         "export it again.")
     for mode, f in tsf.items():
-        if f is not None and (not _number(f) or f <= 0):
+        if f is not None and (not finite_number(f) or f <= 0):
             raise UserError(f"{bad}.threshold_scale_factor.{mode} is {f!r}; it must be a finite positive number "
                             "(lambda = factor / length): export it again.")
         if f is not None:
@@ -362,15 +358,11 @@ def check_decode_group(path, group, where: str, longest: int = LONGEST_LENGTH) -
     if group is None:
         return
     f = group.get("threshold_scale_factor") if isinstance(group, dict) else None
-    if not _number(f) or f <= 0 or not isinstance(group.get("validity"), dict):
+    if not finite_number(f) or f <= 0 or not isinstance(group.get("validity"), dict):
         raise UserError(f"{path}: {where}.decode_group must hold a finite positive threshold_scale_factor and its "
                         "validity; export it again.")
     check_factor_range(path, f"{where}.decode_group.threshold_scale_factor", f, longest)
     check_validity(path, {"decode": group["validity"]}, f"{where}.decode_group")
-
-
-def _positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def check_validity(path, validity, where: str) -> None:
@@ -381,7 +373,7 @@ def check_validity(path, validity, where: str) -> None:
     ok = isinstance(validity, dict) and set(validity) <= {"prefill", "decode"}
     for v in validity.values() if ok else ():
         lens = v.get("validated_lengths") if isinstance(v, dict) else None
-        ok = ok and isinstance(lens, list) and bool(lens) and all(map(_positive_int, lens)) and lens == sorted(set(lens))
+        ok = ok and isinstance(lens, list) and bool(lens) and all(map(positive_int, lens)) and lens == sorted(set(lens))
         ok = ok and v.get("min_length") == lens[0] and v.get("max_length") == lens[-1]
     if not ok:
         raise UserError(f"{path}: {where}.validity must map prefill/decode to validated_lengths (ascending positive "
@@ -405,7 +397,7 @@ def validate_blasst(path, doc) -> None:
     if bad:
         raise UserError(f"{path}: {bad[0]} is {bad[1]}; every number of a BLASST export is finite: export it again.")
     _check_per_length(path, doc.get("per_length"))
-    if "head_dim" in doc and not _positive_int(doc["head_dim"]):  # optional: exports made before it lack it
+    if "head_dim" in doc and not positive_int(doc["head_dim"]):  # optional: exports made before it lack it
         raise UserError(f"{path}: head_dim is {doc['head_dim']!r}, not a positive integer; export it again.")
     longest = longest_length(doc)
     _check_entry(path, doc, "the main calibration", longest)
@@ -431,7 +423,7 @@ def _check_per_length(path, rows) -> None:
     if rows is None:
         return
     for i, r in enumerate(rows if isinstance(rows, list) else [None]):
-        ok = isinstance(r, dict) and _positive_int(r.get("length"))
+        ok = isinstance(r, dict) and positive_int(r.get("length"))
         ok = ok and all(r.get(k) is None or in_range(r[k], 0.0, 1.0) for k in ("target", "achieved"))
         ok = ok and all(r.get(k) is None or in_range(r[k], 0.0) for k in ("lambda", "lambda_best"))
         if not ok:
@@ -445,7 +437,7 @@ def _check_per_layer(path, per_layer, where: str, num_layers: int, longest: int 
     if per_layer is None:
         return
     ok = isinstance(per_layer, dict) and set(per_layer) <= {"prefill", "decode"} and all(
-        isinstance(m, dict) and all(k.isdigit() and int(k) < num_layers and (f is None or (_number(f) and f > 0))
+        isinstance(m, dict) and all(k.isdigit() and int(k) < num_layers and (f is None or (finite_number(f) and f > 0))
                                     for k, f in m.items()) for m in per_layer.values())
     if not ok:
         raise UserError(f"{path}: {where}.per_layer must map prefill/decode to {{layer below {num_layers}: positive "
@@ -502,7 +494,7 @@ def blasst_validity(doc: dict, mode: str = "prefill", target: float | None = Non
     if own is not None:
         return own
     lens = sorted({int(p["length"]) for p in entry.get("per_length", []) if isinstance(p, dict)
-                   and p.get("mode", mode) == mode and p.get("in_fit") and _positive_int(p.get("length"))})
+                   and p.get("mode", mode) == mode and p.get("in_fit") and positive_int(p.get("length"))})
     return {"law": "a/L", "validated_lengths": lens, "min_length": lens[0], "max_length": lens[-1]} if lens else None
 
 

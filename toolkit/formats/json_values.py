@@ -23,14 +23,19 @@ def first_non_finite(doc, where: str = "") -> tuple[str, float] | None:
     return None
 
 
-def in_range(x, lo: float, hi: float | None = None) -> bool:
-    """A number (not a bool) with lo <= x (<= hi); None is not in range."""
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= lo
-    return ok and (hi is None or x <= hi)
+def finite_number(x) -> bool:
+    """An int or float (not a bool) that is finite."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _pos_int(x) -> bool:
+def positive_int(x) -> bool:
+    """An int (not a bool) above 0."""
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def in_range(x, lo: float, hi: float | None = None) -> bool:
+    """A finite number with lo <= x (<= hi); None is not in range."""
+    return finite_number(x) and x >= lo and (hi is None or x <= hi)
 
 
 def fit_values(doc: dict) -> str | None:
@@ -38,13 +43,13 @@ def fit_values(doc: dict) -> str | None:
     two lists of sample ids, every BLASST factor a finite positive number; else what is wrong."""
     for key in ("lengths", "k_values"):
         v = doc.get(key)
-        if not isinstance(v, list) or not v or not all(map(_pos_int, v)):
+        if not isinstance(v, list) or not v or not all(map(positive_int, v)):
             return f"{key} is {v!r}, not a list of positive integers"
     split = doc.get("split")
     if not isinstance(split, dict) or not all(isinstance(split.get(k), list) for k in ("train", "test")):
         return "split does not list the train and test sample ids"
     for c in doc.get("blasst") or []:
         a = c.get("a") if isinstance(c, dict) else None
-        if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a <= 0:
+        if not finite_number(a) or a <= 0:
             return f"a BLASST factor (a) is {a!r}, not a finite positive number"
     return None
