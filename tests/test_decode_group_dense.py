@@ -25,8 +25,8 @@ from helpers import INTERPRETER_WARNINGS, ROOT, TOL
 
 pytestmark = INTERPRETER_WARNINGS
 SWEEPS = [ROOT / "data" / "bench" / f"decode-sweep{s}-h100-d{d}.json"   # the sweeps DENSE_TABLE is from, oldest first:
-          for s in ("4", "5-b1", "6-b16", "7-b16", "8-b16") for d in (128, 64)]  # b16, b1, b16 G 4/8 16K-32K,
-# b16 (fused merge), b16 (TMA loads)
+          for s in ("4", "5-b1", "6-b16", "7-b16", "8-b16", "10-b16") for d in (128, 64)]  # b16, b1, b16 G 4/8
+# 16K-32K, b16 (fused merge), b16 (TMA loads), b16 (s42: TMA sparse launches; the dense candidates as sweep 8)
 
 LENGTHS = [1, 37, 64, 203]
 CASES = [  # (H, Hkv, D, page, dtype)

@@ -116,17 +116,23 @@ SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stag
 # stay faster at D=128 G=4, D=128 G=8 64K and D=64 G=4 32K-64K (2-4 %). The fused merge and step_if won no cell by
 # more than the rounds' noise (step_if alone: D=128 G=8 64K at 75 %, 2.8 %, and 4 % slower at 50 %). Hence a length
 # bucket (decode_group_dense.buckets). G=16 and the 131072 bucket: unmeasured, the longest measured entry.
-_W2P8, _W1P16, _W1P32 = SparseLaunch(warps=2, pps=8), SparseLaunch(warps=1, pps=16), SparseLaunch(warps=1, pps=32)
-_W2S2P8, _W1S2P16, _W1S2P32 = (SparseLaunch(warps=2, stages=2, pps=8), SparseLaunch(warps=1, stages=2, pps=16),
-                               SparseLaunch(warps=1, stages=2, pps=32))
-_SHORT = (16384, 32768)   # the length buckets where 2 stages win at D=128 G=8
-SPARSE_TABLE: dict[tuple[int, int, int], SparseLaunch] = {
-    **{(128, 1, n): _W2S2P8 for n in LENGTH_BUCKETS}, **{(128, 4, n): _W2P8 for n in LENGTH_BUCKETS},
-    **{(128, 8, n): _W2S2P8 if n in _SHORT else _W2P8 for n in LENGTH_BUCKETS},
-    **{(64, 1, n): _W1S2P32 for n in LENGTH_BUCKETS}, **{(64, 8, n): _W1S2P16 for n in LENGTH_BUCKETS},
-    **{(64, 4, n): _W1S2P16 if n == 16384 else _W1P16 for n in LENGTH_BUCKETS},
-    **{(d, 16, n): c for d, c in ((128, _W2P8), (64, _W1P16)) for n in LENGTH_BUCKETS},
+# The s42 sweep (decode-sweep10-b16-h100-d128.json, -d64.json; TMA K loads of the decision pass and half / twice the
+# table's programs per SM among the candidates; 3 rounds): TMA at 3 stages faster than the table's launch at D=128 G=4
+# (2.1-4.1 %, every length), D=128 G=8 64K (2.5-4.7 %) and D=64 G=4 32K-64K (0.8-1.8 %); twice the programs per SM at
+# D=128 G=8 32K (w2s2p16: 7.6-10.5 %, rounds within 0.1 %; 2.6-3.5 % slower at 16K) and D=64 G=1 (w1s2p64: 0.4-1.5 %);
+# half at D=64 G=8 16K (w1s2p8: 1.3-3.1 %). TMA at 2 stages never faster than the 2-stage launch by more than 0.6 %.
+_W2S2P8, _W2S2P16, _W2S3P8T = (SparseLaunch(warps=2, stages=2, pps=8), SparseLaunch(warps=2, stages=2, pps=16),
+                               SparseLaunch(warps=2, stages=3, pps=8, tma=True))
+_W1S2P8, _W1S2P16, _W1S2P64, _W1S3P16T = (SparseLaunch(warps=1, stages=2, pps=8), SparseLaunch(warps=1, stages=2, pps=16),
+                                          SparseLaunch(warps=1, stages=2, pps=64),
+                                          SparseLaunch(warps=1, stages=3, pps=16, tma=True))
+_BY_LENGTH = {  # (D, G bucket) -> the launch at 16K, 32K, 64K (the 131072 bucket takes the 64K one)
+    (128, 1): (_W2S2P8,) * 3, (128, 4): (_W2S3P8T,) * 3, (128, 8): (_W2S2P8, _W2S2P16, _W2S3P8T),
+    (64, 1): (_W1S2P64,) * 3, (64, 4): (_W1S2P16, _W1S3P16T, _W1S3P16T), (64, 8): (_W1S2P8, _W1S2P16, _W1S2P16),
+    (128, 16): (SparseLaunch(warps=2, pps=8),) * 3, (64, 16): (SparseLaunch(warps=1, pps=16),) * 3,
 }
+SPARSE_TABLE: dict[tuple[int, int, int], SparseLaunch] = {
+    (d, g, n): by[min(i, 2)] for (d, g), by in _BY_LENGTH.items() for i, n in enumerate(LENGTH_BUCKETS)}
 
 
 def sparse_launch_for(d: int, group: int, length: int) -> SparseLaunch:
