@@ -73,7 +73,9 @@ def test_each_speedup_is_against_the_sdpa_fastest_that_way():
 
 def test_sparse_candidates_hold_the_tables_launch_once():
     """The sweep times the table's own launch at every shape (s41's G 4/8 re-sweep left it out where
-    the table's launch had 2 stages), beside its fused / staged / step_if variants, each once."""
+    the table's launch had 2 stages), beside its fused / staged / step_if variants, and both ways of
+    loading K (a TMA entry against its plain twin, s42) at half, once and twice its programs per SM,
+    each launch once."""
     from sparsecal.bench.decode_sweep import sparse_candidates
     from sparsecal.kernels.sparse.decode_group import SPARSE_TABLE, sparse_launch_for
 
@@ -82,8 +84,9 @@ def test_sparse_candidates_hold_the_tables_launch_once():
         table = sparse_launch_for(d, g, n)
         names = [c.name() for c in cands]
         assert table in cands and len(names) == len(set(names)), (d, g, n)
-        assert {2, 3, 4} == {c.stages for c in cands if c.warps == table.warps and c.pps == table.pps
-                                            and not c.fuse and not c.step_if}
-        assert {table.pps // 2, table.pps, table.pps * 2} <= {c.pps for c in cands if c.stages == table.stages
-                                                                and c.warps == table.warps}
-        assert {2, 3} == {c.stages for c in cands if c.tma}
+        same = [c for c in cands if c.warps == table.warps and not c.fuse and not c.step_if]
+        assert {2, 3, 4} == {c.stages for c in same if c.pps == table.pps and c.tma == table.tma}
+        for tma in (False, True):
+            assert {table.pps // 2, table.pps, table.pps * 2} == {
+                c.pps for c in same if c.stages == table.stages and c.tma == tma}, (d, g, n, tma)
+            assert {2, 3} <= {c.stages for c in same if c.tma == tma and c.pps == table.pps}
