@@ -90,3 +90,13 @@ def test_sparse_candidates_hold_the_tables_launch_once():
             assert {table.pps // 2, table.pps, table.pps * 2} == {
                 c.pps for c in same if c.stages == table.stages and c.tma == tma}, (d, g, n, tma)
             assert {2, 3} <= {c.stages for c in same if c.tma == tma and c.pps == table.pps}
+
+
+def test_the_dense_check_covers_the_swept_head_dims_only():
+    """A sweep of one head dim checks its dense configurations at that head dim's shapes (a cold
+    machine spent a whole short call on the check of both, s42); both dims give every shape."""
+    from sparsecal.bench.decode_sweep import CHECK_SHAPES, check_shapes
+
+    assert check_shapes((128,)) == [(8, 2, 128)]
+    assert check_shapes((64,)) == [(8, 8, 64), (8, 1, 64)]
+    assert check_shapes((64, 128)) == list(CHECK_SHAPES)
