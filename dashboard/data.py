@@ -48,7 +48,7 @@ from sparsecal.formats.run import (
     captured_layers,
     check_manifest,
 )
-from sparsecal.formats.sample_values import check_record
+from sparsecal.formats.sample_values import check_record, raw_value_problem
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
@@ -396,9 +396,9 @@ def _raw_slice(path: str, stamp, layer: int, head: int) -> dict:
     except Exception as e:  # noqa: BLE001
         raise Broken(f"{path} is not a readable raw tile file ({type(e).__name__}).") from None
     for name, a in out.items():   # -inf marks an unreachable tile; NaN and +inf are never a tile's value
-        mass = name == "mass" and bool(((a[np.isfinite(a)] < 0) | (a[np.isfinite(a)] > 1 + 1e-3)).any())
-        if np.isnan(a).any() or np.isposinf(a).any() or mass:
-            raise Broken(f"{path}: raw_{name} of layer {layer}, head {head} holds NaN, +inf or a mass outside [0, 1]; "
+        why = raw_value_problem(f"raw_{name}", a)
+        if why is not None:
+            raise Broken(f"{path}: layer {layer}, head {head}: {why} (NaN, +inf or a mass outside [0, 1]); "
                          "capture the sample again with --raw.")
     return out
 

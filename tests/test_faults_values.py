@@ -87,6 +87,39 @@ def write_manifest(root, man):
     (root / "manifest.json").write_text(json.dumps(man))
 
 
+# ---- raw tiles (capture --raw) ---------------------------------------------------------------------
+RAW_BAD = [("raw_gap", float("nan")), ("raw_bmax", float("inf")), ("raw_mass", 1.5), ("raw_mass", -0.5)]
+
+
+@pytest.mark.parametrize("key,value", RAW_BAD, ids=[f"{k}={v}" for k, v in RAW_BAD])
+def test_raw_tiles_are_checked_when_read(tmp_path, key, value):
+    """The committed fixture's raw tiles (a real capture with --raw) read back checked; one
+    impossible value in them is one line naming the array, the entry and what to do."""
+    run = shutil.copytree(FIXTURE, tmp_path / "fixture")
+    store = RunStore.open(run)
+    sid = store.manifest["samples"][0]["id"]
+    _, arrays = store.load_sample(sid, raw=True)
+    assert {"raw_bmax", "raw_mass", "raw_gap"} <= set(arrays)
+    poke(run / "samples" / sid / "raw.safetensors", key, value)
+    with pytest.raises(UserError, match=rf"raw.safetensors holds an impossible value or shape \({key}\[0, 0, 0"):
+        RunStore.open(run).load_sample(sid, raw=True)
+    RunStore.open(run).load_sample(sid)   # the statistics alone still read
+
+
+def test_raw_tiles_of_another_geometry_are_refused():
+    """check_raw: the tile grid of the sample's length, one [layers, heads] for all three arrays,
+    the run's scan orders; -inf (an unreachable tile) is a value a tile can have."""
+    from sparsecal.formats.sample_values import check_raw
+
+    ok = {"raw_bmax": np.full((2, 3, 4, 8), -np.inf, np.float16), "raw_mass": np.zeros((2, 3, 4, 8), np.float16),
+          "raw_gap": np.zeros((2, 3, 1, 4, 8), np.float16)}
+    assert check_raw(ok, 500, 128, 64, orders=1) is None
+    assert check_raw(ok, 500, 128, 64) is None
+    assert "raw_bmax has shape [2, 3, 4, 8], not [layers, heads, 5, 9]" in check_raw(ok, 513, 128, 64)
+    assert "raw_gap has shape" in check_raw(ok, 500, 128, 64, orders=2)
+    assert "raw_mass has shape [2, 2, 4, 8]" in check_raw({**ok, "raw_mass": ok["raw_mass"][:, :2]}, 500, 128, 64)
+
+
 # ---- samples: values -----------------------------------------------------------------------------
 BAD = [("gap_mass", float("nan")), ("decode_gap_mass", float("inf")), ("gap_count", -3),
        ("bsfa_threshold", float("nan")), ("bsfa_top_bmax", float("inf")), ("bsfa_skipped_mass", 2.5),

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text, read_json_manifest
-from sparsecal.formats.sample_values import check_record, check_shapes, check_values
+from sparsecal.formats.sample_values import check_raw, check_record, check_shapes, check_values
 from sparsecal.formats.stats_config import StatsConfig
 from sparsecal.formats.tensors import header_shapes, load_arrays, serialize_arrays, write_bytes
 from sparsecal.formats.version import SCHEMA_VERSION, __version__
@@ -373,12 +373,22 @@ class RunStore:
             raise UserError(f"sample {sid} of {self.root} holds an impossible value ({why}); `sparsecal fit` leaves "
                             f"it out: remove {folder} and run the same capture command to recapture it.")
         if raw and (folder / "raw.safetensors").is_file():
-            try:
-                tensors.update(load_arrays(folder / "raw.safetensors")[0])
-            except Exception as e:  # noqa: BLE001
-                raise UserError(f"sample {sid} of {self.root}: raw.safetensors is damaged ({type(e).__name__}); "
-                                "run the same capture command to recapture it.") from None
+            tensors.update(self._load_raw(sid, folder / "raw.safetensors", record["length"]))
         return record, tensors
+
+    def _load_raw(self, sid: str, path: Path, length: int) -> dict:
+        """A sample's raw tile arrays, checked (sample_values.check_raw)."""
+        try:
+            raw = load_arrays(path)[0]
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"sample {sid} of {self.root}: raw.safetensors is damaged ({type(e).__name__}); "
+                            "run the same capture command to recapture it.") from None
+        cfg = self.manifest["config"]
+        why = check_raw(raw, length, cfg["block_m"], cfg["block_n"], len(cfg.get("orders") or ()) or None)
+        if why is not None:
+            raise UserError(f"sample {sid} of {self.root}: raw.safetensors holds an impossible value or shape ({why}); "
+                            f"remove {path.parent} and run the same capture command to recapture it.")
+        return raw
 
 
 def _timed(profile: dict, serialize: float, disk: float) -> dict:

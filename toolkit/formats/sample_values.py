@@ -15,7 +15,13 @@ Checked by every reader of a sample (``RunStore.load_sample`` on the arrays it r
   masses (UNIT_KEYS) at most 1 + UNIT_EPS; ``candidates`` and ``reachable`` exactly the block
   counts of N (geometry.block_counts).
 
-Shape legend: N tokens, P query blocks, Lc captured layers, H query heads.
+raw.safetensors (capture --raw; ``check_raw``, by ``RunStore.load_sample(raw=True)``; the dashboard
+checks the one layer and head it shows by ``raw_value_problem``): ``raw_bmax`` and ``raw_mass``
+[Lc, H, P, Kb], ``raw_gap`` [Lc, H, O, P, Kb] (O the run's scan orders), one [Lc, H] for all three;
+no NaN or +inf (-inf marks an unreachable tile), masses in [0, 1 + UNIT_EPS].
+
+Shape legend: N tokens, P query blocks, Kb = ceil(N / block_n) key blocks, O scan orders, Lc
+captured layers, H query heads.
 """
 from __future__ import annotations
 
@@ -115,4 +121,43 @@ def check_values(arrays: dict[str, np.ndarray], length: int | None = None, block
         for name, want in zip(("candidates", "reachable"), block_counts(length, block_m, block_n)):
             if name in arrays and not np.array_equal(np.asarray(arrays[name]), want):
                 return f"{name} are not the block counts of a {length}-token sample"
+    return None
+
+
+RAW_KEYS = ("raw_bmax", "raw_mass", "raw_gap")
+
+
+def raw_value_problem(name: str, a: np.ndarray) -> str | None:
+    """None when raw tile array ``name`` (or a slice of it) holds only values a tile can have: no
+    NaN or +inf, and for ``raw_mass`` finite masses in [0, 1 + UNIT_EPS]; else the first offending
+    entry of ``a``."""
+    a = np.asarray(a)
+    bad = np.isnan(a) | (a == np.inf)
+    if name == "raw_mass":
+        bad = bad | (np.isfinite(a) & ((a < 0) | (a > 1.0 + UNIT_EPS)))
+    return _first_bad(name, a, bad) if bad.any() else None
+
+
+def check_raw(arrays: dict[str, np.ndarray], length: int, block_m: int, block_n: int,
+              orders: int | None = None) -> str | None:
+    """None when the raw tile arrays present in ``arrays`` have the shapes a ``length``-token sample
+    gives them (module docstring; ``orders``: the run's scan orders, when known) and possible
+    values; else what is wrong."""
+    tiles = (cdiv(length, block_m), cdiv(length, block_n))
+    lead = None
+    for name in RAW_KEYS:
+        if name not in arrays:
+            continue
+        shape = tuple(np.shape(arrays[name]))
+        want = (orders, *tiles) if name == "raw_gap" else tiles
+        got = shape[2:]
+        if name == "raw_gap" and orders is None:
+            want, got = tiles, shape[3:]
+        if len(shape) < 2 or got != want or (lead is not None and shape[:2] != lead):
+            return (f"{name} has shape {list(shape)}, not [{', '.join(map(str, lead or ('layers', 'heads')))}, "
+                    f"{', '.join(map(str, want))}] of a {length}-token sample")
+        lead = shape[:2]
+        why = raw_value_problem(name, arrays[name])
+        if why is not None:
+            return why
     return None
