@@ -430,10 +430,12 @@ def _reshape(path, key, shape):
     save_file(arrays, str(path), metadata=meta)
 
 
-@pytest.mark.parametrize("key, tail", [("gap_count", (1, 100)), ("bsfa_threshold", (4, 3)), ("tstar_hist", (1, 7))])
+@pytest.mark.parametrize("key, tail", [("gap_count", (1, 100)), ("bsfa_threshold", (4, 3)), ("tstar_hist", (1, 7)),
+                                       ("rescale_count", (1, 5)), ("rescale_excess", (2,)),
+                                       ("shortfall_count", (1, 2, 3))])
 def test_trailing_axes_of_the_runs_settings_are_checked(run, key, tail):
-    """A sample array whose trailing axes are not the run's settings (gap bins, k values, t* bins)
-    is damaged: `fit` leaves it out by name in one warning (before: a broadcast ValueError or an
+    """A sample array whose trailing axes are not the run's settings (gap bins, k values, t* bins,
+    rescale bins, shortfall prefixes and bins) is damaged: `fit` leaves it out by name in one warning (before: a broadcast ValueError or an
     IndexError deep in the fit)."""
     from sparsecal.formats.sample_values import trailing_shapes
 

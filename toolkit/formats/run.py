@@ -259,7 +259,7 @@ class RunStore:
             cfg = self.manifest["config"]
             full = {"orders", "k_values"} <= set(cfg)   # a run made by hand may name a few settings only
             return check_shapes(shapes, record["length"], cfg["block_m"], len(self.layers()), model["num_heads"],
-                                StatsConfig.from_dict(cfg) if full else None)
+                                StatsConfig.from_dict(cfg) if full else None, "rescale_bins" in cfg)
         return None
 
     def check_values(self, sid: str) -> str | None:

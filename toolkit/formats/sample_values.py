@@ -9,7 +9,8 @@ Checked by every reader of a sample (``RunStore.load_sample`` on the arrays it r
 - stats.safetensors, from its header: ``input_ids`` [N], ``candidates`` and ``reachable`` [P] with
   P = ceil(N / block_m), every other array [Lc, H, ...] (captured layers, query heads),
   ``joint_count`` (where present) the shape of ``qinit_count`` (the same bins), and the trailing
-  axes the run's settings fix (``trailing_shapes``: histogram bins, orders, k values);
+  axes the run's settings fix (``trailing_shapes``: histogram bins, orders, k values, and the
+  rescale / shortfall bins where the run recorded their settings);
 - values: no NaN anywhere; thresholds and sorted block maxima (THRESHOLD_KEYS) finite or -inf
   (-inf: keep every candidate / padding); every other statistic finite and >= 0; per-position
   masses (UNIT_KEYS) at most 1 + UNIT_EPS; ``candidates`` and ``reachable`` exactly the block
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsecal.formats.geometry import block_counts, cdiv
+from sparsecal.formats.geometry import PREFIXES, block_counts, cdiv
 from sparsecal.formats.stats_config import StatsConfig
 
 THRESHOLD_KEYS = frozenset({"bsfa_threshold", "bsfa_top_bmax", "decode_bsfa_threshold", "decode_bsfa_top_bmax"})
@@ -56,22 +57,28 @@ GAP_KEYS = ("gap_count", "gap_mass", "decode_gap_count", "decode_gap_mass", "dia
 K_KEYS = ("bsfa_kept", "bsfa_skipped_mass", "bsfa_threshold")
 
 
-def trailing_shapes(cfg: StatsConfig, length: int) -> dict[str, tuple]:
+def trailing_shapes(cfg: StatsConfig, length: int, rescale: bool = True) -> dict[str, tuple]:
     """The trailing axes (after [Lc, H]) the run's settings fix for a ``length``-token sample: the
     gap histograms [O, gap bins], t* [O, 3] and [O, tstar_bins], q-init and joint [q-init bins], the
-    BSFA per-position statistics [P, K] (O scan orders, P query blocks, K k values)."""
+    BSFA per-position statistics [P, K] (O scan orders, P query blocks, K k values); with
+    ``rescale`` (the run recorded its rescale / shortfall settings) the running-max rescales
+    [O, rescale_bins], their excess [O] and shortfalls [O, 2 prefixes, shortfall bins]."""
     o, p = len(cfg.orders), cdiv(length, cfg.block_m)
     out = {k: (o, len(cfg.gap_edges()) + 1) for k in GAP_KEYS}
     out |= {k: (p, len(cfg.k_values)) for k in K_KEYS}
     out |= {"tstar_where": (o, 3), "tstar_hist": (o, cfg.tstar_bins)}
     out |= {k: (len(cfg.qinit_edges()) + 1,) for k in ("qinit_count", "joint_count")}
+    if rescale:
+        out |= {"rescale_count": (o, cfg.rescale_bins), "rescale_excess": (o,),
+                "shortfall_count": (o, len(PREFIXES), len(cfg.shortfall_edges()) + 1)}
     return out
 
 
 def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: int, heads: int,
-                 cfg: StatsConfig | None = None) -> str | None:
+                 cfg: StatsConfig | None = None, rescale: bool = True) -> str | None:
     """None when the arrays' shapes {name: shape} fit a sample of ``length`` tokens (with ``cfg``,
-    the run's settings: ``trailing_shapes`` too); else what is wrong."""
+    the run's settings: ``trailing_shapes`` too, the rescale statistics' with ``rescale``); else
+    what is wrong."""
     want = {"input_ids": (length,), "candidates": (cdiv(length, block_m),), "reachable": (cdiv(length, block_m),)}
     for name in FLAT_KEYS:
         if name not in shapes:
@@ -85,7 +92,7 @@ def check_shapes(shapes: dict[str, tuple], length: int, block_m: int, layers: in
     for name, like in SAME_SHAPE.items():
         if name in shapes and like in shapes and tuple(shapes[name]) != tuple(shapes[like]):
             return f"{name} has shape {list(shapes[name])}, not {list(shapes[like])} of {like} (the same bins)"
-    for name, tail in (trailing_shapes(cfg, length) if cfg is not None else {}).items():
+    for name, tail in (trailing_shapes(cfg, length, rescale) if cfg is not None else {}).items():
         if name in shapes and tuple(shapes[name][2:]) != tail:
             return (f"{name} has shape {list(shapes[name])}, not [{layers}, {heads}, {', '.join(map(str, tail))}] "
                     "of this run's settings")
