@@ -478,15 +478,7 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
     Returns (out [B, H, 1, D] in q.dtype, skipped [B, H] int64 candidate tiles each head skipped,
     v_skipped [B, Hkv] int64 tiles every head of the group skipped: V tiles not loaded).
     """
-    from sparsecal.kernels.sparse.prefill import method_code
-
-    if topk is not None:
-        check_method(thresholds, log_lambda, window, topk)
-        if dense:
-            raise ValueError("method 'dense' takes no topk")
-    check_decision(decision)
-    method = 4 if topk is not None else method_code(thresholds, log_lambda, window, dense)
-    decide = {0: DENSE, 1: BSFA, 3: WINDOW, 4: MASK}.get(method, BLASST if order == "forward" else MASK)
+    decide = _decide_code(thresholds, log_lambda, window, topk, dense, decision, order)
     hkv, bound, kb, page = _check_layout(q, k, v, block_n, lengths, block_table)
     if decide == DENSE:
         dense_launch = dense_launch or launch_for(q.shape[-1], q.shape[1] // hkv, bound, q.shape[0])
@@ -526,6 +518,21 @@ def group_decode_triton(q, k, v, scale: float, block_m: int, block_n: int, *, th
              "TMA": kx is not None, **common}
     return _attend(q, k, v, (bt, lens, thr, tmax, skip), strides + (v.stride(0), v.stride(1), v.stride(2),
                    bt.stride(0) if block_table is not None else 0), tail, flags, cfg.fuse, kx)
+
+
+def _decide_code(thresholds, log_lambda, window, topk, dense: bool, decision: str, order: str) -> int:
+    """The attend pass's DECIDE code of a call's method (one of thresholds, log_lambda, window,
+    topk, dense; checked): DENSE, BSFA, WINDOW, BLASST (forward order), else MASK (a precomputed
+    skip mask: top-k, BLASST in another order)."""
+    from sparsecal.kernels.sparse.prefill import method_code
+
+    if topk is not None:
+        check_method(thresholds, log_lambda, window, topk)
+        if dense:
+            raise ValueError("method 'dense' takes no topk")
+    check_decision(decision)
+    method = 4 if topk is not None else method_code(thresholds, log_lambda, window, dense)
+    return {0: DENSE, 1: BSFA, 3: WINDOW, 4: MASK}.get(method, BLASST if order == "forward" else MASK)
 
 
 def _k_descriptor(k, block_n: int):

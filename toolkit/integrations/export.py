@@ -405,6 +405,23 @@ def _json_ok(v) -> bool:
     return True
 
 
+def _write(out: Path, doc: dict, bsfa: dict, text: str, engines: tuple, model: dict, force: bool, patch_config):
+    """The export's files into ``out`` once everything is checked (blasst.json's text first: a
+    document JSON cannot hold is refused before the overwrite check and any write): the BSFA
+    thresholds, blasst.json, report.txt ``text``, the engine files of ``engines`` (built, ctx) and
+    Model-Optimizer's block patched into ``patch_config``. Returns (text, engine files, patched)."""
+    built, ctx = engines
+    _blasst_text(out, doc)
+    check_overwrite(out, model["id"], doc["run"], force)
+    out.mkdir(parents=True, exist_ok=True)
+    write_bsfa(out, **bsfa)
+    write_blasst(out, doc)
+    atomic_write_text(out / F.REPORT, text)
+    written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
+    patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
+    return text, written, patched
+
+
 def export_run(store, out: Path, target: float | None = None, max_length: int | None = None, force: bool = False,
                formats=(), patch_config=None, per_layer: bool = False, min_layer_sparsity: float = MIN_LAYER_SPARSITY,
                hf_config=None, warn=None, break_even=None, margin: float = 0.0, serve_lengths=None,
@@ -452,15 +469,8 @@ def export_run(store, out: Path, target: float | None = None, max_length: int | 
     rows += built["rows"] if built else []
     doc["simulation"] = rows
     bsfa = _bsfa_parts(root, fit, thr, meta, layers, structural, max_length)  # everything checked before writing
-    _blasst_text(out, doc)
-    check_overwrite(out, model["id"], doc["run"], force)
-    out.mkdir(parents=True, exist_ok=True)
-    write_bsfa(out, **bsfa)
-    write_blasst(out, doc)
-    text = report(doc, rows, ignored, cfg, root) + engine_report(built)
-    atomic_write_text(out / F.REPORT, text)
-    written = E.write(out, built, E.manifest(built, doc, ctx)) if built else []
-    patched = F.patch_config(patch_config, built["block"], model) if patch_config is not None else None
+    text, written, patched = _write(out, doc, bsfa, report(doc, rows, ignored, cfg, root) + engine_report(built),
+                                    (built, ctx), model, force, patch_config)
     # once written: a refused export prints its error line alone
     for line in length_lines(doc) + notes + engine_notes(built):
         warn and warn(line)
