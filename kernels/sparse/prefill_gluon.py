@@ -149,11 +149,9 @@ def _decide(m_ij, m_new, row_ok, thr, DECIDE: gl.constexpr):
 
 
 @gluon.jit
-def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
-            o_layout: gl.constexpr):
-    """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
-    m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
-    shared memory, barrier v_ready at ``phase``) has landed."""
+def _softmax(s, m_i, m_new, l_i, qk_scale, MASKED: gl.constexpr):
+    """A tile's online-softmax step to the new row max m_new: (p [rows, BN] f32, alpha [rows] the
+    rescale of the old sums, l_new [rows] the new row sums)."""
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_ref[:, None])
@@ -161,13 +159,27 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
         m_ref = m_new
         p = gl.exp2(s * qk_scale - m_ref[:, None])
     alpha = gl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _pv(p, alpha, acc, v_tile, v_ready, phase, o_layout: gl.constexpr):
+    """acc [rows, D] f32 rescaled by alpha, plus P.V as async wgmma with P from registers, once the
+    tile's V copy (v_tile [BN, D] in shared memory, barrier v_ready at ``phase``) has landed."""
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(v_tile.dtype), gl.DotOperandLayout(0, o_layout, 2))
     mbarrier.wait(v_ready, phase)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    return acc, l_i
+    return warpgroup_mma_wait(0, deps=(acc,))
+
+
+@gluon.jit
+def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
+            o_layout: gl.constexpr):
+    """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
+    m_new (``_softmax``), then P.V (``_pv``)."""
+    p, alpha, l_i = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
+    return _pv(p, alpha, acc, v_tile, v_ready, phase, o_layout), l_i
 
 
 @gluon.jit

@@ -52,8 +52,10 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _cta_barrier,
+    _pv,
     _qk,
     _scores,
+    _softmax,
     _tma_load,
     launch,
 )
@@ -122,28 +124,54 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
+def _publish(red, dec_bar, t, vals, WG: gl.constexpr, BM: gl.constexpr):
+    """This warpgroup's half of decided tile t's rows into exchange entry t % 2 of red [2, BM] (vals
+    [HALF], -inf where a row is past N), then its arrival on the entry's mbarrier."""
+    HALF: gl.constexpr = BM // 2
+    red.index(t % 2).slice(WG * HALF, HALF).store(vals)
+    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
+    mbarrier.arrive(dec_bar.index(t % 2))
+
+
+@gluon.jit
+def _collect(red, dec_bar, t, thr, BM: gl.constexpr, NW: gl.constexpr):
+    """The block's decision at decided tile t once both warpgroups published: max over its 128 rows
+    >= thr, reduced in every thread from exchange entry t % 2."""
+    mbarrier.wait(dec_bar.index(t % 2), (t // 2) & 1)
+    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
+    return gl.max(red.index(t % 2).load(every), 0) >= thr
+
+
+@gluon.jit
 def _agree(red, dec_bar, t, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
     """The block's decision at decided tile t: max over its 128 rows of vals (this warpgroup's 64 rows
     [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, BM]."""
-    HALF: gl.constexpr = BM // 2
-    entry = red.index(t % 2)
-    entry.slice(WG * HALF, HALF).store(vals)
-    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
-    mbarrier.arrive(dec_bar.index(t % 2))
-    mbarrier.wait(dec_bar.index(t % 2), (t // 2) & 1)
-    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
-    return gl.max(entry.load(every), 0) >= thr
+    _publish(red, dec_bar, t, vals, WG, BM)
+    return _collect(red, dec_bar, t, thr, BM, NW)
+
+
+@gluon.jit
+def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
+    """The per-row value the decision takes the block's max of (DECIDE 1 BSFA: the row max; 2
+    BLASST: row max - running max, 0 where the tile raises it), -inf past N."""
+    if DECIDE == 1:
+        vals = m_ij
+    else:
+        vals = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
+    return gl.where(row_ok, vals, float("-inf"))
 
 
 @gluon.jit
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr):
+             s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST), online-softmax update and P.V when kept, release V. The
     ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before and its V
-    after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
+    after the decision. SPEC: the softmax step runs between publishing this half's rows and waiting for
+    the other half (its exp2 under the exchange's latency; a skipped tile drops it).
+    carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
@@ -156,20 +184,30 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
-    keep = True
-    if DECIDE == 1:
-        keep = _agree(red, dec_bar, t, gl.where(row_ok, m_ij, float("-inf")), thr, WG, BM, NW)
-    elif DECIDE == 2:
-        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
-        keep = _agree(red, dec_bar, t, gl.where(row_ok, gap, float("-inf")), thr, WG, BM, NW)
-    if ISSUER:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-    if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           v_ready.index(slot), phase, MASKED, o_layout)
-        m_i = m_new
+    if SPEC and DECIDE != 0:
+        _publish(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), WG, BM)
+        p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
+        keep = _collect(red, dec_bar, t, thr, BM, NW)
+        if ISSUER:
+            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+        l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the wait
+        if keep:
+            acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, d]), v_ready.index(slot), phase, o_layout)
+            m_i = m_new
+        else:
+            n_skip += 1
     else:
-        n_skip += 1
+        keep = True
+        if DECIDE != 0:
+            keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
+        if ISSUER:
+            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+        if keep:
+            acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                               v_ready.index(slot), phase, MASKED, o_layout)
+            m_i = m_new
+        else:
+            n_skip += 1
     mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
 
@@ -178,11 +216,11 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr):
+                s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout, SPEC)
     return carry
 
 
@@ -209,7 +247,7 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, SPEC: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -232,10 +270,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout, SPEC)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout,
-                        o_layout)
+                        o_layout, SPEC)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
 
@@ -254,11 +292,12 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
-                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPEC: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
-    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel`` except q_desc, whose
-    block is one consumer's half [1, BM / 2, D]."""
+    producer (PRODUCER_REGS); SPEC as ``_ws_tile``. Arguments as ``prefill_gluon._gluon_fwd_kernel``
+    except q_desc, whose block is one consumer's half [1, BM / 2, D]."""
     i = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -295,10 +334,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -306,20 +345,21 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
         ], [num_warps], [WORKER_REGS])
 
 
-def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None) -> dict:
+def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, spec: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
-    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice)."""
+    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``spec``: the
+    softmax step under the decision's exchange (``_ws_tile``'s SPEC)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "num_warps": CONSUMER_WARPS}
+          "SPEC": bool(spec), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -328,12 +368,13 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None) -> 
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None):
+                              producer: bool | None = None, spec: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
-    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG)."""
+    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); spec:
+    each tile's softmax step between publishing the decision's half and waiting for the other (ws_config)."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf))
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, spec))
     return out, skip.sum(dim=-1, dtype=torch.int64)

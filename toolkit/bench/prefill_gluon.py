@@ -18,6 +18,7 @@ kernel targets, in one run on one Hopper GPU.
 3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
+   ``gluon_ws_spec`` its softmax step under the decision's exchange (``ws_config`` spec);
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
    the same with 6 ring slots). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
@@ -54,6 +55,7 @@ CHECK_CASES = ((1000, 2, 4, 128, torch.bfloat16, 1, False), (777, 1, 8, 64, torc
 EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_prod": functools.partial(sparse_attention_gluon_ws, producer=True),
                   "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
+                  "gluon_ws_spec": functools.partial(sparse_attention_gluon_ws, spec=True),
                   "gluon_pair": sparse_attention_gluon_pair,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
