@@ -52,7 +52,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from sparsecal.kernels.sparse.prefill_gluon import _attend, _coords, _decide, _qk, _scores, _tma_load, launch
+from sparsecal.kernels.sparse.prefill_gluon import (
+    _attend,
+    _coords,
+    _decide,
+    _pv,
+    _qk,
+    _scores,
+    _softmax,
+    _tma_load,
+    launch,
+)
 from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _issue
 
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
@@ -77,10 +87,12 @@ def _pass(ring, t0, count, NBUF: gl.constexpr):
 @gluon.jit
 def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
                DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-               s_layout: gl.constexpr, o_layout: gl.constexpr):
+               s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
     """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
     128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
-    release V. carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
+    release V. SPEC: the softmax step's exp2s ahead of the decision's cross-warp reduction (issued
+    under its latency; a skipped tile drops them). carry = (acc [BM, D] f32, l_i [BM], m_i [BM]
+    (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
@@ -91,16 +103,27 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
-    keep = True
-    if DECIDE != 0:
+    if SPEC and DECIDE != 0:
+        p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
         keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-    if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           v_ready.index(slot), phase, MASKED, o_layout)
-        m_i = m_new
+        l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the branch
+        if keep:
+            acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, d]), v_ready.index(slot), phase, o_layout)
+            m_i = m_new
+        else:
+            mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
+            n_skip += 1
     else:
-        mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
-        n_skip += 1
+        keep = True
+        if DECIDE != 0:
+            keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
+        if keep:
+            acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                               v_ready.index(slot), phase, MASKED, o_layout)
+            m_i = m_new
+        else:
+            mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
+            n_skip += 1
     mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
 
@@ -108,11 +131,11 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
 @gluon.jit
 def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
                   DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
     """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 .."""
     for u in range(count):
         carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
-                           DECIDE, BM, BN, NBUF, s_layout, o_layout)
+                           DECIDE, BM, BN, NBUF, s_layout, o_layout, SPEC)
     return carry
 
 
@@ -145,7 +168,7 @@ def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constex
 @gluon.jit
 def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                    qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, SPEC: gl.constexpr):
     """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
     outside its block's range (all of them when the block is past N), then stores its rows and skip
     count (SKIP [B * H, P])."""
@@ -174,9 +197,9 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     _pass(ring, 0, j_lo - lo, NBUF)
     carry = _pair_segment(carry, q_tile, ring, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx, qk_scale, thr,
-                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout)
+                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout, SPEC)
     carry = _pair_segment(carry, q_tile, ring, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
-                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout)
+                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout, SPEC)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
     acc, l_i, m_i, n_skip = carry
     if i < n_blocks:
@@ -203,7 +226,7 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, SPEC: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
     1-warp producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``."""
@@ -230,22 +253,23 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps)),
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps)),
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
         (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                           NBUF)),
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None) -> dict:
-    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"])
+def pair_config(nbuf: int | None = None, spec: bool = False) -> dict:
+    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
+    ``spec``: the softmax step ahead of the decision (``_pair_tile``'s SPEC)."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], SPEC=bool(spec))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None):
+                                dense: bool = False, out=None, nbuf: int | None = None, spec: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64."""
@@ -254,5 +278,5 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf))
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, spec))
     return out, skip.sum(dim=-1, dtype=torch.int64)

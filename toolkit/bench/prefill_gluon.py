@@ -20,7 +20,7 @@ kernel targets, in one run on one Hopper GPU.
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_ws_spec`` its softmax step under the decision's exchange (``ws_config`` spec);
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots). A
+   the same with 6 ring slots, ``gluon_pair_spec`` its softmax step ahead of the decision). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -57,8 +57,9 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
                   "gluon_ws_spec": functools.partial(sparse_attention_gluon_ws, spec=True),
                   "gluon_pair": sparse_attention_gluon_pair,
+                  "gluon_pair_spec": functools.partial(sparse_attention_gluon_pair, spec=True),
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6)}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_spec": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
