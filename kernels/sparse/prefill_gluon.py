@@ -247,6 +247,43 @@ def _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t0, j0
 
 
 @gluon.jit
+def _ring_barriers(NBUF: gl.constexpr):
+    """(q_bar [1, 1], k_bar [NBUF, 1], v_bar [NBUF, 1]) mbarriers, each expecting one arrival a phase."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    for s in gl.static_range(NBUF):
+        mbarrier.init(k_bar.index(s), count=1)
+        mbarrier.init(v_bar.index(s), count=1)
+    return q_bar, k_bar, v_bar
+
+
+@gluon.jit
+def _invalidate(q_bar, k_bar, v_bar, NBUF: gl.constexpr):
+    """Retire the barriers of ``_ring_barriers``."""
+    mbarrier.invalidate(q_bar.index(0))
+    for s in gl.static_range(NBUF):
+        mbarrier.invalidate(k_bar.index(s))
+        mbarrier.invalidate(v_bar.index(s))
+
+
+@gluon.jit
+def _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, BM: gl.constexpr,
+               HEAD_DIM: gl.constexpr, NW: gl.constexpr, o_layout: gl.constexpr):
+    """acc / l_i [BM, D] into rows i * BM .. of O [B, H, N, D] (by strides), and the program's skip
+    count into SKIP [B * H, P]."""
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o = gl.convert_layout(o.to(O.dtype.element_ty), out_layout)
+    orow = i * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+    base = O + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
+    gl.store(base + orow.to(gl.int64)[:, None] * so_n + ocol[None, :], o, mask=(orow < n_ctx)[:, None])
+    gl.store(SKIP + bh.to(gl.int64) * gl.num_programs(0) + i, n_skip)
+
+
+@gluon.jit
 def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                       n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                       METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -268,13 +305,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [1, BM, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
-    for s in gl.static_range(NBUF):
-        mbarrier.init(k_bar.index(s), count=1)
-        mbarrier.init(v_bar.index(s), count=1)
+    q_bar, k_bar, v_bar = _ring_barriers(NBUF)
 
     n_cand = (i * BM) // BN
     n_reach = (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
@@ -310,19 +341,8 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_reach - n_cand, t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, True, 0, KV_ROWS,
                      HEAD_DIM, BM, BN, NBUF, s_layout, o_layout, SPEC)
     acc, l_i, m_i, n_skip = carry
-    mbarrier.invalidate(q_bar.index(0))
-    for s in gl.static_range(NBUF):
-        mbarrier.invalidate(k_bar.index(s))
-        mbarrier.invalidate(v_bar.index(s))
-
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    o = gl.convert_layout(o.to(O.dtype.element_ty), out_layout)
-    orow = i * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-    ocol = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-    base = O + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
-    gl.store(base + orow.to(gl.int64)[:, None] * so_n + ocol[None, :], o, mask=(orow < n_ctx)[:, None])
-    gl.store(SKIP + bh.to(gl.int64) * gl.num_programs(0) + i, n_skip)
+    _invalidate(q_bar, k_bar, v_bar, NBUF)
+    _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, BM, HEAD_DIM, num_warps, o_layout)
 
 
 def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,

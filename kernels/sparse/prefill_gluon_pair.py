@@ -63,7 +63,7 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _tma_load,
     launch,
 )
-from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _issue
+from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _block_range, _issue
 
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
@@ -137,16 +137,6 @@ def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_sc
         carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
                            DECIDE, BM, BN, NBUF, s_layout, o_layout, SPEC)
     return carry
-
-
-@gluon.jit
-def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """(first key tile, first diagonal tile, end tile) of query block i."""
-    n_cand = (i * BM) // BN
-    j_lo = n_cand * 0
-    if METHOD == 3:
-        j_lo = gl.maximum(n_cand - window, 0)
-    return j_lo, n_cand, (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
 
 
 @gluon.jit

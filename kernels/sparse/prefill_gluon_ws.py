@@ -288,6 +288,16 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
+def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """(first key tile, first diagonal tile, end tile) of query block i."""
+    n_cand = (i * BM) // BN
+    j_lo = n_cand * 0
+    if METHOD == 3:
+        j_lo = gl.maximum(n_cand - window, 0)
+    return j_lo, n_cand, (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+
+
+@gluon.jit
 def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -315,11 +325,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     dec_bar = _barriers(2, 2)
     fence_async_shared()
 
-    n_cand = (i * BM) // BN
-    n_reach = (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
-    j_lo = n_cand * 0
-    if METHOD == 3:
-        j_lo = gl.maximum(n_cand - window, 0)
+    j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
     thr = log_lambda2
     if METHOD == 1:
         thr = gl.load(THR + h * n_thr + gl.minimum(i, n_thr - 1)) * 1.4426950408889634
