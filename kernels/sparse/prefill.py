@@ -109,41 +109,14 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
 
 
 @triton.jit
-def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
-                       sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
-                       n_ctx, num_heads, group, n_thr, qk_scale, softcap, log_lambda2, window, sink,
-                       METHOD: tl.constexpr, ORDER: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, SOFTCAP: tl.constexpr,
-                       PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST, 3 window;
-    ORDER (BLASST) 0 forward, 1 reverse, 2 sink_local. THR [H, n_thr] f32 natural units (BSFA);
-    log_lambda2 = ln(lambda) * log2(e) (BLASST); window = W, sink 1 keeps block 0 (window). O [B, H, N, D] by strides;
-    SKIP [B * H, P] i32 tiles skipped by each program. SOFTCAP: scores capped (``softcap``, log2)."""
-    i = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
-    hk = (h // group).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = i * BM + offs_m
-    row_ok = (offs_m < BM) & (rows < n_ctx)
-    q = tl.load(Q + b * sq_b + h.to(tl.int64) * sq_h + rows[:, None] * sq_n + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    k_ptr = K + b * sk_b + hk * sk_h
-    v_ptr = V + b * sv_b + hk * sv_h
-    n_cand = (i * BM) // BN
-    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+def _scan(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand, n_reach, n_ctx, qk_scale,
+          softcap, thr, window, sink, METHOD: tl.constexpr, ORDER: tl.constexpr, BN: tl.constexpr,
+          BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr,
+          SOFTCAP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """A query block's key blocks in the method's scan order (``_sparse_fwd_kernel``'s METHOD and
+    ORDER): the diagonal blocks n_cand .. n_reach - 1 always computed, the candidates before them
+    decided (BSFA, BLASST) or windowed; returns (acc, l_i, m_i, n_skip)."""
     n_diag = n_reach - n_cand
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    n_skip = tl.zeros([], tl.int32)
-    if METHOD == 1:
-        thr = tl.load(THR + h * n_thr + tl.minimum(i, n_thr - 1)) * 1.4426950408889634
-    else:
-        thr = log_lambda2
     CAND: tl.constexpr = 0 if METHOD == 3 else METHOD  # the window has no per-tile decision
     if METHOD == 2 and ORDER == 1:  # reverse: diagonal blocks down, then candidates down
         acc, l_i, m_i, n_skip = _sparse_segment(
@@ -178,6 +151,47 @@ def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
         acc, l_i, m_i, n_skip = _sparse_segment(
             acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand, 1, n_diag,
             n_ctx, qk_scale, softcap, thr, BN, BLOCK_N, True, 0, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
+    return acc, l_i, m_i, n_skip
+
+
+@triton.jit
+def _sparse_fwd_kernel(Q, K, V, O, THR, SKIP,
+                       sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
+                       n_ctx, num_heads, group, n_thr, qk_scale, softcap, log_lambda2, window, sink,
+                       METHOD: tl.constexpr, ORDER: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       EVEN_N: tl.constexpr, GATE_V: tl.constexpr, DO_SKIP: tl.constexpr, SOFTCAP: tl.constexpr,
+                       PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST, 3 window;
+    ORDER (BLASST) 0 forward, 1 reverse, 2 sink_local. THR [H, n_thr] f32 natural units (BSFA);
+    log_lambda2 = ln(lambda) * log2(e) (BLASST); window = W, sink 1 keeps block 0 (window). O [B, H, N, D] by strides;
+    SKIP [B * H, P] i32 tiles skipped by each program. SOFTCAP: scores capped (``softcap``, log2)."""
+    i = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    hk = (h // group).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = i * BM + offs_m
+    row_ok = (offs_m < BM) & (rows < n_ctx)
+    q = tl.load(Q + b * sq_b + h.to(tl.int64) * sq_h + rows[:, None] * sq_n + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_ptr = K + b * sk_b + hk * sk_h
+    v_ptr = V + b * sv_b + hk * sv_h
+    n_cand = (i * BM) // BN
+    n_reach = (tl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    n_skip = tl.zeros([], tl.int32)
+    if METHOD == 1:
+        thr = tl.load(THR + h * n_thr + tl.minimum(i, n_thr - 1)) * 1.4426950408889634
+    else:
+        thr = log_lambda2
+    acc, l_i, m_i, n_skip = _scan(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, sk_n, sv_n, rows, row_ok, offs_d, n_cand,
+                                  n_reach, n_ctx, qk_scale, softcap, thr, window, sink, METHOD, ORDER, BN, BLOCK_N,
+                                  EVEN_N, GATE_V, DO_SKIP, SOFTCAP, PREC, UPCAST)
     o_ptr = O + b * so_b + h.to(tl.int64) * so_h + rows[:, None] * so_n + offs_d[None, :]
     tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(SKIP + bh.to(tl.int64) * tl.num_programs(0) + i, n_skip)
