@@ -293,6 +293,22 @@ def _group_tmax_kernel(Q, K, BT, LENS, TMAX, sq_b, sq_h, sk_b, sk_h, sk_n, s_bt,
 
 
 @triton.jit
+def _decision_state(THR, TMAX, bh, g_ok, j0, n_kb, length, block_m, n_thr, num_heads, DECIDE: tl.constexpr,
+                    GP: tl.constexpr):
+    """(thr [GP] the heads' BSFA thresholds at this row's position in log2 units (DECIDE 2), run [GP]
+    the BLASST running max before split tile j0 from the pre-pass maxima TMAX (DECIDE 3)); zeros and
+    -inf otherwise."""
+    thr = tl.zeros([GP], tl.float32)
+    if DECIDE == 2:
+        pos = tl.minimum((length - 1) // block_m, n_thr - 1)
+        thr = tl.load(THR + (bh % num_heads) * n_thr + pos, mask=g_ok, other=0.0) * 1.4426950408889634
+    run = tl.full([GP], float("-inf"), tl.float32)
+    if DECIDE == 3:
+        run = _prefix_max(TMAX, bh, g_ok, j0, n_kb, 64)
+    return thr, run
+
+
+@triton.jit
 def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VCNT, CTR, SKD, VSKD, O,
                          sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_bt, so_b, so_h, length, n_kb,
                          tiles_per_split, n_split, num_heads, group, qk_scale, softcap, block_m, n_thr, ll2, window,
@@ -314,13 +330,7 @@ def _group_attend_kernel(Q, K, V, BT, LENS, THR, TMAX, SKIP, ACC, M, LS, CNT, VC
     j0 = split * tiles_per_split
     j1 = tl.minimum(j0 + tiles_per_split, tl.cdiv(length, BN))
     n_cand = (length - 1) // BN
-    thr = tl.zeros([GP], tl.float32)
-    if DECIDE == 2:
-        pos = tl.minimum((length - 1) // block_m, n_thr - 1)
-        thr = tl.load(THR + (bh % num_heads) * n_thr + pos, mask=g_ok, other=0.0) * 1.4426950408889634
-    run = tl.full([GP], float("-inf"), tl.float32)
-    if DECIDE == 3:
-        run = _prefix_max(TMAX, bh, g_ok, j0, n_kb, 64)
+    thr, run = _decision_state(THR, TMAX, bh, g_ok, j0, n_kb, length, block_m, n_thr, num_heads, DECIDE, GP)
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
