@@ -125,6 +125,13 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, m_sl, q,
 
 
 @triton.jit
+def _softmax_state(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax before the first tile: acc [BLOCK_M, D] 0, row sums 0, row maxima -inf."""
+    return (tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.full([BLOCK_M], float("-inf"), tl.float32))
+
+
+@triton.jit
 def _row_state(BLOCK_M: tl.constexpr):
     """Per-row scan state before the first tile: t* step and where (0), rescales (0), the running
     max after step 0 and after the local prefix, and the sink + diagonal max (-inf)."""
@@ -170,9 +177,7 @@ def _fwd_stats_kernel(Q, K, V, KREP, O, LSE, BMAX, GAP, TSTEP, TWHERE, QERR, RES
                        PREC, UPCAST)
     k_ptr, v_ptr = K + hk * sk_h, V + hk * sv_h
     tile = (h * n_qb + i) * n_kb
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    acc, l_i, m_i = _softmax_state(BLOCK_M, HEAD_DIM)
     t_step, t_where, n_up, m_first, m_loc, m_sl = _row_state(BLOCK_M)
     n_loc = tl.minimum(1 + n_reach - n_cand, n_reach)  # geometry.local_prefix
     n_diag = n_reach - n_cand
