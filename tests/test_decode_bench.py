@@ -2,9 +2,13 @@
 shape: the kernel checks pass and every variant is timed with its counted sparsity and V-skip share."""
 import json
 
-from sparsecal.bench import decode as bench_decode
+import pytest
 
-from helpers import INTERPRETER_WARNINGS
+from sparsecal.bench import decode as bench_decode
+from sparsecal.bench import decode_report as report
+from sparsecal.formats.errors import UserError
+
+from helpers import INTERPRETER_WARNINGS, ROOT
 
 
 @INTERPRETER_WARNINGS
@@ -100,3 +104,34 @@ def test_the_dense_check_covers_the_swept_head_dims_only():
     assert check_shapes((128,)) == [(8, 2, 128)]
     assert check_shapes((64,)) == [(8, 8, 64), (8, 1, 64)]
     assert check_shapes((64, 128)) == list(CHECK_SHAPES)
+
+
+def test_the_report_counts_the_committed_targets_runs_one_way():
+    """bench.decode_report on the committed H100 targets runs (s41, s42): the must-show counts NOTES
+    records, counted by the median and by the interval's upper end (s41's notes rounded to two places
+    and read 25/36 where the median gives 21), and the two dispatched floors below 0.99."""
+    bench = ROOT / "data" / "bench"
+    got = {}
+    for run in ("s41", "s42"):
+        rows = [r for d in (128, 64) for r in report.targets_rows(report.read(bench / f"decode-targets-{run}-b16-h100-d{d}.json.gz",
+                                                                     "decode"))]
+        got[run] = report.counts(rows)
+        assert got[run]["shapes"] == 18 and got[run]["cells"] == 36
+        assert "Dense interval reaching 1.0" in report.targets_markdown(rows)
+    assert [got[r]["dense_reaching_1"] for r in ("s41", "s42")] == [10, 7]
+    assert [(got[r]["of_ideal_median"], got[r]["of_ideal_hi"]) for r in ("s41", "s42")] == [(21, 22), (28, 28)]
+    assert [s[:3] for s in got["s42"]["floor_below"]] == [(128, 4, 16384), (64, 8, 65536)]
+
+
+def test_the_report_holds_a_sweep_against_this_trees_tables():
+    """Against sweep 10 (the sweep the sparse table is from) every table launch was timed and is within
+    3 % of the fastest; sweep 8 did not time this tree's TMA entries, which is one line; a file of the
+    other benchmark is one line too."""
+    bench = ROOT / "data" / "bench"
+    for d in (128, 64):
+        rows = report.sweep_rows(report.read(bench / f"decode-sweep10-b16-h100-d{d}.json", "decode-sweep"))
+        assert len(rows) == 9 and all(0.97 <= r[k][4] <= 1.0 for r in rows for k in ("dense", "s50", "s75"))
+    with pytest.raises(UserError, match="w2s3p8-tma was not timed"):
+        report.sweep_rows(report.read(bench / "decode-sweep8-b16-h100-d128.json", "decode-sweep"))
+    with pytest.raises(UserError, match="not 'decode'; pass --sweep"):
+        report.read(bench / "decode-sweep10-b16-h100-d64.json", "decode")

@@ -1,0 +1,160 @@
+"""The markdown tables data/bench/NOTES.md records after a decode GPU run, read from the run's files
+(issue 28's decode rows): what a sweep says against the committed tables, and where a targets run
+stands on each must-show line, counted one way every time.
+
+    python -m sparsecal.bench.decode_report --sweep data/bench/decode-sweep10-b16-h100-d64.json ...
+    python -m sparsecal.bench.decode_report --targets data/bench/decode-targets-s42-b16-h100-d128.json.gz ...
+
+--sweep (files of ``python -m sparsecal.bench.decode --sweep``): per shape and sparsity, the
+table's sparse launch (``decode_group.sparse_launch_for``), the fastest checked sparse launch the
+sweep timed and the ratio of their medians (< 1: the sweep found a faster one), and the same for
+the dense launch (``decode_group_dense.launch_for``).
+
+--targets (files of ``python -m sparsecal.bench.decode``): dense decode against the best SDPA
+(graph replays, with the rounds' interval), Flash SDPA, the faster of the two reproducible dense
+steps (the dispatched floor), and the BSFA group decision's share of the ideal at 50 % / 75 %.
+Counted: dense shapes whose interval reaches 1.0, sparse cells at >= 0.90 of the ideal by the
+median and by the interval's upper end, dispatched floors below 0.99.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.json_values import finite_number
+from sparsecal.kernels.sparse.decode_group import sparse_launch_for
+from sparsecal.kernels.sparse.decode_group_dense import ATTEND, launch_for
+
+OF_IDEAL = 0.90     # issue 28: sparse decode at >= 0.90 of the ideal from the group V-skip share
+FLOOR = 0.99        # and no dispatched decode below 0.99x the best SDPA
+TARGETS = (50, 75)  # the sparsities the benchmarks time (percent)
+
+
+def read(path, benchmark: str) -> dict:
+    """A decode benchmark file (.json or .json.gz) of ``benchmark`` ("decode-sweep" or "decode")."""
+    path = Path(path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        doc = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable decode benchmark file ({type(e).__name__}); pass the .json or "
+                        ".json.gz the benchmark wrote.") from None
+    if not isinstance(doc, dict) or doc.get("benchmark") != benchmark or not isinstance(doc.get("shapes"), list):
+        kind = doc.get("benchmark") if isinstance(doc, dict) else type(doc).__name__
+        raise UserError(f"{path} holds a {kind!r} benchmark, not {benchmark!r}; pass --sweep for "
+                        "`bench.decode --sweep` files and --targets for `bench.decode` files.")
+    return doc
+
+
+def _number(row: dict, key: str, path) -> float:
+    x = row.get(key)
+    if not finite_number(x):
+        raise UserError(f"{path}: row {row.get('variant')!r} has {key} = {x!r}, not a finite number; the file is "
+                        "damaged: run the benchmark again.")
+    return float(x)
+
+
+def sweep_rows(doc: dict, path="the sweep") -> list[dict]:
+    """Per swept shape: d, group, length, then for "dense", "s50", "s75": (table's launch, its ms,
+    fastest launch, its ms, fastest / table)."""
+    out = []
+    for shape in doc["shapes"]:
+        if "rows" not in shape:   # a shape that failed on the GPU is recorded with its error only
+            continue
+        d, g, n = shape["d"], shape["group"], shape["length"]
+        dense = launch_for(d, g, n, shape.get("batch", 16))
+        names = {"dense": "dense_" + (dense if dense == ATTEND else dense.name())}
+        names |= {f"s{t}": f"bsfa_group_s{t}_{sparse_launch_for(d, g, n).name()}" for t in TARGETS}
+        row = {"d": d, "group": g, "length": n}
+        for key, mine in names.items():
+            prefix = "dense_" if key == "dense" else f"bsfa_group_{key}_"
+            timed = {r["variant"]: _number(r, "ms", path) for r in shape["rows"]
+                     if r["variant"].startswith(prefix) and r.get("ok") and r.get("ms") is not None}
+            if mine not in timed:
+                raise UserError(f"{path}: D={d} G={g} {n}: the table's launch {mine} was not timed (or not checked) "
+                                "by this sweep; sweep again with this tree's candidates.")
+            best = min(timed, key=timed.get)
+            row[key] = (mine[len(prefix):], timed[mine], best[len(prefix):], timed[best], timed[best] / timed[mine])
+        out.append(row)
+    return out
+
+
+def targets_rows(doc: dict, path="the targets run") -> list[dict]:
+    """Per shape: d, group, length, best SDPA (graph), own dense (median, lo, hi), Flash, the floor
+    (the faster reproducible dense step), and per sparsity the group BSFA decision's (speedup, share
+    of the ideal, its interval's upper end)."""
+    out = []
+    for shape in doc["shapes"]:
+        rows = {r["variant"]: r for r in shape["rows"]}
+        own, flash = rows["group_dense"], rows["sdpa_flash_native"]
+        row = {"d": shape["d"], "group": shape["group"], "length": shape["length"],
+               "sdpa": shape["best_sdpa_graph"], "sdpa_ms": _number(rows[shape["best_sdpa_graph"]], "graph_ms", path),
+               "own": tuple(_number(own, f"graph_speedup_vs_sdpa{s}", path) for s in ("", "_lo", "_hi")),
+               "flash": _number(flash, "graph_speedup_vs_sdpa", path)}
+        row["floor"] = max(row["own"][0], row["flash"])
+        for t in TARGETS:
+            r = rows[f"group_bsfa_group_s{t}"]
+            row[f"s{t}"] = tuple(_number(r, k, path) for k in ("graph_speedup_vs_sdpa", "graph_of_ideal",
+                                                                "graph_of_ideal_hi"))
+        out.append(row)
+    return out
+
+
+def counts(rows: list[dict]) -> dict:
+    """The targets' must-show counts over ``targets_rows``."""
+    cells = [r[f"s{t}"] for r in rows for t in TARGETS]
+    return {"shapes": len(rows), "dense_reaching_1": sum(r["own"][2] >= 1.0 for r in rows),
+            "cells": len(cells), "of_ideal_median": sum(c[1] >= OF_IDEAL for c in cells),
+            "of_ideal_hi": sum(c[2] >= OF_IDEAL for c in cells),
+            "floor_below": [(r["d"], r["group"], r["length"], round(r["floor"], 3)) for r in rows
+                            if r["floor"] < FLOOR]}
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    lines = ["| D | G | cached | dense: table -> fastest (ratio) | 50%: table -> fastest | 75%: table -> fastest |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[k][0]} -> {r[k][2]} ({r[k][4]:.3f})" for k in ("dense", "s50", "s75")]
+        lines.append(f"| {r['d']} | {r['group']} | {r['length'] // 1024}K | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_markdown(rows: list[dict]) -> str:
+    lines = ["| D | G | cached | best SDPA ms | own dense [95%] | Flash | floor | "
+             + " | ".join(f"{t}%: speedup, of ideal (hi)" for t in TARGETS) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS)]
+    for r in rows:
+        own = "{:.3f} [{:.3f}, {:.3f}]".format(*r["own"])
+        sparse = " | ".join("x{:.2f}, {:.2f} ({:.2f})".format(*r[f"s{t}"]) for t in TARGETS)
+        lines.append(f"| {r['d']} | {r['group']} | {r['length'] // 1024}K | {r['sdpa'].split('_')[1]} "
+                     f"{r['sdpa_ms']:.3f} | {own} | {r['flash']:.3f} | {r['floor']:.3f} | {sparse} |")
+    c = counts(rows)
+    lines.append("")
+    lines.append(f"Dense interval reaching 1.0: {c['dense_reaching_1']}/{c['shapes']}; sparse >= {OF_IDEAL} of the "
+                 f"ideal: {c['of_ideal_median']}/{c['cells']} by the median, {c['of_ideal_hi']}/{c['cells']} by the "
+                 f"interval's upper end; dispatched floor below {FLOOR}: {c['floor_below'] or 'none'}.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.decode_report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweep", nargs="+", default=[], help="files of `python -m sparsecal.bench.decode --sweep`")
+    ap.add_argument("--targets", nargs="+", default=[], help="files of `python -m sparsecal.bench.decode`")
+    args = ap.parse_args(argv)
+    if not (args.sweep or args.targets):
+        raise UserError("nothing to report: pass --sweep FILE ... and / or --targets FILE ...")
+    if args.sweep:
+        print(sweep_markdown([r for p in args.sweep for r in sweep_rows(read(p, "decode-sweep"), p)]))
+    if args.targets:
+        print(targets_markdown([r for p in args.targets for r in targets_rows(read(p, "decode"), p)]))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}")
+        raise SystemExit(2)
