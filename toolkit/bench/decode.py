@@ -52,7 +52,7 @@ from sparsecal.bench.decode_inputs import (
     sdpa_variants,
 )
 from sparsecal.bench.decode_sweep import run as run_sweep
-from sparsecal.bench.harness import compiled_info, graph_replay, log
+from sparsecal.bench.harness import compiled_info, graph_replay, log, run_cli
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -378,8 +378,4 @@ def summary(shape: dict) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}")
-        raise SystemExit(2)
+    run_cli(main)

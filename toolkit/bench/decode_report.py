@@ -23,6 +23,7 @@ import gzip
 import json
 from pathlib import Path
 
+from sparsecal.bench.harness import run_cli
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.json_values import finite_number
 from sparsecal.kernels.sparse.decode_group import sparse_launch_for
@@ -153,8 +154,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}")
-        raise SystemExit(2)
+    run_cli(main)

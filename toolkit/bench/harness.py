@@ -39,6 +39,18 @@ CHECK_CASES = [  # (N, KV heads, group, D, BM, BN, dtype)
 ]
 
 
+def run_cli(main) -> None:
+    """A benchmark module's ``python -m`` entry: ``main()``, with a UserError (bad input, a file of
+    another kind) printed as its one line and exit code 2."""
+    from sparsecal.formats.errors import UserError
+
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}")
+        raise SystemExit(2) from None
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
