@@ -87,7 +87,7 @@ def write_gap_cum(out: Path, pooled: dict, edges: np.ndarray, orders, stride: in
             continue
         lens = sorted(sums)
 
-        def binned(key):
+        def binned(key, sums=sums, lens=lens):
             cum = np.stack([np.cumsum(getattr(sums[n], key), -1)[..., pick] for n in lens])
             return np.diff(cum, axis=-1, prepend=0.0).astype(np.float32)
 

@@ -48,7 +48,7 @@ from sparsecal.formats.run import (
     captured_layers,
     check_manifest,
 )
-from sparsecal.formats.sample_values import check_record, raw_value_problem
+from sparsecal.formats.sample_values import RAW_KEYS, check_record, raw_value_problem
 from sparsecal.formats.tensors import SPARSE_META, decode
 
 RUNS_ENV = "SPARSECAL_RUNS"          # os.pathsep-separated run directories (the CLI also passes argv)
@@ -277,7 +277,7 @@ def _read_safetensors(path: Path, keys=None) -> tuple[dict, dict]:
     try:
         with safe_open(str(path), framework="np") as f:
             meta = dict(f.metadata() or {})
-            arrays = {k: f.get_tensor(k) for k in f.keys() if keys is None or k in keys}
+            arrays = {k: f.get_tensor(k) for k in f.keys() if keys is None or k in keys}  # noqa: SIM118 - not iterable
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line on the page
         raise Broken(f"{path} is not a readable safetensors file ({type(e).__name__}).") from None
     return arrays, meta
@@ -383,14 +383,14 @@ def _raw_slice(path: str, stamp, layer: int, head: int) -> dict:
     try:
         with safe_open(path, framework="np") as f:
             names = set(f.keys())
-            lacking = {"raw_bmax", "raw_gap", "raw_mass"} - names
+            lacking = set(RAW_KEYS) - names
             if lacking:
                 raise Broken(f"{path} lacks {', '.join(sorted(lacking))}; capture the run again with --raw.")
             shape = f.get_slice("raw_bmax").get_shape()
             if not (0 <= layer < shape[0] and 0 <= head < shape[1]):
                 raise Broken(f"{path} has {shape[0]} layers x {shape[1]} heads; no layer {layer}, head {head}.")
             out = {k[4:]: np.asarray(f.get_slice(k)[layer, head], dtype=np.float32)
-                   for k in ("raw_bmax", "raw_gap", "raw_mass")}
+                   for k in RAW_KEYS}
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -16,7 +16,7 @@ from sparsecal.integrations import consumer_modelopt as M
 from helpers import ROOT, assert_user_error, cli, hybrid_synthetic_run, make_checkpoint
 
 pytest.importorskip("modelopt.torch.sparsity.attention_sparsity")
-from modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
+from modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
     load_from_checkpoint_metadata,
     match_sparse_config,
 )

@@ -360,7 +360,7 @@ def test_the_app_never_imports_torch():
             f"at = AppTest.from_file({str(APP)!r}, default_timeout=120)\nat.run()\n"
             f"for p in {sorted(PAGES.values())!r}:\n    at.switch_page(p).run()\n    assert not at.exception, p\n"
             "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
 

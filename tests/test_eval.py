@@ -400,10 +400,10 @@ def test_merge_shards_of_one_evaluation(tmp_path):
         st = EvalStore.create(tmp_path / task, dict(base, request={"methods": "dense,bsfa:4", "samples": n},
                                                     prompts=prompts))
         for p in prompts:
-            for label, score in (("dense", 1.0), ("bsfa:4", 0.0 if p["id"] == "niah_single0" else 1.0)):
+            for label, got in (("dense", 1.0), ("bsfa:4", 0.0 if p["id"] == "niah_single0" else 1.0)):
                 st.add_row({"sample_id": p["id"], "task": task, "length": 512, "label": label,
                             "method": label.split(":")[0], "config": "dense" if label == "dense" else "k=4",
-                            "score": score, "correct": score == 1.0, "kl": 0.0, "top1": 1.0, "nll": 1.0,
+                            "score": got, "correct": got == 1.0, "kl": 0.0, "top1": 1.0, "nll": 1.0,
                             "sparsity": 0.0, "decode_sparsity": 0.0, "prefill_s": 0.1, "decode_s": 0.1,
                             "held_out_task": True, "answer_logprob": -1.0})
     EvalStore.open(tmp_path / "text").note_run("rows", device="cpu")

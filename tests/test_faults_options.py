@@ -142,7 +142,7 @@ def test_export_fit_verify_options_refused_before_reading_the_run(tripwire, tmp_
 
 # ---- children end with their launcher ----------------------------------------------------------
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout.split()
     return [int(x) for x in out]
 
 
@@ -156,10 +156,9 @@ def _alive(pid: int) -> bool:
 
 def launcher(tmp_path, *args) -> subprocess.Popen:
     """`sparsecal ARGS` writing to files, not pipes: a child that outlives it cannot hold them open."""
-    log = open(tmp_path / "launcher.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "sparsecal.cli", *map(str, args)], stdout=log,
-                            stderr=subprocess.STDOUT, env=ONE_THREAD)
-    log.close()
+    with open(tmp_path / "launcher.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "sparsecal.cli", *map(str, args)], stdout=log,
+                                stderr=subprocess.STDOUT, env=ONE_THREAD)
     proc.log = tmp_path / "launcher.log"
     return proc
 
@@ -233,10 +232,10 @@ def test_dashboard_server_ends_when_its_command_is_killed(tmp_path):
 def test_a_child_whose_parent_is_gone_ends_at_once():
     """The race of PR_SET_PDEATHSIG: a parent that died before the child asked is caught by getppid()."""
     code = "from sparsecal.formats.children import die_with_parent; die_with_parent(1); print('alive')"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert res.stdout == "" and res.returncode == 128 + signal.SIGKILL
     ok = subprocess.run([sys.executable, "-c", code.replace("(1)", f"({os.getpid()})")],
-                        capture_output=True, text=True, timeout=60)
+                        capture_output=True, text=True, timeout=60, check=False)
     assert ok.stdout == "alive\n" and ok.returncode == 0
 
 
@@ -284,7 +283,7 @@ def _app(monkeypatch, run) -> AppTest:
 def test_garbled_sample_leaves_one_sample_out_of_overview_and_tiles(monkeypatch, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run)
-    bad = sorted((run / "samples").iterdir())[0]
+    bad = min((run / "samples").iterdir())
     (bad / "sample.json").write_text('{"id": "garbl')
     at = _app(monkeypatch, run)
     at.switch_page("page_overview.py").run()

@@ -101,7 +101,7 @@ def _scan_segment(acc, l_i, m_i, t_step, t_where, n_up, m_first, m_loc, m_sl, q,
     SOFTCAP: scores capped at ``softcap`` (log2 units), as in jit.tile_qk.
     STATS off: the plain scan (no bmax/gap/t*), only to measure what the statistics cost.
     """
-    for t in range(0, count):
+    for t in range(count):
         j = j_first + t * j_dir
         qk, m_ij, keys, kmask = tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, softcap, BN, BLOCK_N,
                                          MASKED, SOFTCAP, PREC, UPCAST)
@@ -245,7 +245,7 @@ def instrumented_forward_triton(q, k, v, scale: float, cfg: StatsConfig, order: 
     p, kb = cdiv(n, bm), cdiv(n, bn)
     krep = signed_absmax_keys(pad_blocks(k[0], bn), bn)  # [Hkv, Kb, D]
     out = torch.empty_like(q)
-    f32 = dict(dtype=torch.float32, device=dev)
+    f32 = {"dtype": torch.float32, "device": dev}
     lse, qerr, jerr = torch.empty((h, n), **f32), torch.empty((h, n), **f32), torch.empty((h, n), **f32)
     bmax, gap = torch.full((h, p, kb), float("-inf"), **f32), torch.full((h, p, kb), float("-inf"), **f32)
     tstep = torch.empty((h, n), dtype=torch.int32, device=dev)

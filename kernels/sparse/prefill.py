@@ -76,7 +76,7 @@ def _sparse_segment(acc, l_i, m_i, n_skip, q, k_ptr, v_ptr, stride_kn, stride_vn
     the decision is made and counted but every tile is computed (the decision's cost, measured).
     SOFTCAP: scores capped at ``softcap`` (log2 units), as in jit.tile_qk.
     """
-    for t in range(0, count):
+    for t in range(count):
         j = j_first + t * j_dir
         qk, m_ij, keys, kmask = tile_qk(q, k_ptr, stride_kn, rows, offs_d, j, n_ctx, qk_scale, softcap, BN, BLOCK_N,
                                          MASKED, SOFTCAP, PREC, UPCAST)

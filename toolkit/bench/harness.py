@@ -88,7 +88,7 @@ def sweep(name: str, variants, make_fn) -> tuple:
             if best is None or ms < best[1]:
                 best = (var, ms)
             log(f"  {name} {var}: {ms:.3f} ms")
-        except Exception as e:  # a config that does not compile or fit is recorded, not fatal
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is recorded, not fatal
             rows.append({"variant": list(var), "error": f"{type(e).__name__}: {str(e)[:300]}"})
             log(f"  {name} {var}: FAILED {type(e).__name__}: {str(e)[:200]}")
     return (best[0] if best else None), rows
@@ -122,7 +122,7 @@ def sdpa_fn(q, k, v, backend, causal: bool = True):
     try:
         native()
         return native, "native"
-    except Exception:
+    except Exception:  # noqa: BLE001 - any refusal of the native GQA call: expand the KV heads instead
         group = q.shape[1] // k.shape[1]
         kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
@@ -147,7 +147,7 @@ def sdpa_fns(q, k, v, backends=PREFILL_SDPA, causal: bool = True) -> tuple[dict,
         name = f"sdpa_{backend.split('_')[0].lower()}"
         try:
             fns[name] = sdpa_fn(q, k, v, getattr(SDPBackend, backend), causal=causal)
-        except Exception as e:  # a backend that does not run here is recorded, not fatal
+        except Exception as e:  # noqa: BLE001 - a backend that does not run here is recorded, not fatal
             missing[name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
             log(f"  {name} {missing[name]}")
     return fns, missing
@@ -162,7 +162,7 @@ def compiled_info(name: str) -> dict:
 def run_section(result: dict, key: str, fn, save) -> None:
     try:
         result[key] = fn()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a failing section is recorded and the run goes on
         log(f"{key} FAILED: {type(e).__name__}: {e}")
         result.setdefault("errors", {})[key] = traceback.format_exc()[-3000:]
     save()

@@ -22,10 +22,10 @@ import torch
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.geometry import CAPTURE_BACKENDS as BACKENDS
 from sparsecal.formats.geometry import TRITON_HEAD_DIMS
+from sparsecal.formats.sample_values import RAW_KEYS
 
 ATTN_NAME = "sparsecal_capture"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("sparsecal_collector", default=None)
-RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")
 
 
 @dataclass

@@ -92,10 +92,10 @@ def trtllm_target_text(targets: dict, header: list[str]) -> str:
 def vllm_text(checkpoint, header: list[str]) -> str:
     """The shell command serving ``checkpoint`` (its config.json carrying the block) with
     Model-Optimizer's vLLM launcher, and how to get there, as comments."""
-    how = ["How: 1. the checkpoint's config.json carries the block (`sparsecal export RUN --out DIR --patch-config "
-           "CHECKPOINT`, or merge modelopt.config.json's sparse_attention_config into it);",
-           f"2. run NVIDIA/Model-Optimizer examples/vllm_serve/{VLLM_LAUNCHER} (its SparseAttnWorker calls "
-           "install_vllm_sparse_attention_from_checkpoint once the model is loaded); --enforce-eager: calibrated",
+    how = [("How: 1. the checkpoint's config.json carries the block (`sparsecal export RUN --out DIR --patch-config "
+            "CHECKPOINT`, or merge modelopt.config.json's sparse_attention_config into it);"),
+           (f"2. run NVIDIA/Model-Optimizer examples/vllm_serve/{VLLM_LAUNCHER} (its SparseAttnWorker calls "
+            "install_vllm_sparse_attention_from_checkpoint once the model is loaded); --enforce-eager: calibrated"),
            "decode skipping needs a non-FULL decode CUDA graph mode. Any other vllm serve flag may follow."]
     command = f"python {VLLM_LAUNCHER} {shlex.quote(str(checkpoint))} --enforce-eager"
     return "\n".join(_comments(header + how) + [command]) + "\n"

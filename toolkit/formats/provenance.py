@@ -19,11 +19,14 @@ def provenance() -> dict:
     commit = os.environ.get("SPARSECAL_COMMIT")  # a copy without its own git metadata names its commit
     try:
         commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+                                          cwd=os.path.dirname(__file__), timeout=10,
+                                          check=False).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit, "host_cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads() if torch else None,

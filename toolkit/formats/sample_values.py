@@ -131,7 +131,7 @@ def check_values(arrays: dict[str, np.ndarray], length: int | None = None, block
     return None
 
 
-RAW_KEYS = ("raw_bmax", "raw_mass", "raw_gap")
+RAW_KEYS = ("raw_bmax", "raw_gap", "raw_mass")   # raw.safetensors (capture --raw)
 
 
 def raw_value_problem(name: str, a: np.ndarray) -> str | None:
@@ -156,13 +156,12 @@ def check_raw(arrays: dict[str, np.ndarray], length: int, block_m: int, block_n:
         if name not in arrays:
             continue
         shape = tuple(np.shape(arrays[name]))
-        want = (orders, *tiles) if name == "raw_gap" else tiles
-        got = shape[2:]
-        if name == "raw_gap" and orders is None:
-            want, got = tiles, shape[3:]
-        if len(shape) < 2 or got != want or (lead is not None and shape[:2] != lead):
+        order_axis = name == "raw_gap"   # [Lc, H, O, P, Kb]; the others [Lc, H, P, Kb]
+        want = ((orders,) if order_axis and orders else ()) + tiles
+        if len(shape) != 4 + order_axis or shape[-len(want):] != want or lead not in (None, shape[:2]):
             return (f"{name} has shape {list(shape)}, not [{', '.join(map(str, lead or ('layers', 'heads')))}, "
-                    f"{', '.join(map(str, want))}] of a {length}-token sample")
+                    f"{'O, ' if order_axis and not orders else ''}{', '.join(map(str, want))}] of a "
+                    f"{length}-token sample")
         lead = shape[:2]
         why = raw_value_problem(name, arrays[name])
         if why is not None:
