@@ -1,6 +1,7 @@
 """bench/decode.py --quick: the decode benchmark end to end on the CPU (TRITON_INTERPRET=1) at a tiny
 shape: the kernel checks pass and every variant is timed with its counted sparsity and V-skip share."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -77,7 +78,7 @@ def test_each_speedup_is_against_the_sdpa_fastest_that_way():
 
 def test_sparse_candidates_hold_the_tables_launch_once():
     """The sweep times the table's own launch at every shape (s41's G 4/8 re-sweep left it out where
-    the table's launch had 2 stages), beside its fused / staged / step_if variants, and both ways of
+    the table's launch had 2 stages), beside its fused / staged variants, step_if the other way, and both ways of
     loading K (a TMA entry against its plain twin, s42) at half, once and twice its programs per SM,
     each launch once."""
     from sparsecal.bench.decode_sweep import sparse_candidates
@@ -88,7 +89,8 @@ def test_sparse_candidates_hold_the_tables_launch_once():
         table = sparse_launch_for(d, g, n)
         names = [c.name() for c in cands]
         assert table in cands and len(names) == len(set(names)), (d, g, n)
-        same = [c for c in cands if c.warps == table.warps and not c.fuse and not c.step_if]
+        assert replace(table, step_if=not table.step_if) in cands, (d, g, n)
+        same = [c for c in cands if c.warps == table.warps and not c.fuse and c.step_if == table.step_if]
         assert {2, 3, 4} == {c.stages for c in same if c.pps == table.pps and c.tma == table.tma}
         for tma in (False, True):
             assert {table.pps // 2, table.pps, table.pps * 2} == {
@@ -124,14 +126,19 @@ def test_the_report_counts_the_committed_targets_runs_one_way():
 
 
 def test_the_report_holds_a_sweep_against_this_trees_tables():
-    """Against sweep 10 (the sweep the sparse table is from) every table launch was timed and is within
-    3 % of the fastest; sweep 8 did not time this tree's TMA entries, which is one line; a file of the
+    """Against the sweeps the sparse table is from (sweep 10 at D=128, the s43 G = 4/8 re-sweeps at both
+    head dims) every table launch was timed and is within 3 % of the fastest; sweep 8 did not time this
+    tree's TMA entries, nor sweep 10 its D=64 G=4 step_if entry, which is one line each; a file of the
     other benchmark is one line too."""
     bench = ROOT / "data" / "bench"
-    for d in (128, 64):
-        rows = report.sweep_rows(report.read(bench / f"decode-sweep10-b16-h100-d{d}.json", "decode-sweep"))
-        assert len(rows) == 9 and all(0.97 <= r[k][4] <= 1.0 for r in rows for k in ("dense", "s50", "s75"))
+    runs = {"decode-sweep10-b16-h100-d128.json": 9, "decode-resweep-s43-h100-d128.json": 6,
+            "decode-resweep-s43-h100-d64.json": 6}
+    for name, count in runs.items():
+        rows = report.sweep_rows(report.read(bench / name, "decode-sweep"))
+        assert len(rows) == count and all(0.97 <= r[k][4] <= 1.0 for r in rows for k in ("dense", "s50", "s75"))
     with pytest.raises(UserError, match="w2s3p8-tma was not timed"):
         report.sweep_rows(report.read(bench / "decode-sweep8-b16-h100-d128.json", "decode-sweep"))
+    with pytest.raises(UserError, match="D=64 G=4 32768: the table's launch bsfa_group_s50_w1s3p16-if-tma was not"):
+        report.sweep_rows(report.read(bench / "decode-sweep10-b16-h100-d64.json", "decode-sweep"))
     with pytest.raises(UserError, match="not 'decode'; pass --sweep"):
         report.read(bench / "decode-sweep10-b16-h100-d64.json", "decode")

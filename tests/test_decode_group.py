@@ -142,18 +142,20 @@ SPARSE_NEAR = 0.03   # the table's launch at most this much slower than the fast
 
 
 def test_sparse_table_holds_the_sweeps_fastest_launches():
-    """At every shape and sparsity of the committed H100 sweep (data/bench/decode-sweep10-b16-h100-d*.json, s42:
-    B=16, H=32, 16K-64K, BSFA group decision at 50 % / 75 %), the table's launch is one the sweep
-    checked and within SPARSE_NEAR of the fastest sparse launch it tried (one launch serves both
-    sparsities)."""
+    """At every shape and sparsity of the newest committed H100 sweep of that shape (B=16, H=32,
+    16K-64K, BSFA group decision at 50 % / 75 %: data/bench/decode-sweep10-b16-h100-d*.json, s42, for
+    G=1; decode-resweep-s43-h100-d*.json for G = 4/8), the table's launch is one the sweep checked and
+    within SPARSE_NEAR of the fastest sparse launch it tried (one launch serves both sparsities)."""
     import json
 
     from helpers import ROOT
 
     for d in (128, 64):
-        sweep = json.loads((ROOT / "data" / "bench" / f"decode-sweep10-b16-h100-d{d}.json").read_text())
-        assert len(sweep["shapes"]) == 9
-        for shape in sweep["shapes"]:
+        old, new = (json.loads((ROOT / "data" / "bench" / name).read_text())["shapes"] for name in (
+            f"decode-sweep10-b16-h100-d{d}.json", f"decode-resweep-s43-h100-d{d}.json"))
+        shapes = [s for s in old if s["group"] == 1] + new
+        assert len(shapes) == 9 and {s["group"] for s in new} == {4, 8}
+        for shape in shapes:
             cfg = sparse_launch_for(d, shape["group"], shape["length"])
             for target in (0.5, 0.75):
                 rows = {r["variant"]: r for r in shape["rows"]

@@ -2,6 +2,7 @@
 and a paged KV cache (page pool + block table) against ``reference.sparse_decode_ragged``
 (TRITON_INTERPRET=1). Ragged rows: length 1, an awkward length, a multiple of the block, one row
 much longer; GQA 1 / 4 / 8, D 64 / 128, fp16 / bf16 / fp32."""
+import itertools
 import math
 
 import pytest
@@ -96,7 +97,8 @@ def test_ragged_and_paged_match_reference(case, seed):
 def test_tma_key_loads_read_only_the_rows_keys(seed):
     """SparseLaunch(tma=True): BSFA and window decisions read K by TMA; keys past a row's length (in
     the cache and in a page's unused rows) hold NaN and change nothing; BLASST forward (decided before
-    the K load) and k whose strides a descriptor cannot take keep the per-thread loads (same result)."""
+    the K load) and k whose strides a descriptor cannot take keep the per-thread loads (same result);
+    also with step_if at 3 stages (the D=64 G=4 32K+ table launch, s43), where the group skips tiles."""
     from sparsecal.kernels.sparse.decode_group import _k_descriptor
 
     case = CASES[1]
@@ -111,9 +113,9 @@ def test_tma_key_loads_read_only_the_rows_keys(seed):
     odd = torch.zeros(*kc.shape[:-1], d + 4, dtype=dtype)[..., :d]   # 136-byte rows: no descriptor
     odd.copy_(kc)
     assert _k_descriptor(kc, bn) is not None and _k_descriptor(odd, bn) is None and _k_descriptor(kc, 24) is None
-    launch = SparseLaunch(warps=1, pps=4, tma=True)
+    launches = (SparseLaunch(warps=1, pps=4, tma=True), SparseLaunch(warps=1, stages=3, pps=4, step_if=True, tma=True))
     for kw, decision in (({"thresholds": thr}, "group"), ({"window": 2}, "head"), ({"log_lambda": -2.0}, "group")):
-        for k, v, bt in ((kc, vc, None), (kp, vp, table), (odd, vc, None)):
+        for (k, v, bt), launch in itertools.product(((kc, vc, None), (kp, vp, table), (odd, vc, None)), launches):
             want, sk, vsk, _ = sparse_decode_ragged(q, k, v, lens, d ** -0.5, bm, bn, block_table=bt,
                                                     decision=decision, **kw)
             got, skipped, v_skipped = group_decode_triton(q, k, v, d ** -0.5, bm, bn, lengths=lens, block_table=bt,
@@ -121,6 +123,7 @@ def test_tma_key_loads_read_only_the_rows_keys(seed):
             assert not got.isnan().any(), (kw, decision)
             torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
             assert torch.equal(skipped, sk) and torch.equal(v_skipped, vsk), (kw, decision)
+            assert vsk.sum() > 0, (kw, decision)   # step_if drops some tile's softmax step
 
 
 def test_layout_errors():

@@ -56,9 +56,10 @@ def sparse_candidates(d: int, group: int, length: int, quick: bool) -> tuple:
     """The decision passes' launches for one shape, each once: SPARSE_LAUNCHES, the table's launch
     itself, with the fused merge (FUSE_CHUNKS), with the other stage counts (STAGES), with K read
     the other way (plain loads or TMA; s42: the table holds both) at its own and at 2 / 3 stages,
-    each load form at the table's programs per SM and its PPS_SCALES multiples, and with the softmax
-    step only on tiles some head keeps (step_if; alone and with the fused merge); quick: the
-    default, the last, one fused launch, the fused step_if launch and one TMA launch."""
+    each load form at the table's programs per SM and its PPS_SCALES multiples, and with step_if (the
+    softmax step only on tiles some head keeps) the other way from the table's (alone and with the
+    fused merge; s43: the table holds both); quick: the default, the last, one fused launch, the
+    fused launch with step_if flipped and one TMA launch."""
     launch = sparse_launch_for(d, group, length)
     table = launch.as_dict()
     fused = tuple(SparseLaunch(**{**table, "fuse": c}) for c in FUSE_CHUNKS)
@@ -66,7 +67,8 @@ def sparse_candidates(d: int, group: int, length: int, quick: bool) -> tuple:
     loads = tuple(SparseLaunch(**{**table, "tma": tma, "pps": max(1, int(table["pps"] * f))})
                   for tma in (table["tma"], not table["tma"]) for f in (1,) + PPS_SCALES)
     loads += tuple(SparseLaunch(**{**table, "stages": n, "tma": not table["tma"]}) for n in (2, 3))
-    step_if = (SparseLaunch(**{**table, "step_if": True}), SparseLaunch(**{**table, "step_if": True, "fuse": 2}))
+    flip = not table["step_if"]
+    step_if = (SparseLaunch(**{**table, "step_if": flip}), SparseLaunch(**{**table, "step_if": flip, "fuse": 2}))
     if quick:
         return SPARSE_DEFAULT, SPARSE_LAUNCHES[-1], fused[0], step_if[1], SparseLaunch(**{**table, "tma": True})
     return tuple(dict.fromkeys(SPARSE_LAUNCHES + (launch,) + fused + staged + loads + step_if))
