@@ -85,15 +85,53 @@ def _pass(ring, t0, count, NBUF: gl.constexpr):
 
 
 @gluon.jit
+def _pair_after(s, m_ij, m_new, carry, v_tile, v_ready, phase, row_ok, qk_scale, thr, MASKED: gl.constexpr,
+                DECIDE: gl.constexpr, o_layout: gl.constexpr):
+    """A tile's decision over the block's 128 rows (DECIDE 0: none, kept), then the softmax step and
+    P.V when kept; a skipped tile waits for its V copy (module docstring: it orders the release).
+    carry as ``_pair_tile``'s; returns it updated."""
+    acc, l_i, m_i, n_skip, kept = carry
+    keep = True
+    if DECIDE != 0:
+        keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
+        kept = keep
+    if keep:
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED, o_layout)
+        m_i = m_new
+    else:
+        mbarrier.wait(v_ready, phase)
+        n_skip += 1
+    return acc, l_i, m_i, n_skip, kept
+
+
+@gluon.jit
+def _pair_ahead(s, m_ij, m_new, carry, v_tile, v_ready, phase, row_ok, qk_scale, thr, MASKED: gl.constexpr,
+                DECIDE: gl.constexpr, o_layout: gl.constexpr):
+    """``_pair_after``'s result with the softmax step's exp2s ahead of the decision's cross-warp
+    reduction in program order (for ptxas to interleave them; a skipped tile drops them)."""
+    acc, l_i, m_i, n_skip, kept = carry
+    p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
+    keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
+    l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the branch
+    if keep:
+        acc = _pv(p, alpha, acc, v_tile, v_ready, phase, o_layout)
+        m_i = m_new
+    else:
+        mbarrier.wait(v_ready, phase)
+        n_skip += 1
+    return acc, l_i, m_i, n_skip, keep
+
+
+@gluon.jit
 def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
                DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
     """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
     128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
-    release V. SPEC: the softmax step's exp2s ahead of the decision's cross-warp reduction (issued
-    under its latency; a skipped tile drops them). carry = (acc [BM, D] f32, l_i [BM], m_i [BM]
-    (log2 units), n_skip)."""
-    acc, l_i, m_i, n_skip = carry
+    release V. SPEC: a decided tile whose predecessor was kept runs its exp2s ahead of the decision
+    (``_pair_ahead``), one after a skip decides first (``_pair_after``; prefill_gluon_ws._ws_tile says
+    why). carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip, kept (the last decided
+    tile's decision, True before the first))."""
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
     slot = t % NBUF
@@ -102,30 +140,20 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
     s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM, BN, s_layout)
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
-    m_new = gl.maximum(m_i, m_ij)
+    m_new = gl.maximum(carry[2], m_ij)
+    v_tile = v_ring.index(slot).reshape([BN, d])
     if SPEC and DECIDE != 0:
-        p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
-        keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-        l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the branch
-        if keep:
-            acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, d]), v_ready.index(slot), phase, o_layout)
-            m_i = m_new
+        if carry[4]:
+            carry = _pair_ahead(s, m_ij, m_new, carry, v_tile, v_ready.index(slot), phase, row_ok, qk_scale, thr,
+                                MASKED, DECIDE, o_layout)
         else:
-            mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
-            n_skip += 1
+            carry = _pair_after(s, m_ij, m_new, carry, v_tile, v_ready.index(slot), phase, row_ok, qk_scale, thr,
+                                MASKED, DECIDE, o_layout)
     else:
-        keep = True
-        if DECIDE != 0:
-            keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-        if keep:
-            acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                               v_ready.index(slot), phase, MASKED, o_layout)
-            m_i = m_new
-        else:
-            mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
-            n_skip += 1
+        carry = _pair_after(s, m_ij, m_new, carry, v_tile, v_ready.index(slot), phase, row_ok, qk_scale, thr,
+                            MASKED, DECIDE, o_layout)
     mbarrier.arrive(v_empty.index(slot))
-    return acc, l_i, m_i, n_skip
+    return carry
 
 
 @gluon.jit
@@ -181,7 +209,7 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    carry = (acc, l_i, m_i, j_lo)
+    carry = (acc, l_i, m_i, j_lo, j_lo == j_lo)
     mbarrier.wait(q_bar.index(0), 0)
     q_tile = q_buf.index(WG).reshape([BM, HEAD_DIM])
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
@@ -191,7 +219,7 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     carry = _pair_segment(carry, q_tile, ring, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
                           qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout, SPEC)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
-    acc, l_i, m_i, n_skip = carry
+    acc, l_i, m_i, n_skip, _ = carry
     if i < n_blocks:
         _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM, NW, o_layout)
         gl.store(SKIP + bh.to(gl.int64) * n_blocks + i, n_skip)

@@ -162,6 +162,55 @@ def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
 
 
 @gluon.jit
+def _ws_after(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale, thr,
+              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
+              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
+              o_layout: gl.constexpr):
+    """A tile's decision (DECIDE 0: none, kept), then the ISSUER's V copy of tile t + NBUF - 1, then the
+    softmax step and P.V when kept. carry as ``_ws_tile``'s; returns it updated."""
+    acc, l_i, m_i, n_skip, kept = carry
+    v_ring = ring[1]
+    d: gl.constexpr = v_ring.shape[3]
+    keep = True
+    if DECIDE != 0:
+        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
+        kept = keep
+    if ISSUER:
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    if keep:
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           ring[4].index(slot), phase, MASKED, o_layout)
+        m_i = m_new
+    else:
+        n_skip += 1
+    return acc, l_i, m_i, n_skip, kept
+
+
+@gluon.jit
+def _ws_ahead(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale, thr,
+              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
+              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
+              o_layout: gl.constexpr):
+    """``_ws_after``'s result with the softmax step between publishing this half's rows and waiting for
+    the other half (its exp2s under the exchange's latency; a skipped tile drops them)."""
+    acc, l_i, m_i, n_skip, kept = carry
+    v_ring = ring[1]
+    d: gl.constexpr = v_ring.shape[3]
+    _publish(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), WG, BM)
+    p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
+    keep = _collect(red, dec_bar, t, thr, BM, NW)
+    if ISSUER:
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the wait
+    if keep:
+        acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, d]), ring[4].index(slot), phase, o_layout)
+        m_i = m_new
+    else:
+        n_skip += 1
+    return acc, l_i, m_i, n_skip, keep
+
+
+@gluon.jit
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
@@ -169,11 +218,13 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST), online-softmax update and P.V when kept, release V. The
     ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before and its V
-    after the decision. SPEC: the softmax step runs between publishing this half's rows and waiting for
-    the other half (its exp2 under the exchange's latency; a skipped tile drops it).
-    carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
-    acc, l_i, m_i, n_skip = carry
-    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    after the decision. SPEC: a decided tile whose predecessor was kept (carry's ``kept``: both
+    warpgroups hold the same) runs its softmax step under the decision's exchange (``_ws_ahead``),
+    one after a skip decides first (``_ws_after``): kept and skipped tiles come in runs, and a skipped
+    tile that ran its exp2s paid them in full (NOTES "prefill SPEC forms, s43"). Same results either way.
+    carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip, kept (the last decided
+    tile's decision, True before the first))."""
+    k_ring, k_ready, k_empty = ring[0], ring[2], ring[3]
     d: gl.constexpr = q_smem.shape[1]
     if ISSUER:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
@@ -183,33 +234,19 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
-    m_new = gl.maximum(m_i, m_ij)
+    m_new = gl.maximum(carry[2], m_ij)
     if SPEC and DECIDE != 0:
-        _publish(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), WG, BM)
-        p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
-        keep = _collect(red, dec_bar, t, thr, BM, NW)
-        if ISSUER:
-            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-        l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the wait
-        if keep:
-            acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, d]), v_ready.index(slot), phase, o_layout)
-            m_i = m_new
+        if carry[4]:
+            carry = _ws_ahead(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale,
+                              thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, o_layout)
         else:
-            n_skip += 1
+            carry = _ws_after(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale,
+                              thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, o_layout)
     else:
-        keep = True
-        if DECIDE != 0:
-            keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
-        if ISSUER:
-            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-        if keep:
-            acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                               v_ready.index(slot), phase, MASKED, o_layout)
-            m_i = m_new
-        else:
-            n_skip += 1
-    mbarrier.arrive(v_empty.index(slot))
-    return acc, l_i, m_i, n_skip
+        carry = _ws_after(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale, thr,
+                          MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, o_layout)
+    mbarrier.arrive(ring[5].index(slot))
+    return carry
 
 
 @gluon.jit
@@ -266,7 +303,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    carry = (acc, l_i, m_i, i * 0 + j_lo)
+    carry = (acc, l_i, m_i, i * 0 + j_lo, i * 0 == 0)
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
@@ -274,7 +311,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout,
                         o_layout, SPEC)
-    acc, l_i, m_i, n_skip = carry
+    acc, l_i, m_i, n_skip, _ = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
 
 

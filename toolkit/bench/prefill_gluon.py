@@ -19,9 +19,11 @@ kernel targets, in one run on one Hopper GPU.
    (EXTRA_VARIANTS: ``gluon_spec``, the one-partition kernel with each decided tile's softmax step ahead
    of its decision; ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
-   ``gluon_ws_spec`` its softmax step under the decision's exchange (``ws_config`` spec);
+   ``gluon_ws_spec`` its softmax step under the decision's exchange where the last decided tile was
+   kept (``ws_config`` spec);
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots, ``gluon_pair_spec`` its softmax step ahead of the decision). A
+   the same with 6 ring slots, ``gluon_pair_spec`` its softmax step ahead of the decision where the
+   last decided tile was kept). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
