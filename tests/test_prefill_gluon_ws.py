@@ -27,16 +27,10 @@ def programs_per_sm(d: int, producer: bool) -> int:
     return 1 if (d, producer) == (128, True) else 2
 
 
-SPEC_CASES = [(d, m) for d in (64, 128) for m in (1, 2)]   # the softmax step under the exchange (decided methods)
-
-
 @pytest.fixture(scope="module")
 def builds():
-    cases = [{"key": f"{d}-{m}-{int(p)}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
-              "q_rows": 64, "launch": pw.ws_config(d, p)} for d, m, p in CASES]
-    cases += [{"key": f"{d}-{m}-spec", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
-               "q_rows": 64, "launch": pw.ws_config(d, spec=True)} for d, m in SPEC_CASES]
-    return build(cases)
+    return build([{"key": f"{d}-{m}-{int(p)}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
+                   "q_rows": 64, "launch": pw.ws_config(d, p)} for d, m, p in CASES])
 
 
 @pytest.mark.parametrize("d,method,producer", CASES, ids=[f"d{d}-{m}-{'prod' if p else 'inline'}" for d, m, p in CASES])
@@ -55,23 +49,10 @@ def test_builds_for_hopper_warp_specialized(builds, d, method, producer):
     assert n * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
-@pytest.mark.parametrize("d,method", SPEC_CASES, ids=[f"d{d}-{m}" for d, m in SPEC_CASES])
-def test_the_speculative_softmax_form_builds_as_the_default_does(builds, d, method):
-    """SPEC (bench variant gluon_ws_spec): the softmax step's exp2s between this warpgroup's half of
-    the decision and the wait for the other half: the same warps, no spills, no serialized wgmma,
-    registers and shared memory that still let two programs share an SM (the p tile takes the
-    registers the score tile held; the old sums stay live for a skipped tile)."""
-    got, base = builds[f"{d}-{method}-spec"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
-    assert got["cubin"] and got["spills"] == 0, got
-    assert not [w for w in got["warnings"] if "C7514" in w or "wgmma" in w.lower()], got["warnings"]
-    assert got["warps"] == base["warps"] and got["shared"] == base["shared"], (got, base)
-    assert 2 * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
-
-
 def test_config_is_the_one_each_head_dim_runs():
     """D = 64 gets a producer warp and 4 slots at 80 launch registers (104 + 112 + 24 after
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
-    common = {"PRODUCER_REGS": 24, "SPEC": False, "num_warps": 4}
+    common = {"PRODUCER_REGS": 24, "num_warps": 4}
     assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, **common}
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, **common}
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3

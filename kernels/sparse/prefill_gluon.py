@@ -186,11 +186,9 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
 def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv,
           rows, row_ok, n_ctx, qk_scale, thr,
           MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-          BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-          SPEC: gl.constexpr):
+          BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t of t_end): refill the ring NBUF - 1 tiles ahead, S = Q.K^T, decide
-    (DECIDE 0 compute, 1 BSFA, 2 BLASST), then the online-softmax update and P.V when kept. SPEC:
-    the softmax step's exp2s ahead of the decision's cross-warp max (a skipped tile drops them).
+    (DECIDE 0 compute, 1 BSFA, 2 BLASST), then the online-softmax update and P.V when kept.
     carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     if DECIDE == 0:  # no decision, no cross-warp reduction: a barrier orders the refill after tile t - 1
@@ -202,33 +200,19 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
     s = _qk(q_smem, k_ring.index(slot).reshape([BN, q_smem.shape[1]]), BM, BN, s_layout)
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
-    if SPEC and DECIDE != 0:
-        p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
+    keep = True
+    if DECIDE != 0:
         keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
         # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
-        _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN, NBUF)
-        l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the branch
-        if keep:
-            acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, q_smem.shape[1]]), v_bar.index(slot), phase,
-                      o_layout)
-            m_i = m_new
-        else:  # the slot's V copy must land before the slot is refilled
-            mbarrier.wait(v_bar.index(slot), phase)
-            n_skip += 1
-    else:
-        keep = True
-        if DECIDE != 0:
-            keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-            # the decision's cross-warp max synchronized the warps: tile t - 1 is done everywhere
-            _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN,
-                    NBUF)
-        if keep:
-            acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, q_smem.shape[1]]),
-                               v_bar.index(slot), phase, MASKED, o_layout)
-            m_i = m_new
-        else:  # the slot's V copy must land before the slot is refilled
-            mbarrier.wait(v_bar.index(slot), phase)
-            n_skip += 1
+        _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN,
+                NBUF)
+    if keep:
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, q_smem.shape[1]]),
+                           v_bar.index(slot), phase, MASKED, o_layout)
+        m_i = m_new
+    else:  # the slot's V copy must land before the slot is refilled
+        mbarrier.wait(v_bar.index(slot), phase)
+        n_skip += 1
     return acc, l_i, m_i, n_skip
 
 
@@ -236,13 +220,12 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_e
 def _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t0, j0, count, t_end, b, hk, num_kv,
              rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             SPEC: gl.constexpr):
+             BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
     for u in range(count):
         carry = _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t0 + u, j0 + u, t_end, b, hk,
                       num_kv, rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, KV_ROWS, HEAD_DIM, BM, BN, NBUF,
-                      s_layout, o_layout, SPEC)
+                      s_layout, o_layout)
     return carry
 
 
@@ -287,10 +270,9 @@ def _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, 
 def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                       n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                       METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, SPEC: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST (forward),
-    3 window; SPEC as ``_tile``. THR [H, n_thr] f32 natural units; log_lambda2 = ln(lambda) log2(e); O [B, H, N, D] by
+    3 window. THR [H, n_thr] f32 natural units; log_lambda2 = ln(lambda) log2(e); O [B, H, N, D] by
     strides; SKIP [B * H, P] i32 candidate tiles skipped per program."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BN, 16])
@@ -336,10 +318,10 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, 0, j_lo, n_cand - j_lo, t_end,
                      b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, False, DECIDE, KV_ROWS,
-                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout, SPEC)
+                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
     carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, n_cand - j_lo, n_cand,
                      n_reach - n_cand, t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, True, 0, KV_ROWS,
-                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout, SPEC)
+                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _invalidate(q_bar, k_bar, v_bar, NBUF)
     _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, BM, HEAD_DIM, num_warps, o_layout)
@@ -347,14 +329,12 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
 
 def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                            log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                           dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                           spec: bool = False):
+                           dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None):
     """The Gluon kernel with ``sparse_attention_triton``'s arguments and results (q [B, H, N, D],
-    k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold.
-    spec: each decided tile's softmax step ahead of its decision (``_tile``'s SPEC)."""
+    k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]], SPEC=bool(spec), num_warps=NUM_WARPS)
+    _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]], num_warps=NUM_WARPS)
     return out, skip.sum(dim=-1, dtype=torch.int64)
 
 

@@ -56,10 +56,8 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _decide,
-    _pv,
     _qk,
     _scores,
-    _softmax,
     _tma_load,
     launch,
 )
@@ -85,53 +83,14 @@ def _pass(ring, t0, count, NBUF: gl.constexpr):
 
 
 @gluon.jit
-def _pair_after(s, m_ij, m_new, carry, v_tile, v_ready, phase, row_ok, qk_scale, thr, MASKED: gl.constexpr,
-                DECIDE: gl.constexpr, o_layout: gl.constexpr):
-    """A tile's decision over the block's 128 rows (DECIDE 0: none, kept), then the softmax step and
-    P.V when kept; a skipped tile waits for its V copy (module docstring: it orders the release).
-    carry as ``_pair_tile``'s; returns it updated."""
-    acc, l_i, m_i, n_skip, kept = carry
-    keep = True
-    if DECIDE != 0:
-        keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-        kept = keep
-    if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED, o_layout)
-        m_i = m_new
-    else:
-        mbarrier.wait(v_ready, phase)
-        n_skip += 1
-    return acc, l_i, m_i, n_skip, kept
-
-
-@gluon.jit
-def _pair_ahead(s, m_ij, m_new, carry, v_tile, v_ready, phase, row_ok, qk_scale, thr, MASKED: gl.constexpr,
-                DECIDE: gl.constexpr, o_layout: gl.constexpr):
-    """``_pair_after``'s result with the softmax step's exp2s ahead of the decision's cross-warp
-    reduction in program order (for ptxas to interleave them; a skipped tile drops them)."""
-    acc, l_i, m_i, n_skip, kept = carry
-    p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
-    keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
-    l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the branch
-    if keep:
-        acc = _pv(p, alpha, acc, v_tile, v_ready, phase, o_layout)
-        m_i = m_new
-    else:
-        mbarrier.wait(v_ready, phase)
-        n_skip += 1
-    return acc, l_i, m_i, n_skip, keep
-
-
-@gluon.jit
 def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
                DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-               s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
+               s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
     128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
-    release V. SPEC: a decided tile whose predecessor was kept runs its exp2s ahead of the decision
-    (``_pair_ahead``), one after a skip decides first (``_pair_after``; prefill_gluon_ws._ws_tile says
-    why). carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip, kept (the last decided
-    tile's decision, True before the first))."""
+    release V. carry = (acc [BM, D] f32, l_i [BM], m_i [BM]
+    (log2 units), n_skip)."""
+    acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
     slot = t % NBUF
@@ -140,30 +99,29 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
     s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM, BN, s_layout)
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
-    m_new = gl.maximum(carry[2], m_ij)
-    v_tile = v_ring.index(slot).reshape([BN, d])
-    if SPEC and DECIDE != 0:
-        if carry[4]:
-            carry = _pair_ahead(s, m_ij, m_new, carry, v_tile, v_ready.index(slot), phase, row_ok, qk_scale, thr,
-                                MASKED, DECIDE, o_layout)
-        else:
-            carry = _pair_after(s, m_ij, m_new, carry, v_tile, v_ready.index(slot), phase, row_ok, qk_scale, thr,
-                                MASKED, DECIDE, o_layout)
+    m_new = gl.maximum(m_i, m_ij)
+    keep = True
+    if DECIDE != 0:
+        keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
+    if keep:
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           v_ready.index(slot), phase, MASKED, o_layout)
+        m_i = m_new
     else:
-        carry = _pair_after(s, m_ij, m_new, carry, v_tile, v_ready.index(slot), phase, row_ok, qk_scale, thr,
-                            MASKED, DECIDE, o_layout)
+        mbarrier.wait(v_ready.index(slot), phase)  # see the module docstring: order the release
+        n_skip += 1
     mbarrier.arrive(v_empty.index(slot))
-    return carry
+    return acc, l_i, m_i, n_skip
 
 
 @gluon.jit
 def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
                   DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 .."""
     for u in range(count):
         carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
-                           DECIDE, BM, BN, NBUF, s_layout, o_layout, SPEC)
+                           DECIDE, BM, BN, NBUF, s_layout, o_layout)
     return carry
 
 
@@ -186,7 +144,7 @@ def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constex
 @gluon.jit
 def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                    qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, SPEC: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
     """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
     outside its block's range (all of them when the block is past N), then stores its rows and skip
     count (SKIP [B * H, P])."""
@@ -209,17 +167,17 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    carry = (acc, l_i, m_i, j_lo, j_lo == j_lo)
+    carry = (acc, l_i, m_i, j_lo)
     mbarrier.wait(q_bar.index(0), 0)
     q_tile = q_buf.index(WG).reshape([BM, HEAD_DIM])
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     _pass(ring, 0, j_lo - lo, NBUF)
     carry = _pair_segment(carry, q_tile, ring, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx, qk_scale, thr,
-                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout, SPEC)
+                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout)
     carry = _pair_segment(carry, q_tile, ring, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
-                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout, SPEC)
+                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
-    acc, l_i, m_i, n_skip, _ = carry
+    acc, l_i, m_i, n_skip = carry
     if i < n_blocks:
         _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM, NW, o_layout)
         gl.store(SKIP + bh.to(gl.int64) * n_blocks + i, n_skip)
@@ -244,7 +202,7 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, SPEC: gl.constexpr, num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
     1-warp producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``."""
@@ -271,23 +229,22 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps)),
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps)),
         (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                           NBUF)),
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, spec: bool = False) -> dict:
-    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
-    ``spec``: the softmax step ahead of the decision (``_pair_tile``'s SPEC)."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], SPEC=bool(spec))
+def pair_config(nbuf: int | None = None) -> dict:
+    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"])
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None, spec: bool = False):
+                                dense: bool = False, out=None, nbuf: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64."""
@@ -296,5 +253,5 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, spec))
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf))
     return out, skip.sum(dim=-1, dtype=torch.int64)

@@ -52,10 +52,8 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _cta_barrier,
-    _pv,
     _qk,
     _scores,
-    _softmax,
     _tma_load,
     launch,
 )
@@ -162,69 +160,17 @@ def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
 
 
 @gluon.jit
-def _ws_after(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale, thr,
-              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
-              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-              o_layout: gl.constexpr):
-    """A tile's decision (DECIDE 0: none, kept), then the ISSUER's V copy of tile t + NBUF - 1, then the
-    softmax step and P.V when kept. carry as ``_ws_tile``'s; returns it updated."""
-    acc, l_i, m_i, n_skip, kept = carry
-    v_ring = ring[1]
-    d: gl.constexpr = v_ring.shape[3]
-    keep = True
-    if DECIDE != 0:
-        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
-        kept = keep
-    if ISSUER:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-    if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           ring[4].index(slot), phase, MASKED, o_layout)
-        m_i = m_new
-    else:
-        n_skip += 1
-    return acc, l_i, m_i, n_skip, kept
-
-
-@gluon.jit
-def _ws_ahead(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale, thr,
-              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
-              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-              o_layout: gl.constexpr):
-    """``_ws_after``'s result with the softmax step between publishing this half's rows and waiting for
-    the other half (its exp2s under the exchange's latency; a skipped tile drops them)."""
-    acc, l_i, m_i, n_skip, kept = carry
-    v_ring = ring[1]
-    d: gl.constexpr = v_ring.shape[3]
-    _publish(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), WG, BM)
-    p, alpha, l_new = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
-    keep = _collect(red, dec_bar, t, thr, BM, NW)
-    if ISSUER:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-    l_i = gl.where(keep, l_new, l_i)   # used on both paths: the exp2s stay ahead of the wait
-    if keep:
-        acc = _pv(p, alpha, acc, v_ring.index(slot).reshape([BN, d]), ring[4].index(slot), phase, o_layout)
-        m_i = m_new
-    else:
-        n_skip += 1
-    return acc, l_i, m_i, n_skip, keep
-
-
-@gluon.jit
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
+             s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST), online-softmax update and P.V when kept, release V. The
     ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before and its V
-    after the decision. SPEC: a decided tile whose predecessor was kept (carry's ``kept``: both
-    warpgroups hold the same) runs its softmax step under the decision's exchange (``_ws_ahead``),
-    one after a skip decides first (``_ws_after``): kept and skipped tiles come in runs, and a skipped
-    tile that ran its exp2s paid them in full (NOTES "prefill SPEC forms, s43"). Same results either way.
-    carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip, kept (the last decided
-    tile's decision, True before the first))."""
-    k_ring, k_ready, k_empty = ring[0], ring[2], ring[3]
+    after the decision.
+    carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
+    acc, l_i, m_i, n_skip = carry
+    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
     if ISSUER:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
@@ -234,30 +180,31 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
-    m_new = gl.maximum(carry[2], m_ij)
-    if SPEC and DECIDE != 0:
-        if carry[4]:
-            carry = _ws_ahead(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale,
-                              thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, o_layout)
-        else:
-            carry = _ws_after(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale,
-                              thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, o_layout)
+    m_new = gl.maximum(m_i, m_ij)
+    keep = True
+    if DECIDE != 0:
+        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
+    if ISSUER:
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    if keep:
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           v_ready.index(slot), phase, MASKED, o_layout)
+        m_i = m_new
     else:
-        carry = _ws_after(s, m_ij, m_new, carry, ring, src, red, dec_bar, t, slot, phase, row_ok, qk_scale, thr,
-                          MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, o_layout)
-    mbarrier.arrive(ring[5].index(slot))
-    return carry
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(slot))
+    return acc, l_i, m_i, n_skip
 
 
 @gluon.jit
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, SPEC: gl.constexpr):
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout, SPEC)
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
     return carry
 
 
@@ -284,7 +231,7 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, SPEC: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -303,15 +250,15 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    carry = (acc, l_i, m_i, i * 0 + j_lo, i * 0 == 0)
+    carry = (acc, l_i, m_i, i * 0 + j_lo)
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout, SPEC)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout,
-                        o_layout, SPEC)
-    acc, l_i, m_i, n_skip, _ = carry
+                        o_layout)
+    acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
 
 
@@ -339,11 +286,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
-                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPEC: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
-    producer (PRODUCER_REGS); SPEC as ``_ws_tile``. Arguments as ``prefill_gluon._gluon_fwd_kernel``
+    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``
     except q_desc, whose block is one consumer's half [1, BM / 2, D]."""
     i = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
@@ -377,10 +323,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -388,21 +334,20 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, SPEC)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps)),
         ], [num_warps], [WORKER_REGS])
 
 
-def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, spec: bool = False) -> dict:
+def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
-    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``spec``: the
-    softmax step under the decision's exchange (``_ws_tile``'s SPEC)."""
+    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "SPEC": bool(spec), "num_warps": CONSUMER_WARPS}
+          "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -411,13 +356,12 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, spe
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, spec: bool = False):
+                              producer: bool | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
-    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); spec:
-    each tile's softmax step between publishing the decision's half and waiting for the other (ws_config)."""
+    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG)."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, spec))
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf))
     return out, skip.sum(dim=-1, dtype=torch.int64)

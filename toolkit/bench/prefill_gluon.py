@@ -16,14 +16,10 @@ kernel targets, in one run on one Hopper GPU.
    rounds (``rounds_ms``; evaluation/speed_stats.py, from 4 rounds: ``--rounds 5`` for the targets).
 
 3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names
-   (EXTRA_VARIANTS: ``gluon_spec``, the one-partition kernel with each decided tile's softmax step ahead
-   of its decision; ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
+   (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
-   ``gluon_ws_spec`` its softmax step under the decision's exchange where the last decided tile was
-   kept (``ws_config`` spec);
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots, ``gluon_pair_spec`` its softmax step ahead of the decision where the
-   last decided tile was kept). A
+   the same with 6 ring slots). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -55,15 +51,12 @@ CHECK_CASES = ((1000, 2, 4, 128, torch.bfloat16, 1, False), (777, 1, 8, 64, torc
                (1300, 3, 1, 64, torch.bfloat16, 2, False), (640, 2, 4, 128, torch.float16, 1, True),
                (2049, 1, 4, 128, torch.bfloat16, 1, True), (1500, 2, 4, 64, torch.bfloat16, 1, False))
 # Extra Gluon kernels (--variants): name -> callable with sparse_attention_gluon's arguments and results.
-EXTRA_VARIANTS = {"gluon_spec": functools.partial(sparse_attention_gluon, spec=True),
-                  "gluon_ws": sparse_attention_gluon_ws,
+EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_prod": functools.partial(sparse_attention_gluon_ws, producer=True),
                   "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
-                  "gluon_ws_spec": functools.partial(sparse_attention_gluon_ws, spec=True),
                   "gluon_pair": sparse_attention_gluon_pair,
-                  "gluon_pair_spec": functools.partial(sparse_attention_gluon_pair, spec=True),
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6)}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_spec": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
