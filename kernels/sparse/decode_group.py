@@ -120,14 +120,12 @@ SPARSE_DEFAULT = SparseLaunch()   # the launch before the table: 4 warps, 3 stag
 # table's programs per SM among the candidates; 3 rounds): TMA at 3 stages faster than the table's launch at D=128 G=4
 # (2.1-4.1 %, every length), D=128 G=8 64K (2.5-4.7 %) and D=64 G=4 32K-64K (0.8-1.8 %); twice the programs per SM at
 # D=128 G=8 32K (w2s2p16: 7.6-10.5 %, rounds within 0.1 %; 2.6-3.5 % slower at 16K) and D=64 G=1 (w1s2p64: 0.4-1.5 %);
-# half at D=64 G=8 16K (w1s2p8: 1.3-3.1 %). TMA at 2 stages never faster than the 2-stage launch by more than 0.6 %.
-# The s43 G = 4/8 re-sweep (decode-resweep-s43-h100-d128.json, -d64.json; 3 rounds): step_if with TMA at D=64 G=4
-# 32K-64K (w1s3p16-if-tma) 2.9-3.3 % faster at 75 % and 0.2-0.5 % at 50 %; no other cell gains at both sparsities.
+# half at D=64 G=8 16K (w1s2p8: 1.3-3.1 %). s43 G=4/8 re-sweep (decode-resweep-s43-h100-d*.json): step_if with TMA
+# at D=64 G=4 32K+ (w1s3p16-if-tma) 2.9-3.3 % faster at 75 %, 0.2-0.5 % at 50 %; no other cell gains at both.
 _W2S2P8, _W2S2P16, _W2S3P8T = (SparseLaunch(warps=2, stages=2, pps=8), SparseLaunch(warps=2, stages=2, pps=16),
                                SparseLaunch(warps=2, stages=3, pps=8, tma=True))
-_W1S2P8, _W1S2P16, _W1S2P64, _W1S3P16IT = (SparseLaunch(warps=1, stages=2, pps=8), SparseLaunch(warps=1, stages=2, pps=16),
-                                           SparseLaunch(warps=1, stages=2, pps=64),
-                                           SparseLaunch(warps=1, stages=3, pps=16, step_if=True, tma=True))
+_W1S2P8, _W1S2P16, _W1S2P64 = (SparseLaunch(warps=1, stages=2, pps=p) for p in (8, 16, 64))
+_W1S3P16IT = SparseLaunch(warps=1, stages=3, pps=16, step_if=True, tma=True)
 _BY_LENGTH = {  # (D, G bucket) -> the launch at 16K, 32K, 64K (the 131072 bucket takes the 64K one)
     (128, 1): (_W2S2P8,) * 3, (128, 4): (_W2S3P8T,) * 3, (128, 8): (_W2S2P8, _W2S2P16, _W2S3P8T),
     (64, 1): (_W1S2P64,) * 3, (64, 4): (_W1S2P16, _W1S3P16IT, _W1S3P16IT), (64, 8): (_W1S2P8, _W1S2P16, _W1S2P16),
