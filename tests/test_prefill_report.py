@@ -1,0 +1,73 @@
+"""bench/prefill_report.py: the prefill targets table for the kernel prefill_pick runs, read from the
+committed H100 runs, and its one-line answers to files it cannot read."""
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparsecal.bench import prefill_report as report
+from sparsecal.formats.errors import UserError
+
+from helpers import ROOT
+
+BENCH = ROOT / "data" / "bench"
+RUNS = (BENCH / "prefill-gluon-h100-d64-s42.json.gz", BENCH / "prefill-gluon-h100-d128-s40.json.gz")
+
+
+def _rows():
+    return [r for p in RUNS for r in report.targets_rows(report.read(p), p)]
+
+
+def test_the_committed_runs_read_as_the_notes_count_them():
+    """s42 (D=64) and s40 (D=128), 9 shapes each: the picked kernel per cell (the paired kernel for
+    BSFA expected to skip at D=64, the one-partition kernel with nothing skipped at D=128), and the
+    counts NOTES "issue 28 after s43" quotes: nothing skipped at its goal only at D=128 G=1 32K-64K
+    (BSFA 0.99-1.01, BLASST 1.00; 32K G=4 prints 0.98 and is below it), no sparse cell at 0.90 of the
+    ideal (0.79-0.87)."""
+    rows = _rows()
+    assert len(rows) == 18 and {(r["d"], r["n"]) for r in rows} == {(d, n) for d in (64, 128)
+                                                                      for n in (16384, 32768, 65536)}
+    by = {(r["d"], r["n"], r["group"]): r for r in rows}
+    assert by[(64, 32768, 4)]["bsfa_s50"][0] == "gluon_pair" and by[(64, 32768, 4)]["blasst_s50"][0] == "gluon_ws"
+    assert by[(64, 32768, 4)]["bsfa_s0"][0] == "gluon_ws"
+    assert by[(128, 32768, 4)]["bsfa_s0"][0] == "gluon" and by[(128, 32768, 4)]["bsfa_s75"][0] == "gluon_ws"
+    at_goal = sorted((r["d"], r["n"], r["group"], m) for r in rows for m in report.METHODS
+                     if r[f"{m}_s0"][1][0] >= report.NOTHING_SKIPPED[r["d"]])
+    assert at_goal == [(128, 32768, 1, "blasst"), (128, 32768, 1, "bsfa"), (128, 65536, 1, "bsfa")], at_goal
+    c = report.counts(rows)
+    assert c == {"shapes": 18, "zero_cells": 36, "zero_at_goal": 3, "sparse_cells": 72, "of_ideal_median": 0,
+                 "of_ideal_hi": 0}
+    shares = [r[f"{m}_s{s}"][1][0] for r in rows for m in report.METHODS for s in (50, 75)]
+    assert 0.78 < min(shares) and max(shares) < 0.88
+    text = report.targets_markdown(rows)
+    assert text.count("\n| ") == 18 and "3/36" in text and "0/72 by the median" in text
+
+
+def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tmp_path):
+    doc = report.read(RUNS[0])
+    for shape in doc["targets"]:
+        shape["rows"] = [r for r in shape["rows"] if not r["variant"].startswith("gluon_pair")]
+    with pytest.raises(UserError, match=r"gluon_pair_bsfa_s50, the kernel prefill_pick runs there, was not timed; "
+                                        r"run the benchmark with --variants gluon_pair"):
+        report.targets_rows(doc, "d64")
+    doc = report.read(RUNS[1])
+    doc["targets"][0]["rows"][-1]["of_ideal_best"] = float("nan")
+    with pytest.raises(UserError, match="not a finite number"):
+        report.targets_rows(doc, "d128")
+
+
+def test_other_files_are_refused_with_one_line_and_exit_code_2(tmp_path):
+    decode = BENCH / "decode-targets-s43-b16-h100-d64.json.gz"
+    with pytest.raises(UserError, match="'decode' benchmark without prefill targets"):
+        report.read(decode)
+    bad = tmp_path / "x.json.gz"
+    bad.write_bytes(gzip.compress(b"{not json"))
+    with pytest.raises(UserError, match="not a readable prefill benchmark file"):
+        report.read(bad)
+    (tmp_path / "list.json").write_text(json.dumps([1, 2]))
+    r = subprocess.run([sys.executable, "-m", "sparsecal.bench.prefill_report", str(tmp_path / "list.json")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and r.stdout.strip().count("\n") == 0 and "'list' benchmark" in r.stdout, r
+    assert "Traceback" not in r.stderr

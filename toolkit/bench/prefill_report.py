@@ -1,0 +1,124 @@
+"""The prefill targets table data/bench/NOTES.md records after a prefill GPU run, read from the run's
+files (issue 28 part 5), for the kernel a user's call would run: ``prefill_pick.pick`` at the
+row's head dim, method and sparsity, not the fastest variant of each cell.
+
+    python -m sparsecal.bench.prefill_report data/bench/prefill-gluon-h100-d64-s42.json.gz ...
+
+Files of ``python -m sparsecal.bench.prefill_gluon --sections targets``. Per shape (head dim D,
+tokens N, GQA group G): the best SDPA and the project's fastest dense kernel (ms), then for BSFA and
+BLASST the picked kernel's "nothing skipped" form against that dense kernel (``vs_dense``) and its
+share of the ideal 1 / (1 - s/2) against the best dense kernel of all (``of_ideal_best``) at 50 %
+and 75 %, each with the rounds' exact 95 % interval where the run had enough rounds (4 or more).
+Counted: nothing-skipped cells at their goal (NOTHING_SKIPPED: 0.95 at D=64, 0.98 at D=128) and
+sparse cells at >= OF_IDEAL of the ideal, by the median and by the interval's upper end.
+
+Shape legend: one row per (D, N, G) of the file's ``targets``; cells per row: 2 methods x 3 sparsities.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+from sparsecal.bench.harness import run_cli
+from sparsecal.formats.errors import UserError
+from sparsecal.formats.json_values import finite_number
+from sparsecal.kernels.sparse.prefill_pick import pick
+
+NOTHING_SKIPPED = {64: 0.95, 128: 0.98}   # issue 28: nothing skipped / own dense, per head dim
+OF_IDEAL = 0.90                           # and 50 % / 75 % at >= 0.90 of the ideal against the best dense
+METHODS = {"bsfa": 1, "blasst": 2}        # the bench's row names -> prefill.method_code
+SPARSITIES = (0, 50, 75)                  # percent; 0: the "nothing skipped" row
+
+
+def read(path) -> dict:
+    """A prefill benchmark file (.json or .json.gz) with a ``targets`` section."""
+    path = Path(path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        doc = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable prefill benchmark file ({type(e).__name__}); pass the .json or "
+                        ".json.gz that `python -m sparsecal.bench.prefill_gluon` wrote.") from None
+    if not isinstance(doc, dict) or doc.get("benchmark") != "prefill_gluon" or not isinstance(doc.get("targets"), list):
+        kind = doc.get("benchmark") if isinstance(doc, dict) else type(doc).__name__
+        raise UserError(f"{path} holds a {kind!r} benchmark without prefill targets; pass a file of "
+                        "`python -m sparsecal.bench.prefill_gluon --sections targets`.")
+    return doc
+
+
+def _cell(row: dict, key: str, path) -> tuple:
+    """(median, lo, hi) of ``key`` in one variant's row; lo / hi None where the run had too few rounds."""
+    x = row.get(key)
+    if not finite_number(x):
+        raise UserError(f"{path}: row {row.get('variant')!r} has {key} = {x!r}, not a finite number; the file is "
+                        "damaged: run the benchmark again.")
+    lo, hi = row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    return float(x), (float(lo) if finite_number(lo) else None), (float(hi) if finite_number(hi) else None)
+
+
+def targets_rows(doc: dict, path="the prefill run") -> list[dict]:
+    """Per shape: d, n, group, sdpa_ms, dense_ms, dense (variant), and per (method, sparsity) key
+    "bsfa_s50" etc.: (picked kernel, (median, lo, hi)): vs_dense at 0, of_ideal_best at 50 / 75."""
+    out = []
+    for shape in doc["targets"]:
+        d, n, g = shape["d"], shape["n"], shape["group"]
+        rows = {r["variant"]: r for r in shape["rows"]}
+        row = {"d": d, "n": n, "group": g, "sdpa_ms": shape["best_sdpa_ms"], "dense_ms": shape["dense_ms"],
+               "dense": shape["dense_variant"]}
+        for method, code in METHODS.items():
+            for s in SPARSITIES:
+                kernel = pick(d, code, s / 100)
+                name = f"{kernel}_{method}_s{s}"
+                if name not in rows:
+                    raise UserError(f"{path}: D={d} N={n} G={g}: {name}, the kernel prefill_pick runs there, was not "
+                                    f"timed; run the benchmark with --variants {kernel}.")
+                row[f"{method}_s{s}"] = (kernel, _cell(rows[name], "vs_dense" if s == 0 else "of_ideal_best", path))
+        out.append(row)
+    return out
+
+
+def counts(rows: list[dict]) -> dict:
+    """The must-show counts over ``targets_rows``: nothing skipped at its head dim's goal, sparse
+    cells at >= OF_IDEAL by the median and by the interval's upper end (None: no interval)."""
+    zero = [(r["d"], r[f"{m}_s0"][1]) for r in rows for m in METHODS]
+    sparse = [r[f"{m}_s{s}"][1] for r in rows for m in METHODS for s in SPARSITIES[1:]]
+    return {"shapes": len(rows), "zero_cells": len(zero),
+            "zero_at_goal": sum(c[0] >= NOTHING_SKIPPED.get(d, 1.0) for d, c in zero),
+            "sparse_cells": len(sparse), "of_ideal_median": sum(c[0] >= OF_IDEAL for c in sparse),
+            "of_ideal_hi": sum(c[2] is not None and c[2] >= OF_IDEAL for c in sparse)}
+
+
+def _fmt(cell: tuple) -> str:
+    kernel, (x, lo, hi) = cell
+    return f"{kernel} {x:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "")
+
+
+def targets_markdown(rows: list[dict]) -> str:
+    """The table, one line per shape, and the counts."""
+    cols = [f"{m.upper()} {'nothing skipped / dense' if s == 0 else f'{s}%: of ideal'}" for m in METHODS
+            for s in SPARSITIES]
+    lines = ["| D | N | G | best SDPA ms | own dense ms | " + " | ".join(cols) + " |",
+             "|---|---|---|---|---|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [_fmt(r[f"{m}_s{s}"]) for m in METHODS for s in SPARSITIES]
+        lines.append(f"| {r['d']} | {r['n'] // 1024}K | {r['group']} | {r['sdpa_ms']:.2f} | {r['dense_ms']:.2f} | "
+                     + " | ".join(cells) + " |")
+    c = counts(rows)
+    goals = ", ".join(f"{v} at D={d}" for d, v in NOTHING_SKIPPED.items())
+    lines += ["", (f"Nothing skipped at its goal ({goals}): {c['zero_at_goal']}/{c['zero_cells']}; 50 % / 75 % at "
+                   f">= {OF_IDEAL} of the ideal: {c['of_ideal_median']}/{c['sparse_cells']} by the median, "
+                   f"{c['of_ideal_hi']}/{c['sparse_cells']} by the interval's upper end.")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.prefill_report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="files of `python -m sparsecal.bench.prefill_gluon --sections targets`")
+    args = ap.parse_args(argv)
+    print(targets_markdown([r for p in args.files for r in targets_rows(read(p), p)]))
+
+
+if __name__ == "__main__":
+    run_cli(main)
