@@ -34,15 +34,21 @@ FLOOR = 0.99        # and no dispatched decode below 0.99x the best SDPA
 TARGETS = (50, 75)  # the sparsities the benchmarks time (percent)
 
 
-def read(path, benchmark: str) -> dict:
-    """A decode benchmark file (.json or .json.gz) of ``benchmark`` ("decode-sweep" or "decode")."""
+def read_file(path, what: str):
+    """The JSON document of a benchmark file (.json, or .json.gz as the GPU runs leave them), or one
+    UserError line naming ``what`` it should have been."""
     path = Path(path)
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        doc = json.loads(raw)
+        return json.loads(raw)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable decode benchmark file ({type(e).__name__}); pass the .json or "
-                        ".json.gz the benchmark wrote.") from None
+        raise UserError(f"{path} is not a readable {what} file ({type(e).__name__}); pass the .json or .json.gz "
+                        "the benchmark wrote.") from None
+
+
+def read(path, benchmark: str) -> dict:
+    """A decode benchmark file (.json or .json.gz) of ``benchmark`` ("decode-sweep" or "decode")."""
+    doc = read_file(path, "decode benchmark")
     if not isinstance(doc, dict) or doc.get("benchmark") != benchmark or not isinstance(doc.get("shapes"), list):
         kind = doc.get("benchmark") if isinstance(doc, dict) else type(doc).__name__
         raise UserError(f"{path} holds a {kind!r} benchmark, not {benchmark!r}; pass --sweep for "
@@ -50,7 +56,8 @@ def read(path, benchmark: str) -> dict:
     return doc
 
 
-def _number(row: dict, key: str, path) -> float:
+def number(row: dict, key: str, path) -> float:
+    """``row[key]`` as a float, or one UserError line: a benchmark row's value that is not finite."""
     x = row.get(key)
     if not finite_number(x):
         raise UserError(f"{path}: row {row.get('variant')!r} has {key} = {x!r}, not a finite number; the file is "
@@ -72,7 +79,7 @@ def sweep_rows(doc: dict, path="the sweep") -> list[dict]:
         row = {"d": d, "group": g, "length": n}
         for key, mine in names.items():
             prefix = "dense_" if key == "dense" else f"bsfa_group_{key}_"
-            timed = {r["variant"]: _number(r, "ms", path) for r in shape["rows"]
+            timed = {r["variant"]: number(r, "ms", path) for r in shape["rows"]
                      if r["variant"].startswith(prefix) and r.get("ok") and r.get("ms") is not None}
             if mine not in timed:
                 raise UserError(f"{path}: D={d} G={g} {n}: the table's launch {mine} was not timed (or not checked) "
@@ -92,13 +99,13 @@ def targets_rows(doc: dict, path="the targets run") -> list[dict]:
         rows = {r["variant"]: r for r in shape["rows"]}
         own, flash = rows["group_dense"], rows["sdpa_flash_native"]
         row = {"d": shape["d"], "group": shape["group"], "length": shape["length"],
-               "sdpa": shape["best_sdpa_graph"], "sdpa_ms": _number(rows[shape["best_sdpa_graph"]], "graph_ms", path),
-               "own": tuple(_number(own, f"graph_speedup_vs_sdpa{s}", path) for s in ("", "_lo", "_hi")),
-               "flash": _number(flash, "graph_speedup_vs_sdpa", path)}
+               "sdpa": shape["best_sdpa_graph"], "sdpa_ms": number(rows[shape["best_sdpa_graph"]], "graph_ms", path),
+               "own": tuple(number(own, f"graph_speedup_vs_sdpa{s}", path) for s in ("", "_lo", "_hi")),
+               "flash": number(flash, "graph_speedup_vs_sdpa", path)}
         row["floor"] = max(row["own"][0], row["flash"])
         for t in TARGETS:
             r = rows[f"group_bsfa_group_s{t}"]
-            row[f"s{t}"] = tuple(_number(r, k, path) for k in ("graph_speedup_vs_sdpa", "graph_of_ideal",
+            row[f"s{t}"] = tuple(number(r, k, path) for k in ("graph_speedup_vs_sdpa", "graph_of_ideal",
                                                                 "graph_of_ideal_hi"))
         out.append(row)
     return out

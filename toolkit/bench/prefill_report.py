@@ -17,10 +17,8 @@ Shape legend: one row per (D, N, G) of the file's ``targets``; cells per row: 2 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-from pathlib import Path
 
+from sparsecal.bench.decode_report import number, read_file
 from sparsecal.bench.harness import run_cli
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.json_values import finite_number
@@ -34,13 +32,7 @@ SPARSITIES = (0, 50, 75)                  # percent; 0: the "nothing skipped" ro
 
 def read(path) -> dict:
     """A prefill benchmark file (.json or .json.gz) with a ``targets`` section."""
-    path = Path(path)
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        doc = json.loads(raw)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable prefill benchmark file ({type(e).__name__}); pass the .json or "
-                        ".json.gz that `python -m sparsecal.bench.prefill_gluon` wrote.") from None
+    doc = read_file(path, "prefill benchmark")
     if not isinstance(doc, dict) or doc.get("benchmark") != "prefill_gluon" or not isinstance(doc.get("targets"), list):
         kind = doc.get("benchmark") if isinstance(doc, dict) else type(doc).__name__
         raise UserError(f"{path} holds a {kind!r} benchmark without prefill targets; pass a file of "
@@ -50,12 +42,8 @@ def read(path) -> dict:
 
 def _cell(row: dict, key: str, path) -> tuple:
     """(median, lo, hi) of ``key`` in one variant's row; lo / hi None where the run had too few rounds."""
-    x = row.get(key)
-    if not finite_number(x):
-        raise UserError(f"{path}: row {row.get('variant')!r} has {key} = {x!r}, not a finite number; the file is "
-                        "damaged: run the benchmark again.")
     lo, hi = row.get(f"{key}_lo"), row.get(f"{key}_hi")
-    return float(x), (float(lo) if finite_number(lo) else None), (float(hi) if finite_number(hi) else None)
+    return number(row, key, path), (float(lo) if finite_number(lo) else None), (float(hi) if finite_number(hi) else None)
 
 
 def targets_rows(doc: dict, path="the prefill run") -> list[dict]:
