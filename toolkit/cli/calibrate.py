@@ -2,6 +2,7 @@
 (the work itself is sparsecal.analysis.fit / .export)."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def print_fit(fit_dir: Path, doc: dict) -> None:
 
 
 def _fmt(x) -> str:
-    return "-" if x is None or x != x else f"{x:.3g}"
+    return "-" if x is None or math.isnan(x) else f"{x:.3g}"
 
 
 def _print_laws(out, doc: dict) -> None:
@@ -132,7 +133,8 @@ def print_bsfa_fitted(out, fit_dir: Path, doc: dict) -> None:
     for col in ("k", "tokens", "prefill mass kept", "decode predicted", "decode measured", "decode mass kept",
                 "decode mass kept (top-k)"):
         t.add_column(col, justify="right")
-    mark = lambda r: "-" if r is None else f"{r['retained_mass']:.4f}" + ("*" if r["bound_positions"] else "")  # noqa: E731
+    def mark(r):
+        return "-" if r is None else f"{r['retained_mass']:.4f}" + ("*" if r["bound_positions"] else "")
     for k, n in sorted({(k, n) for _, k, n in by}):
         d = dd.get((k, n))
         t.add_row(str(k), str(n), mark(by.get(("prefill", k, n))), "-" if d is None else f"{d['predicted']:.3f}",
