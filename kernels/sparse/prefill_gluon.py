@@ -136,22 +136,30 @@ def _qk(q_smem, k_tile, ROWS: gl.constexpr, BN: gl.constexpr, s_layout: gl.const
 
 
 @gluon.jit
-def _decide(m_ij, m_new, row_ok, thr, DECIDE: gl.constexpr):
-    """A tile's decision over rows the caller holds all of (m_ij its row maxima, m_new the running
-    maxima after it, both log2 units; rows past N masked by row_ok): DECIDE 1 BSFA (tile max >= thr),
-    2 BLASST (max of row max - running max >= thr)."""
+def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
+    """The per-row value a tile's decision takes the max of over the block's rows (m_ij the row
+    maxima, m_new the running maxima after the tile, both log2 units; DECIDE 1 BSFA: the row max, 2
+    BLASST: row max - running max, 0 where the tile raises it), -inf for rows past N (row_ok false)."""
     if DECIDE == 1:
-        keep = gl.max(gl.where(row_ok, m_ij, float("-inf")), 0) >= thr
+        vals = m_ij
     else:
-        gap = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
-        keep = gl.max(gl.where(row_ok, gap, float("-inf")), 0) >= thr
-    return keep
+        vals = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
+    return gl.where(row_ok, vals, float("-inf"))
 
 
 @gluon.jit
-def _softmax(s, m_i, m_new, l_i, qk_scale, MASKED: gl.constexpr):
-    """A tile's online-softmax step to the new row max m_new: (p [rows, BN] f32, alpha [rows] the
-    rescale of the old sums, l_new [rows] the new row sums)."""
+def _decide(m_ij, m_new, row_ok, thr, DECIDE: gl.constexpr):
+    """A tile's decision over rows the caller holds all of: DECIDE 1 BSFA (tile max >= thr), 2 BLASST
+    (max of row max - running max >= thr), from ``_decided_vals``."""
+    return gl.max(_decided_vals(m_ij, m_new, row_ok, DECIDE), 0) >= thr
+
+
+@gluon.jit
+def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
+            o_layout: gl.constexpr):
+    """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
+    m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
+    shared memory, barrier v_ready at ``phase``) has landed."""
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_ref[:, None])
@@ -159,27 +167,13 @@ def _softmax(s, m_i, m_new, l_i, qk_scale, MASKED: gl.constexpr):
         m_ref = m_new
         p = gl.exp2(s * qk_scale - m_ref[:, None])
     alpha = gl.exp2(m_i - m_ref)
-    return p, alpha, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
-def _pv(p, alpha, acc, v_tile, v_ready, phase, o_layout: gl.constexpr):
-    """acc [rows, D] f32 rescaled by alpha, plus P.V as async wgmma with P from registers, once the
-    tile's V copy (v_tile [BN, D] in shared memory, barrier v_ready at ``phase``) has landed."""
+    l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(v_tile.dtype), gl.DotOperandLayout(0, o_layout, 2))
     mbarrier.wait(v_ready, phase)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    return warpgroup_mma_wait(0, deps=(acc,))
-
-
-@gluon.jit
-def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
-            o_layout: gl.constexpr):
-    """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
-    m_new (``_softmax``), then P.V (``_pv``)."""
-    p, alpha, l_i = _softmax(s, m_i, m_new, l_i, qk_scale, MASKED)
-    return _pv(p, alpha, acc, v_tile, v_ready, phase, o_layout), l_i
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, l_i
 
 
 @gluon.jit

@@ -88,8 +88,7 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
                s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
     128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
-    release V. carry = (acc [BM, D] f32, l_i [BM], m_i [BM]
-    (log2 units), n_skip)."""
+    release V. carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]

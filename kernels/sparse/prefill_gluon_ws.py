@@ -52,6 +52,7 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _cta_barrier,
+    _decided_vals,
     _qk,
     _scores,
     _tma_load,
@@ -122,41 +123,17 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
-def _publish(red, dec_bar, t, vals, WG: gl.constexpr, BM: gl.constexpr):
-    """This warpgroup's half of decided tile t's rows into exchange entry t % 2 of red [2, BM] (vals
-    [HALF], -inf where a row is past N), then its arrival on the entry's mbarrier."""
-    HALF: gl.constexpr = BM // 2
-    red.index(t % 2).slice(WG * HALF, HALF).store(vals)
-    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
-    mbarrier.arrive(dec_bar.index(t % 2))
-
-
-@gluon.jit
-def _collect(red, dec_bar, t, thr, BM: gl.constexpr, NW: gl.constexpr):
-    """The block's decision at decided tile t once both warpgroups published: max over its 128 rows
-    >= thr, reduced in every thread from exchange entry t % 2."""
-    mbarrier.wait(dec_bar.index(t % 2), (t // 2) & 1)
-    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
-    return gl.max(red.index(t % 2).load(every), 0) >= thr
-
-
-@gluon.jit
 def _agree(red, dec_bar, t, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
     """The block's decision at decided tile t: max over its 128 rows of vals (this warpgroup's 64 rows
     [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, BM]."""
-    _publish(red, dec_bar, t, vals, WG, BM)
-    return _collect(red, dec_bar, t, thr, BM, NW)
-
-
-@gluon.jit
-def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
-    """The per-row value the decision takes the block's max of (DECIDE 1 BSFA: the row max; 2
-    BLASST: row max - running max, 0 where the tile raises it), -inf past N."""
-    if DECIDE == 1:
-        vals = m_ij
-    else:
-        vals = gl.where(m_ij >= m_new, 0.0, m_ij - m_new)
-    return gl.where(row_ok, vals, float("-inf"))
+    HALF: gl.constexpr = BM // 2
+    entry = red.index(t % 2)
+    entry.slice(WG * HALF, HALF).store(vals)
+    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
+    mbarrier.arrive(dec_bar.index(t % 2))
+    mbarrier.wait(dec_bar.index(t % 2), (t // 2) & 1)
+    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
+    return gl.max(entry.load(every), 0) >= thr
 
 
 @gluon.jit
@@ -167,8 +144,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST), online-softmax update and P.V when kept, release V. The
     ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before and its V
-    after the decision.
-    carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
+    after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
@@ -289,8 +265,8 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
-    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``
-    except q_desc, whose block is one consumer's half [1, BM / 2, D]."""
+    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel`` except q_desc, whose
+    block is one consumer's half [1, BM / 2, D]."""
     i = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
