@@ -46,6 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
 )
 
 from sparsecal.kernels.sparse.prefill_gluon import (
@@ -123,33 +125,57 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
-def _agree(red, dec_bar, t, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
-    """The block's decision at decided tile t: max over its 128 rows of vals (this warpgroup's 64 rows
-    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, BM]."""
+def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
+    """The block's decision at exchange e: max over its 128 rows of vals (this warpgroup's 64 rows
+    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, NV * BM]."""
     HALF: gl.constexpr = BM // 2
-    entry = red.index(t % 2)
+    entry = red.index(e % 2)
     entry.slice(WG * HALF, HALF).store(vals)
     _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
-    mbarrier.arrive(dec_bar.index(t % 2))
-    mbarrier.wait(dec_bar.index(t % 2), (t // 2) & 1)
+    mbarrier.arrive(dec_bar.index(e % 2))
+    mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
     every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
-    return gl.max(entry.load(every), 0) >= thr
+    return gl.max(entry.slice(0, BM).load(every), 0) >= thr
 
 
 @gluon.jit
-def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
+def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr,
+                NW: gl.constexpr):
+    """Both decisions of a pair of tiles at one exchange e: (keep0, keep1) from this warpgroup's
+    per-row values [HALF] of the first tile (v0) and of the second with the first kept (v1k) or
+    skipped (v1s; BLASST's value depends on the running max, BSFA's does not), in red [2, 4 * BM] (power-of-two rows)."""
+    HALF: gl.constexpr = BM // 2
+    entry = red.index(e % 2)
+    entry.slice(WG * HALF, HALF).store(v0)
+    entry.slice(BM + WG * HALF, HALF).store(v1k)
+    if DECIDE == 2:
+        entry.slice(2 * BM + WG * HALF, HALF).store(v1s)
+    _cta_barrier()
+    mbarrier.arrive(dec_bar.index(e % 2))
+    mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])
+    keep0 = gl.max(entry.slice(0, BM).load(every), 0) >= thr
+    top1 = gl.max(entry.slice(BM, BM).load(every), 0)
+    if DECIDE == 2:
+        top1 = gl.where(keep0, top1, gl.max(entry.slice(2 * BM, BM).load(every), 0))
+    return keep0, top1 >= thr
+
+
+@gluon.jit
+def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
-             KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr):
+             KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, AHEAD: gl.constexpr,
+             NW: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
-    (DECIDE 0 compute, 1 BSFA, 2 BLASST), online-softmax update and P.V when kept, release V. The
-    ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before and its V
-    after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2 units), n_skip)."""
+    (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
+    release V. The ISSUER (warpgroup 0 when there is no producer warp) copies tile t + AHEAD's K
+    before and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
+    units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
     if ISSUER:
-        _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
@@ -159,9 +185,9 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
+        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
     if ISSUER:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
                            v_ready.index(slot), phase, MASKED, o_layout)
@@ -173,14 +199,84 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 
 
 @gluon.jit
+def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, j, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
+             WG: gl.constexpr, ISSUER: gl.constexpr, KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+             NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr):
+    """Candidate tiles j and j + 1 (ordinals t, t + 1; never masked) for this warpgroup's HALF rows
+    with one exchange (e) for both decisions: both Q.K^T in flight, both row maxima, the values of
+    ``_decided_vals`` for tile j and for tile j + 1 after tile j kept or skipped, ``_agree_pair``,
+    then ``_ws_tile``'s update per kept tile in order. Same decisions, counts and arithmetic as two
+    ``_ws_tile`` calls; the ISSUER copies tiles t + AHEAD and t + 1 + AHEAD (K before, V after)."""
+    acc, l_i, m_i, n_skip = carry
+    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    d: gl.constexpr = q_smem.shape[1]
+    HALF: gl.constexpr = BM // 2
+    if ISSUER:
+        _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
+    sl0 = t % NBUF
+    sl1 = (t + 1) % NBUF
+    zero = gl.zeros([HALF, BN], gl.float32, s_layout)
+    mbarrier.wait(k_ready.index(sl0), (t // NBUF) & 1)
+    s0 = warpgroup_mma(q_smem, k_ring.index(sl0).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                       is_async=True)
+    mbarrier.wait(k_ready.index(sl1), ((t + 1) // NBUF) & 1)
+    s1 = warpgroup_mma(q_smem, k_ring.index(sl1).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                       is_async=True)
+    s0 = warpgroup_mma_wait(1, deps=(s0,))
+    mbarrier.arrive(k_empty.index(sl0))
+    m0 = gl.max(s0, 1) * qk_scale
+    s1 = warpgroup_mma_wait(0, deps=(s1,))
+    mbarrier.arrive(k_empty.index(sl1))
+    m1 = gl.max(s1, 1) * qk_scale
+    m_a = gl.maximum(m_i, m0)  # the running max after tile j when it is kept
+    keep0, keep1 = _agree_pair(red, dec_bar, e, _decided_vals(m0, m_a, row_ok, DECIDE),
+                               _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
+                               _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE), thr, DECIDE, WG, BM, NW)
+    if ISSUER:
+        _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
+    if keep0:
+        acc, l_i = _attend(s0, m_i, m_a, l_i, acc, qk_scale, v_ring.index(sl0).reshape([BN, d]), v_ready.index(sl0),
+                           (t // NBUF) & 1, False, o_layout)
+        m_i = m_a
+    else:
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(sl0))
+    m_b = gl.maximum(m_i, m1)
+    if keep1:
+        acc, l_i = _attend(s1, m_i, m_b, l_i, acc, qk_scale, v_ring.index(sl1).reshape([BN, d]), v_ready.index(sl1),
+                           ((t + 1) // NBUF) & 1, False, o_layout)
+        m_i = m_b
+    else:
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(sl1))
+    return acc, l_i, m_i, n_skip
+
+
+@gluon.jit
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
-    for u in range(count):
-        carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
+                PAIRS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments). With
+    PAIRS (decided tiles only) two tiles an exchange (``_ws_pair``), an odd last one alone, and the
+    ISSUER copies NBUF - 2 tiles ahead (a pair holds two slots) instead of NBUF - 1."""
+    AHEAD: gl.constexpr = NBUF - 2 if PAIRS else NBUF - 1
+    if PAIRS and DECIDE != 0:
+        for u in range(count // 2):
+            carry = _ws_pair(carry, q_smem, ring, src, red, dec_bar, u, t0 + 2 * u, j0 + 2 * u, row_ok, qk_scale,
+                             thr, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout, o_layout)
+        for u in range(count % 2):
+            carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, count // 2, t0 + count - 1, j0 + count - 1,
+                             rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF,
+                             AHEAD, NW, s_layout, o_layout)
+    else:
+        for u in range(count):
+            carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
+                             qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout,
+                             o_layout)
     return carry
 
 
@@ -207,9 +303,9 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
-    (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
+    (the ISSUER also loads Q and the first NBUF - 1 tiles, NBUF - 2 with PAIRS), then its rows of O."""
     HALF: gl.constexpr = BM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BN, 16])
@@ -219,7 +315,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     n_reach = j_lo + src[6]
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
-        for t in gl.static_range(NBUF - 1):
+        for t in gl.static_range(NBUF - 2 if PAIRS else NBUF - 1):
             _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
@@ -230,10 +326,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
-    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
-                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout,
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS, s_layout,
                         o_layout)
+    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
+                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS,
+                        s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
 
@@ -262,10 +359,11 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
-                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
-    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel`` except q_desc, whose
+    producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``). Arguments as ``prefill_gluon._gluon_fwd_kernel`` except q_desc, whose
     block is one consumer's half [1, BM / 2, D]."""
     i = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
@@ -275,7 +373,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    red = gl.allocate_shared_memory(gl.float32, [2, 4 * BM if PAIRS else BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
@@ -299,10 +397,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -310,20 +408,23 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
         ], [num_warps], [WORKER_REGS])
 
 
-def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None) -> dict:
+def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
-    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice)."""
+    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``pairs``:
+    two decided tiles an exchange (a ring of at least 3 slots)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "num_warps": CONSUMER_WARPS}
+          "PAIRS": bool(pairs), "num_warps": CONSUMER_WARPS}
+    if pairs and kw["NBUF"] < 3:
+        raise ValueError(f"two tiles an exchange need at least 3 ring slots, got {kw['NBUF']}")
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -332,12 +433,13 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None) -> 
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None):
+                              producer: bool | None = None, pairs: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
-    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG)."""
+    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); pairs:
+    two decided tiles an exchange (``_ws_pair``; same results)."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf))
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs))
     return out, skip.sum(dim=-1, dtype=torch.int64)

@@ -19,7 +19,8 @@ kernel targets, in one run on one Hopper GPU.
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots). A
+   the same with 6 ring slots; ``gluon_ws_two`` / ``gluon_ws_two5``, the warp-specialized kernel
+   deciding two tiles an exchange, D = 64 only, without a producer warp, 4 / 5 ring slots). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -55,8 +56,10 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_prod": functools.partial(sparse_attention_gluon_ws, producer=True),
                   "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
                   "gluon_pair": sparse_attention_gluon_pair,
-                  "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6)}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                  "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
+                  "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
+                  "gluon_ws_two5": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True, nbuf=5)}
+VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_ws_two": (64,), "gluon_ws_two5": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
