@@ -168,13 +168,14 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
              NW: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
-    release V. The ISSUER (warpgroup 0 when there is no producer warp) copies tile t + AHEAD's K
+    release V. ISSUER (0 none, 1 K and V, 2 K, 3 V; warpgroup 0 issues when there is no producer
+    warp, or with SPLIT warpgroup 0 the K and warpgroup 1 the V copies) copies tile t + AHEAD's K
     before and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
     units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
-    if ISSUER:
+    if ISSUER == 1 or ISSUER == 2:
         _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
@@ -186,7 +187,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
-    if ISSUER:
+    if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
@@ -212,7 +213,7 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, j, row_ok, qk_scale, 
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
     HALF: gl.constexpr = BM // 2
-    if ISSUER:
+    if ISSUER == 1 or ISSUER == 2:
         _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
     sl0 = t % NBUF
@@ -234,7 +235,7 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, j, row_ok, qk_scale, 
     keep0, keep1 = _agree_pair(red, dec_bar, e, _decided_vals(m0, m_a, row_ok, DECIDE),
                                _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
                                _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE), thr, DECIDE, WG, BM, NW)
-    if ISSUER:
+    if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep0:
@@ -313,10 +314,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
                                                        instr_shape=[16, HEAD_DIM, 16])
     j_lo = src[5]
     n_reach = j_lo + src[6]
-    if ISSUER:
+    if ISSUER == 1 or ISSUER == 2:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
+    if ISSUER != 0:
         for t in gl.static_range(NBUF - 2 if PAIRS else NBUF - 1):
-            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+            _issue(ring, src, t, ISSUER != 3, ISSUER != 2, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -360,11 +362,12 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
-    producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``). Arguments as ``prefill_gluon._gluon_fwd_kernel`` except q_desc, whose
-    block is one consumer's half [1, BM / 2, D]."""
+    producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``); SPLIT (no
+    producer): warpgroup 1 issues the V copies. Arguments as ``prefill_gluon._gluon_fwd_kernel``
+    except q_desc, whose block is one consumer's half [1, BM / 2, D]."""
     i = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -391,8 +394,9 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    ISSUER: gl.constexpr = not PRODUCER
-    NOT_ISSUER: gl.constexpr = False
+    ISSUER: gl.constexpr = 2 if SPLIT else 1  # warpgroup 0 without a producer warp: K and V, or K
+    ISSUER1: gl.constexpr = 3 if SPLIT else 0  # warpgroup 1: V with SPLIT
+    NOT_ISSUER: gl.constexpr = 0
     if PRODUCER:
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
@@ -410,19 +414,21 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
                          HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
-                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
+                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, ISSUER1, Q_ROWS, KV_ROWS,
                          HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
         ], [num_warps], [WORKER_REGS])
 
 
-def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False) -> dict:
+def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False,
+              split: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``pairs``:
-    two decided tiles an exchange (a ring of at least 3 slots)."""
+    two decided tiles an exchange (a ring of at least 3 slots); ``split`` (no producer warp): warpgroup
+    1 issues the V copies, warpgroup 0 Q and K."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "PAIRS": bool(pairs), "num_warps": CONSUMER_WARPS}
+          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "num_warps": CONSUMER_WARPS}
     if pairs and kw["NBUF"] < 3:
         raise ValueError(f"two tiles an exchange need at least 3 ring slots, got {kw['NBUF']}")
     if maxnreg is not None:
@@ -433,13 +439,13 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pai
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, pairs: bool = False):
+                              producer: bool | None = None, pairs: bool = False, split: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); pairs:
-    two decided tiles an exchange (``_ws_pair``; same results)."""
+    two decided tiles an exchange (``_ws_pair``; same results); split: the V copies issued by warpgroup 1."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs))
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split))
     return out, skip.sum(dim=-1, dtype=torch.int64)
