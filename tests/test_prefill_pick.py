@@ -12,8 +12,8 @@ DENSE, BSFA, BLASST, WINDOW = (method_code(*a) for a in ((None, None, None, True
 
 
 @pytest.mark.parametrize("d,method,expected,kernel", [
-    (64, BSFA, None, "gluon_ws"), (64, DENSE, None, "gluon_ws"), (64, WINDOW, 0.9, "gluon_ws"),
-    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws"), (64, BSFA, PAIR_FROM, "gluon_pair"),  # BSFA skipping: paired
+    (64, BSFA, None, "gluon_ws_two_split"), (64, DENSE, None, "gluon_ws"), (64, WINDOW, 0.9, "gluon_ws"),
+    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws_two_split"), (64, BSFA, PAIR_FROM, "gluon_pair"),  # BSFA skipping: paired
     (64, BLASST, 0.9, "gluon_ws"),
     (128, DENSE, None, "gluon_ws"),                     # skipping off: the warp-specialized kernel is faster
     (128, BSFA, None, "gluon"), (128, BLASST, WS_FROM - 0.01, "gluon"),  # little or unknown skipping
@@ -23,8 +23,8 @@ def test_pick(d, method, expected, kernel):
     assert pick(d, method, expected) == kernel
 
 
-def test_the_paired_kernel_only_takes_64_key_tiles():
-    assert pick(64, BSFA, 0.9, block_n=128) == "gluon_ws"
+def test_the_paired_kernel_and_the_two_tile_exchange_only_take_64_key_tiles():
+    assert pick(64, BSFA, 0.9, block_n=128) == "gluon_ws" and pick(64, BSFA, 0.0, block_n=128) == "gluon_ws"
 
 
 @pytest.mark.parametrize("d", [64, 128])

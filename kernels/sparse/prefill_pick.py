@@ -7,11 +7,14 @@ The Gluon Hopper kernels measured fastest per head dim, method and sparsity (dat
     D = 64   prefill_gluon_pair (two query blocks a program) for BSFA where the call is expected
              to skip at least PAIR_FROM = 0.25 of its tiles and the key tile is 64 rows: 0.84-0.88 of
              the ideal at 50% and 75% against 0.81-0.85 for the warp-specialized kernel; its
-             skipping-off form is 0.90-0.93x the warp-specialized one's, so nothing-skipped and
-             little-skipping calls stay there. prefill_gluon_ws (warp-specialized, TMA producer
-             warp) for everything else: ahead of the Triton kernel at every sparsity and of the
-             one-partition Gluon kernel at 50% and 75%; BLASST stays on it (the pair kernel is
-             2-6% behind at 16K, 1-3% ahead at 32K-64K)
+             skipping-off form is 0.90-0.93x the warp-specialized one's. BSFA calls with 64-row
+             key tiles expected to skip less (or unknown): the warp-specialized kernel deciding two
+             tiles an exchange, its copies issued by the two consumer warpgroups
+             (``gluon_ws_two_split``; NOTES "prefill two tiles an exchange, s44": nothing skipped
+             0.85-0.86 of the dense against 0.83-0.84). prefill_gluon_ws (warp-specialized, TMA
+             producer warp) for everything else: ahead of the Triton kernel at every sparsity and
+             of the one-partition Gluon kernel at 50% and 75%; BLASST stays on it (the pair kernel
+             is 2-6% behind at 16K, 1-3% ahead at 32K-64K; the two-tile form level with it)
     D = 128  prefill_gluon_ws with skipping off (1.03-1.06x) and where the call is expected to skip
              at least WS_FROM = 0.25 of its tiles (ahead by 0-6% at 50% in 17 of 18 cells, 4-10% at
              75%); prefill_gluon (one partition) otherwise, which is ahead by 0-9% when nothing is
@@ -28,6 +31,8 @@ skipped [B, H] int64).
 """
 from __future__ import annotations
 
+import functools
+
 from sparsecal.kernels.sparse.prefill import method_code, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import gluon_supported, sparse_attention_gluon
 from sparsecal.kernels.sparse.prefill_gluon_pair import BLOCK_N as PAIR_BLOCK_N
@@ -38,16 +43,20 @@ DENSE, BSFA, WINDOW = 0, 1, 3  # prefill.method_code
 WS_FROM = 0.25  # at D = 128: the expected sparsity from which the warp-specialized kernel is faster
 PAIR_FROM = 0.25  # at D = 64, BSFA: the expected sparsity from which the paired kernel is faster
 GLUON_KERNELS = {"gluon": sparse_attention_gluon, "gluon_ws": sparse_attention_gluon_ws,
-                 "gluon_pair": sparse_attention_gluon_pair}
+                 "gluon_pair": sparse_attention_gluon_pair,
+                 "gluon_ws_two_split": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True,
+                                                         split=True)}
 
 
 def pick(head_dim: int, method: int, expected_sparsity: float | None = None, block_n: int = PAIR_BLOCK_N) -> str:
-    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair", or
-    "triton" (a head dim they were not measured at); ``method`` as ``prefill.method_code``."""
+    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair",
+    "gluon_ws_two_split", or "triton" (a head dim they were not measured at); ``method`` as
+    ``prefill.method_code``."""
     if head_dim == 64:
-        paired = (method == BSFA and block_n == PAIR_BLOCK_N and expected_sparsity is not None
-                  and expected_sparsity >= PAIR_FROM)
-        return "gluon_pair" if paired else "gluon_ws"
+        if method != BSFA or block_n != PAIR_BLOCK_N:
+            return "gluon_ws"
+        skipping = expected_sparsity is not None and expected_sparsity >= PAIR_FROM
+        return "gluon_pair" if skipping else "gluon_ws_two_split"
     if head_dim != 128:
         return "triton"
     if method == DENSE or (method != WINDOW and expected_sparsity is not None and expected_sparsity >= WS_FROM):

@@ -19,10 +19,10 @@ kernel targets, in one run on one Hopper GPU.
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots; ``gluon_ws_two`` / ``gluon_ws_two5``, the warp-specialized kernel
-   deciding two tiles an exchange, D = 64 only, without a producer warp, 4 / 5 ring slots;
-   ``gluon_ws_two_split`` with warpgroup 1 issuing the V copies, ``gluon_ws_two_prod`` with the
-   producer warp, which spills). A
+   the same with 6 ring slots; ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an
+   exchange, D = 64 only, without a producer warp (warpgroup 0 issues the copies);
+   ``gluon_ws_two_split``, the same with warpgroup 1 issuing the V copies, what ``prefill_pick``
+   runs for D = 64 BSFA calls expected to skip little). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -46,6 +46,7 @@ from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_t
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
 from sparsecal.kernels.sparse.prefill_gluon_pair import sparse_attention_gluon_pair
 from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
+from sparsecal.kernels.sparse.prefill_pick import GLUON_KERNELS
 from sparsecal.kernels.sparse.reference import sparse_attention
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -60,12 +61,8 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair": sparse_attention_gluon_pair,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
                   "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
-                  "gluon_ws_two5": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True, nbuf=5),
-                  "gluon_ws_two_split": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True,
-                                                          split=True),
-                  "gluon_ws_two_prod": functools.partial(sparse_attention_gluon_ws, producer=True, pairs=True)}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_ws_two": (64,), "gluon_ws_two5": (64,),
-                "gluon_ws_two_split": (64,), "gluon_ws_two_prod": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                  "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"]}
+VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_ws_two": (64,), "gluon_ws_two_split": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
