@@ -24,6 +24,13 @@ in lockstep twice per tile, and the refill waited for it):
   same 128 values, so they take the same decision: the BM = 128 semantics are unchanged.
 - A skipped tile only arrives on its V slot's empty barrier; the producer waits for that slot's
   previous V copy to land before refilling it (a skipped tile never waits for its V).
+- ``pairs`` (D = 64 BSFA calls expected to skip little, ``prefill_pick``): the decided tiles go two
+  an exchange (``_ws_pair``: both Q.K^T in flight, one ``_agree_pair`` for both decisions, BLASST's
+  second value published for either outcome of the first). Both score tiles live across the
+  exchange need 128 registers a thread, which two programs an SM give only without the producer
+  warp, so it runs with warpgroup 0 issuing the Q and K copies and, with ``split``, warpgroup 1 the
+  V copies (NOTES.md "prefill two tiles an exchange, s44": the decision's cost against the form's own
+  skipping-off time from 19-23 % to 6-12 %).
 
 Phases: tile t (its ordinal in the program, 0 ..) uses ring slot t % NBUF in use n = t // NBUF; the
 consumer waits ready[slot] with parity n & 1, the producer waits empty[slot] with parity (n - 1) & 1
