@@ -1,7 +1,6 @@
 """Build a warp-specialized Gluon prefill kernel for sm_90 on a machine without a GPU, through ptxas,
 and report what the build is: TMA copies, async wgmma, register reallocation, the cubin, shared
-memory, warps, registers a thread, spills, ptxas's warnings, and whether every one-thread mbarrier
-arrive follows a barrier (tests/test_prefill_gluon_ws.py and
+memory, warps, registers a thread, spills and ptxas's warnings (tests/test_prefill_gluon_ws.py and
 tests/test_prefill_gluon_pair.py).
 
 Run in a fresh process: the test session sets TRITON_INTERPRET=1, under which Triton's own jit
@@ -31,19 +30,6 @@ def ptxas_v(ptx):
     os.unlink(f.name)
     return r.stderr
 
-def arrive_fenced(ptx):
-    # every one-thread mbarrier arrive (not a TMA expect) comes after a barrier with no shared store
-    # between them: the warps' stores before it are ordered before the arrival
-    lines = ptx.splitlines()
-    for i, line in enumerate(lines):
-        if "mbarrier.arrive" in line and "expect_tx" not in line:
-            for prev in reversed(lines[:i]):
-                if "bar.sync" in prev:
-                    break
-                if "st.shared" in prev:
-                    return False
-    return True
-
 out = {}
 for case in json.loads(sys.argv[1]):
     d, method = case["d"], case["method"]
@@ -66,8 +52,7 @@ for case in json.loads(sys.argv[1]):
     spill = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log)
     out[case["key"]] = {
         "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
-        "cubin": bool(k.asm.get("cubin")), "arrive_fenced": arrive_fenced(ptx), "shared": k.metadata.shared,
-        "warps": k.metadata.num_warps,
+        "cubin": bool(k.asm.get("cubin")), "shared": k.metadata.shared, "warps": k.metadata.num_warps,
         "regs": int(regs.group(1)) if regs else None,
         "spills": int(spill.group(1)) + int(spill.group(2)) if spill else None,
         "warnings": [x for x in log.splitlines() if "warning" in x.lower()]}

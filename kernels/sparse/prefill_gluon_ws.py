@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
+    _cta_barrier,
     _decided_vals,
     _qk,
     _scores,
@@ -137,8 +138,7 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     HALF: gl.constexpr = BM // 2
     entry = red.index(e % 2)
     entry.slice(WG * HALF, HALF).store(vals)
-    # Triton lowers the arrive to thread 0 behind a barrier of the warpgroup, which orders its 4 warps'
-    # stores before it (tests/test_prefill_gluon_ws.py checks the build for it)
+    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
     mbarrier.arrive(dec_bar.index(e % 2))
     mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
     every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
@@ -157,7 +157,8 @@ def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl
     entry.slice(BM + WG * HALF, HALF).store(v1k)
     if DECIDE == 2:
         entry.slice(2 * BM + WG * HALF, HALF).store(v1s)
-    mbarrier.arrive(dec_bar.index(e % 2))  # after the barrier Triton puts before a one-thread arrive
+    _cta_barrier()
+    mbarrier.arrive(dec_bar.index(e % 2))
     mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
     every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])
     keep0 = gl.max(entry.slice(0, BM).load(every), 0) >= thr
