@@ -20,15 +20,20 @@ H100_REGS_PER_SM = 64 * 1024
 METHODS = (0, 1, 2, 3)  # dense, BSFA, BLASST, window
 
 
+CASES = [(m, False) for m in METHODS] + [(m, True) for m in (1, 2)]  # (method, two decided tiles a decision)
+
+
 @pytest.fixture(scope="module")
 def builds():
-    return build([{"key": str(m), "module": pp.__name__, "kernel": "_pair_fwd_kernel", "d": pp.HEAD_DIM, "method": m,
-                   "q_rows": 128, "launch": pp.pair_config()} for m in METHODS])
+    return build([{"key": f"{m}-{int(two)}", "module": pp.__name__, "kernel": "_pair_fwd_kernel", "d": pp.HEAD_DIM,
+                   "method": m, "q_rows": 128, "launch": pp.pair_config(two=two)} for m, two in CASES])
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_builds_for_hopper_two_blocks_a_program(builds, method):
-    got = builds[str(method)]
+@pytest.mark.parametrize("method,two", CASES, ids=[f"{m}{'-two' if two else ''}" for m, two in CASES])
+def test_builds_for_hopper_two_blocks_a_program(builds, method, two):
+    """Both forms, one decided tile a decision or two (both score tiles then live: 64 + 64 + the
+    accumulator's 64 registers a thread, within the consumers' 240)."""
+    got = builds[f"{method}-{int(two)}"]
     assert got["tma"] and got["wgmma"] and got["cubin"], got
     assert got["setmaxnreg"], "the partitions should reallocate registers"
     assert got["spills"] == 0, got
@@ -45,7 +50,7 @@ def test_config_gives_each_consumer_a_whole_block():
     assert cfg["WORKER_REGS"] == 240 and cfg["PRODUCER_REGS"] == 24 and cfg["num_warps"] == 4
     default = cfg["maxnreg"] * 12 * 32 // 128 - cfg["WORKER_REGS"] - cfg["PRODUCER_REGS"]
     assert default >= 240 and cfg["maxnreg"] * 12 * 32 <= H100_REGS_PER_SM
-    assert pp.pair_config(6)["NBUF"] == 6
+    assert pp.pair_config(6)["NBUF"] == 6 and not cfg["TWO"] and pp.pair_config(two=True)["TWO"]
 
 
 @pytest.mark.parametrize("d,block_n", [(128, 64), (64, 128)])

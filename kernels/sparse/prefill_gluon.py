@@ -155,6 +155,24 @@ def _decide(m_ij, m_new, row_ok, thr, DECIDE: gl.constexpr):
 
 
 @gluon.jit
+def _decide_two(v0, v1k, v1s, thr, DECIDE: gl.constexpr):
+    """Two tiles' decisions in one reduction over rows the caller holds all of: (keep0, keep1) from
+    the per-row values (``_decided_vals``) of the first tile (v0) and of the second with the first
+    kept (v1k) or skipped (v1s, BLASST only). A tile is kept when some row's value reaches thr, so
+    each test's row count goes in its own 10 bits of one int32 and the rows are summed once; a count
+    above 0 is a keep (128 rows, and 512 if a layout's replicas were counted, fit 10 bits)."""
+    bits = (v0 >= thr).to(gl.int32) + (v1k >= thr).to(gl.int32) * 1024
+    if DECIDE == 2:
+        bits += (v1s >= thr).to(gl.int32) * 1048576
+    hits = gl.sum(bits, 0)
+    keep0 = (hits & 1023) > 0
+    keep1 = ((hits >> 10) & 1023) > 0
+    if DECIDE == 2:
+        keep1 = gl.where(keep0, keep1, (hits >> 20) > 0)
+    return keep0, keep1
+
+
+@gluon.jit
 def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
             o_layout: gl.constexpr):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max

@@ -56,16 +56,18 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
     _decide,
+    _decide_two,
+    _decided_vals,
     _qk,
     _scores,
     _tma_load,
     launch,
 )
-from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _block_range, _issue
+from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _block_range, _issue, _qk_two, _step
 
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
-CONFIG = {"NBUF": 4, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS, "num_warps": 4}
+CONFIG = {"NBUF": 4, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS, "TWO": False, "num_warps": 4}
 HEAD_DIM, BLOCK_N = 64, 64  # the only geometry this kernel takes (BM = 128 as every Gluon kernel)
 
 
@@ -114,13 +116,40 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
 
 
 @gluon.jit
+def _pair_two(carry, q_smem, ring, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr, BN: gl.constexpr,
+              NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Candidate tiles at ring ordinals t, t + 1 (never masked) for this warpgroup's block with one
+    reduction for both decisions (``_decide_two``); the same decisions, counts and arithmetic as two
+    ``_pair_tile`` calls."""
+    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, BN, NBUF, s_layout)
+    m0 = m0 * qk_scale
+    m1 = m1 * qk_scale
+    m_i = carry[2]
+    m_a = gl.maximum(m_i, m0)  # the running max after tile t when it is kept
+    keep0, keep1 = _decide_two(_decided_vals(m0, m_a, row_ok, DECIDE),
+                               _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
+                               _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE), thr, DECIDE)
+    carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, True, o_layout)
+    return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, True, o_layout)
+
+
+@gluon.jit
 def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
-                  DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+                  DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, TWO: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 .."""
-    for u in range(count):
-        carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
-                           DECIDE, BM, BN, NBUF, s_layout, o_layout)
+    """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 ..; with TWO (decided tiles only) two tiles a
+    decision (``_pair_two``), an odd last one alone."""
+    if TWO and DECIDE != 0:
+        for u in range(count // 2):
+            carry = _pair_two(carry, q_smem, ring, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, s_layout,
+                              o_layout)
+        for u in range(count % 2):
+            carry = _pair_tile(carry, q_smem, ring, t0 + count - 1, j0 + count - 1, rows, row_ok, n_ctx, qk_scale,
+                               thr, MASKED, DECIDE, BM, BN, NBUF, s_layout, o_layout)
+    else:
+        for u in range(count):
+            carry = _pair_tile(carry, q_smem, ring, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
+                               DECIDE, BM, BN, NBUF, s_layout, o_layout)
     return carry
 
 
@@ -143,7 +172,7 @@ def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constex
 @gluon.jit
 def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                    qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, TWO: gl.constexpr):
     """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
     outside its block's range (all of them when the block is past N), then stores its rows and skip
     count (SKIP [B * H, P])."""
@@ -172,9 +201,9 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     _pass(ring, 0, j_lo - lo, NBUF)
     carry = _pair_segment(carry, q_tile, ring, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx, qk_scale, thr,
-                          False, DECIDE, BM, BN, NBUF, s_layout, o_layout)
+                          False, DECIDE, BM, BN, NBUF, TWO, s_layout, o_layout)
     carry = _pair_segment(carry, q_tile, ring, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
-                          qk_scale, thr, True, 0, BM, BN, NBUF, s_layout, o_layout)
+                          qk_scale, thr, True, 0, BM, BN, NBUF, TWO, s_layout, o_layout)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
     acc, l_i, m_i, n_skip = carry
     if i < n_blocks:
@@ -201,10 +230,11 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
-    1-warp producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``."""
+    1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``). Arguments as
+    ``prefill_gluon._gluon_fwd_kernel``."""
     pair = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
@@ -228,29 +258,31 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps)),
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps)),
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
         (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                           NBUF)),
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None) -> dict:
-    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"])
+def pair_config(nbuf: int | None = None, two: bool = False) -> dict:
+    """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
+    ``two``: two decided tiles a decision."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None):
+                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
-    ``gluon_supported`` must hold, with head dim 64 and block_n 64."""
+    ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
+    decision (``_pair_two``)."""
     if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
         raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf))
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, two))
     return out, skip.sum(dim=-1, dtype=torch.int64)

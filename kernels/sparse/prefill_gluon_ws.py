@@ -207,60 +207,74 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
 
 
 @gluon.jit
-def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, j, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
+def _qk_two(q_smem, ring, t, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr):
+    """(S [ROWS, BN] f32 of ring tiles t and t + 1, their row maxima (unscaled)): both Q.K^T in flight
+    once their K copies landed, each K slot released as soon as its product is done."""
+    k_ring, _, k_ready, k_empty, _, _ = ring
+    d: gl.constexpr = q_smem.shape[1]
+    zero = gl.zeros([q_smem.shape[0], BN], gl.float32, s_layout)
+    mbarrier.wait(k_ready.index(t % NBUF), (t // NBUF) & 1)
+    s0 = warpgroup_mma(q_smem, k_ring.index(t % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                       is_async=True)
+    mbarrier.wait(k_ready.index((t + 1) % NBUF), ((t + 1) // NBUF) & 1)
+    s1 = warpgroup_mma(q_smem, k_ring.index((t + 1) % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                       is_async=True)
+    s0 = warpgroup_mma_wait(1, deps=(s0,))
+    mbarrier.arrive(k_empty.index(t % NBUF))
+    m0 = gl.max(s0, 1)
+    s1 = warpgroup_mma_wait(0, deps=(s1,))
+    mbarrier.arrive(k_empty.index((t + 1) % NBUF))
+    return s0, s1, m0, gl.max(s1, 1)
+
+
+@gluon.jit
+def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIPPED: gl.constexpr,
+          o_layout: gl.constexpr):
+    """A decided candidate tile (ring ordinal t, never masked; m_ij its row maxima in log2 units)
+    after its decision: kept, the online-softmax update and P.V (``_attend``); skipped, counted (with
+    WAIT_SKIPPED once its V copy landed); then its V slot released."""
+    acc, l_i, m_i, n_skip = carry
+    _, v_ring, _, _, v_ready, v_empty = ring
+    if keep:
+        m_new = gl.maximum(m_i, m_ij)
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(t % NBUF).reshape([s.shape[1], acc.shape[1]]),
+                           v_ready.index(t % NBUF), (t // NBUF) & 1, False, o_layout)
+        m_i = m_new
+    else:
+        if WAIT_SKIPPED:
+            mbarrier.wait(v_ready.index(t % NBUF), (t // NBUF) & 1)
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(t % NBUF))
+    return acc, l_i, m_i, n_skip
+
+
+@gluon.jit
+def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
              WG: gl.constexpr, ISSUER: gl.constexpr, KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
              NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
              o_layout: gl.constexpr):
-    """Candidate tiles j and j + 1 (ordinals t, t + 1; never masked) for this warpgroup's HALF rows
-    with one exchange (e) for both decisions: both Q.K^T in flight, both row maxima, the values of
-    ``_decided_vals`` for tile j and for tile j + 1 after tile j kept or skipped, ``_agree_pair``,
-    then ``_ws_tile``'s update per kept tile in order. Same decisions, counts and arithmetic as two
-    ``_ws_tile`` calls; the ISSUER copies tiles t + AHEAD and t + 1 + AHEAD (K before, V after)."""
-    acc, l_i, m_i, n_skip = carry
-    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
+    """Candidate tiles at ordinals t, t + 1 (never masked) for this warpgroup's HALF rows with one
+    exchange (e) for both decisions: ``_qk_two``, the values of ``_decided_vals`` for tile t and for
+    tile t + 1 after tile t kept or skipped, ``_agree_pair``, then ``_step`` per tile in order. Same
+    decisions, counts and arithmetic as two ``_ws_tile`` calls; the ISSUER copies tiles t + AHEAD and
+    t + 1 + AHEAD (K before, V after)."""
     d: gl.constexpr = q_smem.shape[1]
-    HALF: gl.constexpr = BM // 2
     if ISSUER == 1 or ISSUER == 2:
         _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
-    sl0 = t % NBUF
-    sl1 = (t + 1) % NBUF
-    zero = gl.zeros([HALF, BN], gl.float32, s_layout)
-    mbarrier.wait(k_ready.index(sl0), (t // NBUF) & 1)
-    s0 = warpgroup_mma(q_smem, k_ring.index(sl0).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
-                       is_async=True)
-    mbarrier.wait(k_ready.index(sl1), ((t + 1) // NBUF) & 1)
-    s1 = warpgroup_mma(q_smem, k_ring.index(sl1).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
-                       is_async=True)
-    s0 = warpgroup_mma_wait(1, deps=(s0,))
-    mbarrier.arrive(k_empty.index(sl0))
-    m0 = gl.max(s0, 1) * qk_scale
-    s1 = warpgroup_mma_wait(0, deps=(s1,))
-    mbarrier.arrive(k_empty.index(sl1))
-    m1 = gl.max(s1, 1) * qk_scale
-    m_a = gl.maximum(m_i, m0)  # the running max after tile j when it is kept
+    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, BN, NBUF, s_layout)
+    m0 = m0 * qk_scale
+    m1 = m1 * qk_scale
+    m_i = carry[2]
+    m_a = gl.maximum(m_i, m0)  # the running max after tile t when it is kept
     keep0, keep1 = _agree_pair(red, dec_bar, e, _decided_vals(m0, m_a, row_ok, DECIDE),
                                _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
                                _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE), thr, DECIDE, WG, BM, NW)
     if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
-    if keep0:
-        acc, l_i = _attend(s0, m_i, m_a, l_i, acc, qk_scale, v_ring.index(sl0).reshape([BN, d]), v_ready.index(sl0),
-                           (t // NBUF) & 1, False, o_layout)
-        m_i = m_a
-    else:
-        n_skip += 1
-    mbarrier.arrive(v_empty.index(sl0))
-    m_b = gl.maximum(m_i, m1)
-    if keep1:
-        acc, l_i = _attend(s1, m_i, m_b, l_i, acc, qk_scale, v_ring.index(sl1).reshape([BN, d]), v_ready.index(sl1),
-                           ((t + 1) // NBUF) & 1, False, o_layout)
-        m_i = m_b
-    else:
-        n_skip += 1
-    mbarrier.arrive(v_empty.index(sl1))
-    return acc, l_i, m_i, n_skip
+    carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, False, o_layout)
+    return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, False, o_layout)
 
 
 @gluon.jit
@@ -274,8 +288,8 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
     AHEAD: gl.constexpr = NBUF - 2 if PAIRS else NBUF - 1
     if PAIRS and DECIDE != 0:
         for u in range(count // 2):
-            carry = _ws_pair(carry, q_smem, ring, src, red, dec_bar, u, t0 + 2 * u, j0 + 2 * u, row_ok, qk_scale,
-                             thr, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout, o_layout)
+            carry = _ws_pair(carry, q_smem, ring, src, red, dec_bar, u, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE,
+                             WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout, o_layout)
         for u in range(count % 2):
             carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, count // 2, t0 + count - 1, j0 + count - 1,
                              rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF,
