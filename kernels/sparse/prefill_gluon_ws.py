@@ -211,8 +211,9 @@ def _qk_two(q_smem, ring, t, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.
     """(S [ROWS, BN] f32 of ring tiles t and t + 1, their row maxima (unscaled)): both Q.K^T in flight
     once their K copies landed, each K slot released as soon as its product is done."""
     k_ring, _, k_ready, k_empty, _, _ = ring
+    rows: gl.constexpr = q_smem.shape[0]
     d: gl.constexpr = q_smem.shape[1]
-    zero = gl.zeros([q_smem.shape[0], BN], gl.float32, s_layout)
+    zero = gl.zeros([rows, BN], gl.float32, s_layout)
     mbarrier.wait(k_ready.index(t % NBUF), (t // NBUF) & 1)
     s0 = warpgroup_mma(q_smem, k_ring.index(t % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
                        is_async=True)
@@ -235,9 +236,11 @@ def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIP
     WAIT_SKIPPED once its V copy landed); then its V slot released."""
     acc, l_i, m_i, n_skip = carry
     _, v_ring, _, _, v_ready, v_empty = ring
+    bn: gl.constexpr = s.shape[1]
+    d: gl.constexpr = acc.shape[1]
     if keep:
         m_new = gl.maximum(m_i, m_ij)
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(t % NBUF).reshape([s.shape[1], acc.shape[1]]),
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(t % NBUF).reshape([bn, d]),
                            v_ready.index(t % NBUF), (t // NBUF) & 1, False, o_layout)
         m_i = m_new
     else:
