@@ -13,7 +13,7 @@ DENSE, BSFA, BLASST, WINDOW = (method_code(*a) for a in ((None, None, None, True
 
 @pytest.mark.parametrize("d,method,expected,kernel", [
     (64, BSFA, None, "gluon_ws_two_split"), (64, DENSE, None, "gluon_ws"), (64, WINDOW, 0.9, "gluon_ws"),
-    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws_two_split"), (64, BSFA, PAIR_FROM, "gluon_pair"),  # BSFA skipping: paired
+    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws_two_split"), (64, BSFA, PAIR_FROM, "gluon_pair_two"),  # BSFA skipping: paired
     (64, BLASST, 0.9, "gluon_ws"),
     (128, DENSE, None, "gluon_ws"),                     # skipping off: the warp-specialized kernel is faster
     (128, BSFA, None, "gluon"), (128, BLASST, WS_FROM - 0.01, "gluon"),  # little or unknown skipping

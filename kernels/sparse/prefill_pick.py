@@ -4,9 +4,11 @@ bench and the model benchmarks call.
 The Gluon Hopper kernels measured fastest per head dim, method and sparsity (data/bench/NOTES.md,
 "prefill-gluon-ws" and "prefill-pair"; one H100 run per head dim, bf16, causal, 16K-64K, G 1/4/8):
 
-    D = 64   prefill_gluon_pair (two query blocks a program) for BSFA where the call is expected
-             to skip at least PAIR_FROM = 0.25 of its tiles and the key tile is 64 rows: 0.84-0.88 of
-             the ideal at 50% and 75% against 0.81-0.85 for the warp-specialized kernel; its
+    D = 64   prefill_gluon_pair (two query blocks a program) deciding two tiles in one reduction
+             (``gluon_pair_two``) for BSFA where the call is expected to skip at least PAIR_FROM =
+             0.25 of its tiles and the key tile is 64 rows: 0.84-0.88 of the ideal at 50% and 75%
+             with one tile a decision (s42, s44) against 0.81-0.85 for the warp-specialized kernel,
+             and 3-4% faster with two (NOTES "the paired kernel deciding two tiles", s44); its
              skipping-off form is 0.90-0.93x the warp-specialized one's. BSFA calls with 64-row
              key tiles expected to skip less (or unknown): the warp-specialized kernel deciding two
              tiles an exchange, its copies issued by the two consumer warpgroups
@@ -43,20 +45,20 @@ DENSE, BSFA, WINDOW = 0, 1, 3  # prefill.method_code
 WS_FROM = 0.25  # at D = 128: the expected sparsity from which the warp-specialized kernel is faster
 PAIR_FROM = 0.25  # at D = 64, BSFA: the expected sparsity from which the paired kernel is faster
 GLUON_KERNELS = {"gluon": sparse_attention_gluon, "gluon_ws": sparse_attention_gluon_ws,
-                 "gluon_pair": sparse_attention_gluon_pair,
+                 "gluon_pair_two": functools.partial(sparse_attention_gluon_pair, two=True),
                  "gluon_ws_two_split": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True,
                                                          split=True)}
 
 
 def pick(head_dim: int, method: int, expected_sparsity: float | None = None, block_n: int = PAIR_BLOCK_N) -> str:
-    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair",
+    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair_two",
     "gluon_ws_two_split", or "triton" (a head dim they were not measured at); ``method`` as
     ``prefill.method_code``."""
     if head_dim == 64:
         if method != BSFA or block_n != PAIR_BLOCK_N:
             return "gluon_ws"
         skipping = expected_sparsity is not None and expected_sparsity >= PAIR_FROM
-        return "gluon_pair" if skipping else "gluon_ws_two_split"
+        return "gluon_pair_two" if skipping else "gluon_ws_two_split"
     if head_dim != 128:
         return "triton"
     if method == DENSE or (method != WINDOW and expected_sparsity is not None and expected_sparsity >= WS_FROM):

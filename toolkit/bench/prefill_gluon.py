@@ -60,7 +60,7 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
                   "gluon_pair": sparse_attention_gluon_pair,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
-                  "gluon_pair_two": functools.partial(sparse_attention_gluon_pair, two=True),
+                  "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
                   "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
                   "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"]}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_ws_two": (64,),
