@@ -34,6 +34,10 @@ to skip a quarter of their tiles or more.
   use n's copy only after use n - 1 was released by both, so waiting for the copy orders them.
 - One program per SM: 12 warps (2 consumer warpgroups + the producer warp's padded warpgroup) at
   ``maxnreg`` registers, redistributed by setmaxnreg (CONFIG).
+- ``two`` (what ``prefill_pick`` runs, ``gluon_pair_two``): the decided tiles go two a decision, both
+  score tiles in flight (``prefill_gluon_ws._qk_two``) and one reduction for both decisions
+  (``prefill_gluon._decide_two``); 3-4 % faster where tiles are skipped, 1-2 % slower with every tile
+  kept, BLASST about level (NOTES.md "the paired kernel deciding two tiles in one reduction", s44).
 
 Phases as in ``prefill_gluon_ws``: ring tile ordinal t (key tile lo + t) uses slot t % NBUF in use
 n = t // NBUF; consumers wait ready with parity n & 1, the producer waits empty and ready with parity
