@@ -150,7 +150,8 @@ def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl
                 NW: gl.constexpr):
     """Both decisions of a pair of tiles at one exchange e: (keep0, keep1) from this warpgroup's
     per-row values [HALF] of the first tile (v0) and of the second with the first kept (v1k) or
-    skipped (v1s; BLASST's value depends on the running max, BSFA's does not), in red [2, 4 * BM] (power-of-two rows)."""
+    skipped (v1s; BLASST's value depends on the running max, BSFA's does not), through red [2, 4 * BM]
+    (3 * BM used; shared-memory shapes are powers of two)."""
     HALF: gl.constexpr = BM // 2
     entry = red.index(e % 2)
     entry.slice(WG * HALF, HALF).store(v0)
