@@ -19,10 +19,11 @@ kernel targets, in one run on one Hopper GPU.
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one reduction; ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an
-   exchange, D = 64 only, without a producer warp (warpgroup 0 issues the copies);
-   ``gluon_ws_two_split``, the same with warpgroup 1 issuing the V copies, what ``prefill_pick``
-   runs for D = 64 BSFA calls expected to skip little). A
+   the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one reduction (what
+   ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_two``, the
+   warp-specialized kernel deciding two tiles an exchange, D = 64 only, without a producer warp
+   (warpgroup 0 issues the copies), ``gluon_ws_two_split`` the same with warpgroup 1 issuing the V
+   copies (what ``prefill_pick`` runs for D = 64 BSFA calls expected to skip little). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
