@@ -69,9 +69,14 @@ def test_two_tiles_an_exchange_builds_for_two_programs_an_sm(two_builds, d, meth
     assert 2 * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
-def test_two_tiles_an_exchange_needs_three_slots():
+def test_two_tiles_an_exchange_needs_three_slots_and_the_built_geometry(seed):
     with pytest.raises(ValueError, match="at least 3 ring slots"):
         pw.ws_config(64, False, 2, pairs=True)
+    g = torch.Generator().manual_seed(seed)
+    for d, block_n in ((128, 64), (64, 128)):
+        q = torch.randn(1, 2, 256, d, generator=g).to(torch.bfloat16)
+        with pytest.raises(ValueError, match="head dim 64 and block_n 64 only"):
+            pw.sparse_attention_gluon_ws(q, q, q, 0.125, 128, block_n, thresholds=torch.zeros(2, 2), pairs=True)
 
 
 def test_config_is_the_one_each_head_dim_runs():

@@ -142,7 +142,8 @@ def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_sc
                   DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, TWO: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 ..; with TWO (decided tiles only) two tiles a
-    decision (``_pair_two``), an odd last one alone."""
+    decision (``_pair_two``), an odd last one alone (never at BM = 2 BN, where block i has 2 i
+    candidates)."""
     if TWO and DECIDE != 0:
         for u in range(count // 2):
             carry = _pair_two(carry, q_smem, ring, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, s_layout,

@@ -287,7 +287,8 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
                 PAIRS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments). With
-    PAIRS (decided tiles only) two tiles an exchange (``_ws_pair``), an odd last one alone, and the
+    PAIRS (decided tiles only) two tiles an exchange (``_ws_pair``), an odd last one alone (never at
+    BM = 2 BN, where block i has 2 i candidates), and the
     ISSUER copies NBUF - 2 tiles ahead (a pair holds two slots) instead of NBUF - 1."""
     AHEAD: gl.constexpr = NBUF - 2 if PAIRS else NBUF - 1
     if PAIRS and DECIDE != 0:
@@ -469,7 +470,12 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); pairs:
-    two decided tiles an exchange (``_ws_pair``; same results); split: the V copies issued by warpgroup 1."""
+    two decided tiles an exchange (``_ws_pair``; same results; head dim 64 and 64-row key tiles, the
+    build tests/test_prefill_gluon_ws.py checks and the GPU check ran); split: the V copies issued by
+    warpgroup 1."""
+    if pairs and (q.shape[-1] != 64 or block_n != 64):
+        raise ValueError(f"two decided tiles an exchange take head dim 64 and block_n 64 only, got {q.shape[-1]} "
+                         f"and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split))
