@@ -20,8 +20,7 @@ kernel targets, in one run on one Hopper GPU.
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
    the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one reduction (what
-   ``prefill_pick`` runs for D = 64 BSFA calls expected to skip; ``_b6`` / ``_b8``: 6 / 8 ring
-   slots); ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an exchange, D = 64
+   ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an exchange, D = 64
    only, without a producer warp (warpgroup 0 issues the copies), ``gluon_ws_two_split`` the same
    with warpgroup 1 issuing the V copies (what ``prefill_pick`` runs for D = 64 BSFA calls expected
    to skip little). A
@@ -63,12 +62,10 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair": sparse_attention_gluon_pair,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
                   "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
-                  "gluon_pair_two_b6": functools.partial(sparse_attention_gluon_pair, two=True, nbuf=6),
-                  "gluon_pair_two_b8": functools.partial(sparse_attention_gluon_pair, two=True, nbuf=8),
                   "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
                   "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"]}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_pair_two_b6": (64,),
-                "gluon_pair_two_b8": (64,), "gluon_ws_two": (64,), "gluon_ws_two_split": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_ws_two": (64,),
+                "gluon_ws_two_split": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
