@@ -61,13 +61,20 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _coords,
     _decide,
     _decide_two,
-    _decided_vals,
     _qk,
     _scores,
     _tma_load,
     launch,
 )
-from sparsecal.kernels.sparse.prefill_gluon_ws import PRODUCER_REGS, _barriers, _block_range, _issue, _qk_two, _step
+from sparsecal.kernels.sparse.prefill_gluon_ws import (
+    PRODUCER_REGS,
+    _barriers,
+    _block_range,
+    _issue,
+    _qk_two,
+    _step,
+    _two_vals,
+)
 
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
@@ -125,14 +132,9 @@ def _pair_two(carry, q_smem, ring, t, row_ok, qk_scale, thr, DECIDE: gl.constexp
     """Candidate tiles at ring ordinals t, t + 1 (never masked) for this warpgroup's block with one
     reduction for both decisions (``_decide_two``); the same decisions, counts and arithmetic as two
     ``_pair_tile`` calls."""
-    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, BN, NBUF, s_layout)
-    m0 = m0 * qk_scale
-    m1 = m1 * qk_scale
-    m_i = carry[2]
-    m_a = gl.maximum(m_i, m0)  # the running max after tile t when it is kept
-    keep0, keep1 = _decide_two(_decided_vals(m0, m_a, row_ok, DECIDE),
-                               _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
-                               _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE), thr, DECIDE)
+    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
+    v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
+    keep0, keep1 = _decide_two(v0, v1k, v1s, thr, DECIDE)
     carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, True, o_layout)
     return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, True, o_layout)
 

@@ -208,9 +208,9 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
 
 
 @gluon.jit
-def _qk_two(q_smem, ring, t, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr):
-    """(S [ROWS, BN] f32 of ring tiles t and t + 1, their row maxima (unscaled)): both Q.K^T in flight
-    once their K copies landed, each K slot released as soon as its product is done."""
+def _qk_two(q_smem, ring, t, qk_scale, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr):
+    """(S [ROWS, BN] f32 of ring tiles t and t + 1, their row maxima in log2 units): both Q.K^T in
+    flight once their K copies landed, each K slot released as soon as its product is done."""
     k_ring, _, k_ready, k_empty, _, _ = ring
     rows: gl.constexpr = q_smem.shape[0]
     d: gl.constexpr = q_smem.shape[1]
@@ -223,10 +223,20 @@ def _qk_two(q_smem, ring, t, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.
                        is_async=True)
     s0 = warpgroup_mma_wait(1, deps=(s0,))
     mbarrier.arrive(k_empty.index(t % NBUF))
-    m0 = gl.max(s0, 1)
+    m0 = gl.max(s0, 1) * qk_scale
     s1 = warpgroup_mma_wait(0, deps=(s1,))
     mbarrier.arrive(k_empty.index((t + 1) % NBUF))
-    return s0, s1, m0, gl.max(s1, 1)
+    return s0, s1, m0, gl.max(s1, 1) * qk_scale
+
+
+@gluon.jit
+def _two_vals(m_i, m0, m1, row_ok, DECIDE: gl.constexpr):
+    """The per-row decision values (``_decided_vals``) of two candidate tiles with row maxima m0, m1
+    after the running max m_i: the first tile's, the second's with the first kept, and with the first
+    skipped (BLASST's value depends on the running max, BSFA's does not)."""
+    m_a = gl.maximum(m_i, m0)  # the running max after the first tile when it is kept
+    return (_decided_vals(m0, m_a, row_ok, DECIDE), _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
+            _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE))
 
 
 @gluon.jit
@@ -258,22 +268,16 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr
              NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
              o_layout: gl.constexpr):
     """Candidate tiles at ordinals t, t + 1 (never masked) for this warpgroup's HALF rows with one
-    exchange (e) for both decisions: ``_qk_two``, the values of ``_decided_vals`` for tile t and for
-    tile t + 1 after tile t kept or skipped, ``_agree_pair``, then ``_step`` per tile in order. Same
-    decisions, counts and arithmetic as two ``_ws_tile`` calls; the ISSUER copies tiles t + AHEAD and
-    t + 1 + AHEAD (K before, V after)."""
+    exchange (e) for both decisions: ``_qk_two``, ``_two_vals``, ``_agree_pair``, then ``_step`` per
+    tile in order. Same decisions, counts and arithmetic as two ``_ws_tile`` calls; the ISSUER copies
+    tiles t + AHEAD and t + 1 + AHEAD (K before, V after)."""
     d: gl.constexpr = q_smem.shape[1]
     if ISSUER == 1 or ISSUER == 2:
         _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
-    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, BN, NBUF, s_layout)
-    m0 = m0 * qk_scale
-    m1 = m1 * qk_scale
-    m_i = carry[2]
-    m_a = gl.maximum(m_i, m0)  # the running max after tile t when it is kept
-    keep0, keep1 = _agree_pair(red, dec_bar, e, _decided_vals(m0, m_a, row_ok, DECIDE),
-                               _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
-                               _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE), thr, DECIDE, WG, BM, NW)
+    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
+    v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
+    keep0, keep1 = _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE, WG, BM, NW)
     if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
