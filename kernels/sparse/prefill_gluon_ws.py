@@ -132,92 +132,48 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
-def _publish(red, dec_bar, e, WG: gl.constexpr, EARLY: gl.constexpr):
-    """This warpgroup's rows of exchange e go to entry e % NE of red [NE, ..] (NE = red.shape[0]); with
-    EARLY it first waits until the other warpgroup has arrived for exchange e - NE + 1, which it does
-    after its last read of entry e % NE (exchange e - NE). Returns the entry."""
-    NE: gl.constexpr = red.shape[0]
-    if EARLY:
-        if e >= NE - 1:
-            p = e - (NE - 1)
-            mbarrier.wait(dec_bar.index(p % NE), (p // NE) & 1)
-    return red.index(e % NE)
-
-
-@gluon.jit
-def _top(entry, lo: gl.constexpr, n: gl.constexpr, NW: gl.constexpr):
-    """Max of entry[lo : lo + n] read by every thread (each warp holds all n: no cross-warp reduction)."""
-    every: gl.constexpr = gl.BlockedLayout([n // 32], [32], [NW], [0])
-    return gl.max(entry.slice(lo, n).load(every), 0)
-
-
-@gluon.jit
-def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, EARLY: gl.constexpr):
+def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
     """The block's decision at exchange e: max over its 128 rows of vals (this warpgroup's 64 rows
-    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [NE, NV * BM].
-    EARLY: a tile is kept when any row reaches thr, so a warpgroup whose own rows keep it publishes
-    them and goes on without waiting for the other (``_publish``)."""
+    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, NV * BM]."""
     HALF: gl.constexpr = BM // 2
-    NE: gl.constexpr = red.shape[0]
-    entry = _publish(red, dec_bar, e, WG, EARLY)
+    entry = red.index(e % 2)
     entry.slice(WG * HALF, HALF).store(vals)
     _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
-    mbarrier.arrive(dec_bar.index(e % NE))
-    if EARLY:
-        keep = _top(entry, WG * HALF, HALF, NW) >= thr
-        if not keep:
-            mbarrier.wait(dec_bar.index(e % NE), (e // NE) & 1)
-            keep = _top(entry, (1 - WG) * HALF, HALF, NW) >= thr
-    else:
-        mbarrier.wait(dec_bar.index(e % NE), (e // NE) & 1)
-        keep = _top(entry, 0, BM, NW) >= thr
-    return keep
-
-
-@gluon.jit
-def _settle_pair(entry, dec_bar, e, thr, DECIDE: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
-    """(keep0, keep1) of ``_agree_pair`` from both warpgroups' values, once the other has arrived."""
-    NE: gl.constexpr = dec_bar.shape[0]
-    mbarrier.wait(dec_bar.index(e % NE), (e // NE) & 1)
-    keep0 = _top(entry, 0, BM, NW) >= thr
-    top1 = _top(entry, BM, BM, NW)
-    if DECIDE == 2:
-        top1 = gl.where(keep0, top1, _top(entry, 2 * BM, BM, NW))
-    return keep0, top1 >= thr
+    mbarrier.arrive(dec_bar.index(e % 2))
+    mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
+    return gl.max(entry.slice(0, BM).load(every), 0) >= thr
 
 
 @gluon.jit
 def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr,
-                NW: gl.constexpr, EARLY: gl.constexpr):
+                NW: gl.constexpr):
     """Both decisions of a pair of tiles at one exchange e: (keep0, keep1) from this warpgroup's
     per-row values [HALF] of the first tile (v0) and of the second with the first kept (v1k) or
-    skipped (v1s; BLASST's value depends on the running max, BSFA's does not), through red [NE, 4 * BM]
-    (3 * BM used; shared-memory shapes are powers of two). EARLY: as ``_agree``, no wait when this
-    warpgroup's own rows keep both tiles."""
+    skipped (v1s; BLASST's value depends on the running max, BSFA's does not), through red [2, 4 * BM]
+    (3 * BM used; shared-memory shapes are powers of two)."""
     HALF: gl.constexpr = BM // 2
-    NE: gl.constexpr = red.shape[0]
-    entry = _publish(red, dec_bar, e, WG, EARLY)
+    entry = red.index(e % 2)
     entry.slice(WG * HALF, HALF).store(v0)
     entry.slice(BM + WG * HALF, HALF).store(v1k)
     if DECIDE == 2:
         entry.slice(2 * BM + WG * HALF, HALF).store(v1s)
     _cta_barrier()
-    mbarrier.arrive(dec_bar.index(e % NE))
-    if EARLY:
-        keep0 = _top(entry, WG * HALF, HALF, NW) >= thr
-        keep1 = _top(entry, BM + WG * HALF, HALF, NW) >= thr
-        if not (keep0 & keep1):
-            keep0, keep1 = _settle_pair(entry, dec_bar, e, thr, DECIDE, BM, NW)
-    else:
-        keep0, keep1 = _settle_pair(entry, dec_bar, e, thr, DECIDE, BM, NW)
-    return keep0, keep1
+    mbarrier.arrive(dec_bar.index(e % 2))
+    mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])
+    keep0 = gl.max(entry.slice(0, BM).load(every), 0) >= thr
+    top1 = gl.max(entry.slice(BM, BM).load(every), 0)
+    if DECIDE == 2:
+        top1 = gl.where(keep0, top1, gl.max(entry.slice(2 * BM, BM).load(every), 0))
+    return keep0, top1 >= thr
 
 
 @gluon.jit
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, AHEAD: gl.constexpr,
-             NW: gl.constexpr, EARLY: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+             NW: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
     release V. ISSUER (0 none, 1 K and V, 2 K, 3 V; warpgroup 0 issues when there is no producer
@@ -238,7 +194,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, EARLY)
+        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
     if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
@@ -309,7 +265,7 @@ def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIP
 @gluon.jit
 def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
              WG: gl.constexpr, ISSUER: gl.constexpr, KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-             NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, EARLY: gl.constexpr, s_layout: gl.constexpr,
+             NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
              o_layout: gl.constexpr):
     """Candidate tiles at ordinals t, t + 1 (never masked) for this warpgroup's HALF rows with one
     exchange (e) for both decisions: ``_qk_two``, ``_two_vals``, ``_agree_pair``, then ``_step`` per
@@ -321,7 +277,7 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr
         _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
     s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
     v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
-    keep0, keep1 = _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE, WG, BM, NW, EARLY)
+    keep0, keep1 = _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE, WG, BM, NW)
     if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
@@ -333,7 +289,7 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                PAIRS: gl.constexpr, EARLY: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                PAIRS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments). With
     PAIRS (decided tiles only) two tiles an exchange (``_ws_pair``), an odd last one alone (never at
     BM = 2 BN, where block i has 2 i candidates), and the
@@ -342,16 +298,16 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
     if PAIRS and DECIDE != 0:
         for u in range(count // 2):
             carry = _ws_pair(carry, q_smem, ring, src, red, dec_bar, u, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE,
-                             WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, EARLY, s_layout, o_layout)
+                             WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout, o_layout)
         for u in range(count % 2):
             carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, count // 2, t0 + count - 1, j0 + count - 1,
                              rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF,
-                             AHEAD, NW, EARLY, s_layout, o_layout)
+                             AHEAD, NW, s_layout, o_layout)
     else:
         for u in range(count):
             carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
-                             qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, EARLY,
-                             s_layout, o_layout)
+                             qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout,
+                             o_layout)
     return carry
 
 
@@ -378,7 +334,7 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr, EARLY: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles, NBUF - 2 with PAIRS), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -402,11 +358,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS, EARLY,
-                        s_layout, o_layout)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS, s_layout,
+                        o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS,
-                        EARLY, s_layout, o_layout)
+                        s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
 
@@ -436,7 +392,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
-                   SPLIT: gl.constexpr, EARLY: gl.constexpr, EXCH: gl.constexpr, num_warps: gl.constexpr):
+                   SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
     producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``); SPLIT (no
@@ -450,13 +406,13 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    red = gl.allocate_shared_memory(gl.float32, [EXCH, 4 * BM if PAIRS else BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    red = gl.allocate_shared_memory(gl.float32, [2, 4 * BM if PAIRS else BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
     v_empty = _barriers(NBUF, 2)
-    dec_bar = _barriers(EXCH, 2)
+    dec_bar = _barriers(2, 2)
     fence_async_shared()
 
     j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
@@ -475,10 +431,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, EARLY)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, EARLY)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -486,27 +442,23 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, EARLY)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, ISSUER1, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, EARLY)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False,
-              split: bool = False, early: int = 0) -> dict:
+              split: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``pairs``:
     two decided tiles an exchange (a ring of at least 3 slots); ``split`` (no producer warp): warpgroup
-    1 issues the V copies, warpgroup 0 Q and K; ``early`` (0 off, else the exchange entries, >= 2): a
-    warpgroup whose own rows keep the tile(s) does not wait for the other (``_agree``)."""
+    1 issues the V copies, warpgroup 0 Q and K."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "EARLY": early > 0, "EXCH": max(early, 2),
-          "num_warps": CONSUMER_WARPS}
-    if early and (early < 2 or early & (early - 1)):
-        raise ValueError(f"early takes a power of two >= 2 exchange entries, got {early}")
+          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "num_warps": CONSUMER_WARPS}
     if pairs and kw["NBUF"] < 3:
         raise ValueError(f"two tiles an exchange need at least 3 ring slots, got {kw['NBUF']}")
     if maxnreg is not None:
@@ -517,19 +469,18 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pai
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, pairs: bool = False, split: bool = False,
-                              early: int = 0):
+                              producer: bool | None = None, pairs: bool = False, split: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); pairs:
     two decided tiles an exchange (``_ws_pair``; same results; head dim 64 and 64-row key tiles, the
     build tests/test_prefill_gluon_ws.py checks and the GPU check ran); split: the V copies issued by
-    warpgroup 1; early: exchange entries of the EARLY decision (0 off; ``ws_config``)."""
+    warpgroup 1."""
     if pairs and (q.shape[-1] != 64 or block_n != 64):
         raise ValueError(f"two decided tiles an exchange take head dim 64 and block_n 64 only, got {q.shape[-1]} "
                          f"and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split, early))
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split))
     return out, skip.sum(dim=-1, dtype=torch.int64)
