@@ -72,7 +72,7 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import (
     _block_range,
     _issue,
     _qk_two,
-    _steps,
+    _step,
     _two_vals,
 )
 
@@ -128,14 +128,15 @@ def _pair_tile(carry, q_smem, ring, t, j, rows, row_ok, n_ctx, qk_scale, thr, MA
 
 @gluon.jit
 def _pair_two(carry, q_smem, ring, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr, BN: gl.constexpr,
-              NBUF: gl.constexpr, FUSE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+              NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Candidate tiles at ring ordinals t, t + 1 (never masked) for this warpgroup's block with one
     reduction for both decisions (``_decide_two``); the same decisions, counts and arithmetic as two
-    ``_pair_tile`` calls; FUSE: a kept pair's first P.V in flight under the second's exp2s (``_steps``)."""
+    ``_pair_tile`` calls."""
     s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
     v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
     keep0, keep1 = _decide_two(v0, v1k, v1s, thr, DECIDE)
-    return _steps(carry, s0, m0, keep0, s1, m1, keep1, ring, t, qk_scale, NBUF, True, FUSE, o_layout)
+    carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, True, o_layout)
+    return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, True, o_layout)
 
 
 @gluon.jit
@@ -147,8 +148,8 @@ def _pair_segment(carry, q_smem, ring, t0, j0, count, rows, row_ok, n_ctx, qk_sc
     candidates)."""
     if TWO and DECIDE != 0:
         for u in range(count // 2):
-            carry = _pair_two(carry, q_smem, ring, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, TWO == 2,
-                              s_layout, o_layout)
+            carry = _pair_two(carry, q_smem, ring, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, s_layout,
+                              o_layout)
         for u in range(count % 2):
             carry = _pair_tile(carry, q_smem, ring, t0 + count - 1, j0 + count - 1, rows, row_ok, n_ctx, qk_scale,
                                thr, MASKED, DECIDE, BM, BN, NBUF, s_layout, o_layout)
@@ -272,24 +273,23 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, two: bool = False, fuse: bool = False) -> dict:
+def pair_config(nbuf: int | None = None, two: bool = False) -> dict:
     """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
-    ``two``: two decided tiles a decision (TWO 1), with ``fuse`` a kept pair's P.V overlapped (TWO 2)."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=(2 if fuse else 1) if two else 0)
+    ``two``: two decided tiles a decision."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False,
-                                fuse: bool = False):
+                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
-    decision (``_pair_two``); ``fuse`` (with ``two``): a kept pair's first P.V under the second's exp2s."""
+    decision (``_pair_two``)."""
     if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
         raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, two, fuse))
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, two))
     return out, skip.sum(dim=-1, dtype=torch.int64)

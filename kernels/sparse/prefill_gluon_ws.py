@@ -263,59 +263,6 @@ def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIP
 
 
 @gluon.jit
-def _softmax_step(s, m_i, m_new, l_i, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr):
-    """A kept unmasked tile's online-softmax arithmetic, as ``_attend``'s: (P as the P.V operand, alpha
-    [rows] in the accumulator's row layout, the new row sums)."""
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, o_layout, 2))
-    return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), l_i
-
-
-@gluon.jit
-def _attend_two(carry, s0, m0, s1, m1, ring, t, qk_scale, NBUF: gl.constexpr, o_layout: gl.constexpr):
-    """Both candidate tiles t, t + 1 of a pair kept: the two ``_step`` updates with the first P.V in
-    flight while the second tile's exp2s and row sums run (the same arithmetic in the same order)."""
-    acc, l_i, m_i, n_skip = carry
-    _, v_ring, _, _, v_ready, v_empty = ring
-    bn: gl.constexpr = s0.shape[1]
-    d: gl.constexpr = acc.shape[1]
-    m_a = gl.maximum(m_i, m0)
-    p0, alpha0, l_i = _softmax_step(s0, m_i, m_a, l_i, qk_scale, v_ring.dtype, o_layout)
-    acc = acc * alpha0[:, None]
-    mbarrier.wait(v_ready.index(t % NBUF), (t // NBUF) & 1)
-    acc = warpgroup_mma(p0, v_ring.index(t % NBUF).reshape([bn, d]), acc, is_async=True)
-    m_b = gl.maximum(m_a, m1)
-    p1, alpha1, l_i = _softmax_step(s1, m_a, m_b, l_i, qk_scale, v_ring.dtype, o_layout)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(t % NBUF))
-    acc = acc * alpha1[:, None]
-    mbarrier.wait(v_ready.index((t + 1) % NBUF), ((t + 1) // NBUF) & 1)
-    acc = warpgroup_mma(p1, v_ring.index((t + 1) % NBUF).reshape([bn, d]), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index((t + 1) % NBUF))
-    return acc, l_i, m_b, n_skip
-
-
-@gluon.jit
-def _steps(carry, s0, m0, keep0, s1, m1, keep1, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIPPED: gl.constexpr,
-           FUSE: gl.constexpr, o_layout: gl.constexpr):
-    """Decided candidate tiles t, t + 1 after their decisions: ``_step`` for each in order, or with
-    FUSE, where both are kept, ``_attend_two`` (same results)."""
-    if FUSE:
-        if keep0 & keep1:
-            carry = _attend_two(carry, s0, m0, s1, m1, ring, t, qk_scale, NBUF, o_layout)
-        else:
-            carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, WAIT_SKIPPED, o_layout)
-            carry = _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, WAIT_SKIPPED, o_layout)
-    else:
-        carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, WAIT_SKIPPED, o_layout)
-        carry = _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, WAIT_SKIPPED, o_layout)
-    return carry
-
-
-@gluon.jit
 def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
              WG: gl.constexpr, ISSUER: gl.constexpr, KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
              NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
