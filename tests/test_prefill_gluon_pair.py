@@ -51,30 +51,6 @@ def test_config_gives_each_consumer_a_whole_block():
     default = cfg["maxnreg"] * 12 * 32 // 128 - cfg["WORKER_REGS"] - cfg["PRODUCER_REGS"]
     assert default >= 240 and cfg["maxnreg"] * 12 * 32 <= H100_REGS_PER_SM
     assert pp.pair_config(6)["NBUF"] == 6 and not cfg["TWO"] and pp.pair_config(two=True)["TWO"]
-    assert not cfg["SOLO"] and pp.pair_config(solo=True)["SOLO"] and pp.pair_config(solo=True)["maxnreg"] == 128
-
-
-SOLO = [(m, two) for m in METHODS for two in (False, True)]
-
-
-@pytest.fixture(scope="module")
-def solo_builds():
-    return build([{"key": f"{m}-{int(two)}", "module": pp.__name__, "kernel": "_pair_fwd_kernel", "d": pp.HEAD_DIM,
-                   "method": m, "q_rows": 128, "launch": pp.pair_config(two=two, solo=True)} for m, two in SOLO])
-
-
-@pytest.mark.parametrize("method,two", SOLO, ids=[f"{m}{'-two' if two else ''}" for m, two in SOLO])
-def test_one_block_a_program_builds_for_two_programs_an_sm(solo_builds, method, two):
-    """``solo``: one consumer warpgroup and the producer warp a program (8 warps), 232 registers for
-    the consumer (the two-tile form spills at 224), shared memory and registers for two programs an SM."""
-    got = solo_builds[f"{method}-{int(two)}"]
-    assert got["tma"] and got["wgmma"] and got["cubin"] and got["setmaxnreg"], got
-    assert got["spills"] == 0, got
-    assert not [w for w in got["warnings"] if "C7514" in w or "wgmma" in w.lower()], got["warnings"]
-    assert got["warps"] == 8, got["warps"]
-    assert 2 * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
-    assert 2 * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
-    assert got["regs"] * 8 * 32 // 128 - pp.PRODUCER_REGS >= 232
 
 
 @pytest.mark.parametrize("d,block_n", [(128, 64), (64, 128)])

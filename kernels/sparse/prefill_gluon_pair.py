@@ -79,9 +79,6 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import (
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
 CONFIG = {"NBUF": 4, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS, "TWO": False, "num_warps": 4}
-# SOLO, two programs an SM: 8 warps x 32 x 128 = 32768 registers a program; setmaxnreg gives the producer
-# warpgroup 24 and the consumer the rest, 232 (the two-tile consumer builds without spills at 232, not at 224).
-SOLO_CONFIG = {"maxnreg": 128}
 HEAD_DIM, BLOCK_N = 64, 64  # the only geometry this kernel takes (BM = 128 as every Gluon kernel)
 
 
@@ -191,7 +188,7 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     n_blocks = (n_ctx + BM - 1) // BM
-    i = q_buf.shape[0] * pair + WG  # BLOCKS (q_buf's blocks) a program
+    i = 2 * pair + WG
     j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
     if i >= n_blocks:
         j_lo = hi
@@ -225,13 +222,12 @@ def _pair_consumer(q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, 
 def _pair_producer(q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS: gl.constexpr,
                    KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    NBUF: gl.constexpr):
-    """1 warp: the program's query blocks (BLOCKS = q_buf.shape[0]; a block past N reads as zeros),
-    then K and V of every ring tile in order, as fast as the ring frees."""
-    BLOCKS: gl.constexpr = q_buf.shape[0]
-    mbarrier.expect(q_bar.index(0), BLOCKS * q_desc.block_type.nbytes)
-    for w in gl.static_range(BLOCKS):
-        _tma_load(q_desc, _coords(src[2], h, (BLOCKS * pair + w) * BM, Q_ROWS, num_heads, HEAD_DIM),
-                  q_bar.index(0), q_buf.index(w))
+    """1 warp: both query blocks (a block past N reads as zeros), then K and V of every ring tile in
+    order, as fast as the ring frees."""
+    mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(q_desc, _coords(src[2], h, (2 * pair + w) * BM, Q_ROWS, num_heads, HEAD_DIM), q_bar.index(0),
+                  q_buf.index(w))
     for t in range(src[6]):
         _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
 
@@ -241,42 +237,32 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, SOLO: gl.constexpr, num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
-    1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``). SOLO: grid
-    (P, B * H), one block a program (warpgroup 0 and the producer; two programs an SM). Arguments as
+    1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``). Arguments as
     ``prefill_gluon._gluon_fwd_kernel``."""
     pair = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
     n_blocks = (n_ctx + BM - 1) // BM
-    BLOCKS: gl.constexpr = 1 if SOLO else 2
-    lo = _block_range(BLOCKS * pair, n_ctx, window, METHOD, BM, BN)[0]
-    hi = (gl.minimum((gl.minimum(BLOCKS * pair + BLOCKS - 1, n_blocks - 1) + 1) * BM, n_ctx) - 1) // BN + 1
+    lo = _block_range(2 * pair, n_ctx, window, METHOD, BM, BN)[0]
+    hi = (gl.minimum((gl.minimum(2 * pair + 1, n_blocks - 1) + 1) * BM, n_ctx) - 1) // BN + 1
     dtype: gl.constexpr = q_desc.dtype
-    q_buf = gl.allocate_shared_memory(dtype, [BLOCKS, 1, BM, HEAD_DIM], q_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
-    k_empty = _barriers(NBUF, BLOCKS)  # one arrival (thread 0) per consumer warpgroup
-    v_empty = _barriers(NBUF, BLOCKS)
+    k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
+    v_empty = _barriers(NBUF, 2)
     fence_async_shared()
     ring = (k_ring, v_ring, k_ready, k_empty, v_ready, v_empty)
     src = (k_desc, v_desc, b, h // group, num_kv, lo, hi - lo)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    if SOLO:
-        gl.warp_specialize([
-            (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo,
-                              hi, qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
-            (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM,
-                              BN, NBUF)),
-        ], [1], [PRODUCER_REGS])
-        return
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                           qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
@@ -287,27 +273,23 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, two: bool = False, solo: bool = False) -> dict:
+def pair_config(nbuf: int | None = None, two: bool = False) -> dict:
     """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
-    ``two``: two decided tiles a decision; ``solo``: one block a program (SOLO_CONFIG's registers)."""
-    return dict(CONFIG, **(SOLO_CONFIG if solo else {}), NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two),
-                SOLO=bool(solo))
+    ``two``: two decided tiles a decision."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False,
-                                solo: bool = False):
+                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
-    decision (``_pair_two``); ``solo``: one block a program, two programs an SM (no two blocks tied to
-    one ring: NOTES.md "one block a program, s45")."""
+    decision (``_pair_two``)."""
     if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
         raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    programs = grid[0] if solo else triton.cdiv(grid[0], 2)
-    _pair_fwd_kernel[(programs, grid[1])](*args, **consts, **pair_config(nbuf, two, solo))
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, two))
     return out, skip.sum(dim=-1, dtype=torch.int64)
