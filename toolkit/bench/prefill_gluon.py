@@ -23,8 +23,7 @@ kernel targets, in one run on one Hopper GPU.
    ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an exchange, D = 64
    only, without a producer warp (warpgroup 0 issues the copies), ``gluon_ws_two_split`` the same
    with warpgroup 1 issuing the V copies (what ``prefill_pick`` runs for D = 64 BSFA calls expected
-   to skip little); ``gluon_ws_hf`` the ws kernel's grid heads first (every head's heaviest block
-   before any head's next). A
+   to skip little). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -64,8 +63,7 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
                   "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
                   "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
-                  "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"],
-                  "gluon_ws_hf": functools.partial(sparse_attention_gluon_ws, heads_first=True)}
+                  "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"]}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_ws_two": (64,),
                 "gluon_ws_two_split": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
