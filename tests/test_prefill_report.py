@@ -25,7 +25,8 @@ def _rows():
 def test_the_committed_runs_read_as_the_notes_count_them():
     """s44 (D=64, the second run, two calls by length) and s43 (D=128), 9 shapes each: the picked
     kernel per cell (at D=64 the two-tile ws form with nothing skipped and the two-tile paired kernel
-    for BSFA expected to skip; at D=128 the one-partition kernel with nothing skipped), and the counts
+    for BSFA expected to skip, and for BLASST at 75 % from 32K; at D=128 the one-partition kernel with
+    nothing skipped), and the counts
     NOTES "prefill D=64, s44, the second run" quotes: nothing skipped at its goal only at D=128 32K
     (BSFA G 1/4/8, BLASST G=1); at 0.90 of the ideal by the median the D=64 BSFA cells at 32K (50 %
     and 75 %) and 64K (75 %), 9 of 72."""
@@ -35,6 +36,7 @@ def test_the_committed_runs_read_as_the_notes_count_them():
     by = {(r["d"], r["n"], r["group"]): r for r in rows}
     assert by[(64, 32768, 4)]["bsfa_s50"][0] == "gluon_pair_two" and by[(64, 32768, 4)]["blasst_s50"][0] == "gluon_ws"
     assert by[(64, 32768, 4)]["bsfa_s0"][0] == "gluon_ws_two_split" and by[(64, 32768, 4)]["blasst_s0"][0] == "gluon_ws"
+    assert [by[(64, n, 4)]["blasst_s75"][0] for n in (16384, 32768, 65536)] == ["gluon_ws"] + ["gluon_pair_two"] * 2
     assert by[(128, 32768, 4)]["bsfa_s0"][0] == "gluon" and by[(128, 32768, 4)]["bsfa_s75"][0] == "gluon_ws"
     at_goal = sorted((r["d"], r["n"], r["group"], m) for r in rows for m in report.METHODS
                      if r[f"{m}_s0"][1][0] >= report.NOTHING_SKIPPED[r["d"]])
