@@ -71,6 +71,7 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import (
     _barriers,
     _block_range,
     _issue,
+    _program,
     _qk_two,
     _step,
     _two_vals,
@@ -237,13 +238,12 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
     1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``). Arguments as
     ``prefill_gluon._gluon_fwd_kernel``."""
-    pair = gl.num_programs(0) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
+    pair, bh = _program(CHUNK)
     b = bh // num_heads
     h = bh % num_heads
     n_blocks = (n_ctx + BM - 1) // BM
@@ -273,15 +273,16 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, two: bool = False) -> dict:
+def pair_config(nbuf: int | None = None, two: bool = False, chunk: int = 1) -> dict:
     """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
-    ``two``: two decided tiles a decision."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two))
+    ``two``: two decided tiles a decision; ``chunk``: heads side by side in the grid (``_program``)."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two), CHUNK=int(chunk))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False):
+                                dense: bool = False, out=None, nbuf: int | None = None, two: bool = False,
+                                chunk: int = 1):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
@@ -291,5 +292,7 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2), grid[1])](*args, **consts, **pair_config(nbuf, two))
+    chunk = chunk if q.shape[1] % chunk == 0 else 1
+    _pair_fwd_kernel[(triton.cdiv(grid[0], 2) * chunk, grid[1] // chunk)](*args, **consts,
+                                                                          **pair_config(nbuf, two, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)

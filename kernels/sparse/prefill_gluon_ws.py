@@ -312,8 +312,8 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
 
 
 @gluon.jit
-def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, n_ctx, WG: gl.constexpr,
-              BM: gl.constexpr, NW: gl.constexpr, o_layout: gl.constexpr):
+def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, n_ctx, CHUNK: gl.constexpr,
+              WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, o_layout: gl.constexpr):
     """acc / l_i [HALF, D] into this warpgroup's rows of O [B, H, N, D] (by strides), through its own
     (dead) Q half q_half [HALF, D] in shared memory; warpgroup 0 stores the skip count in SKIP [B * H, P]."""
     HALF: gl.constexpr = BM // 2
@@ -327,14 +327,14 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
     gl.store(base + orow.to(gl.int64)[:, None] * so_n + ocol[None, :], o.to(O.dtype.element_ty),
              mask=(orow < n_ctx)[:, None])
     if WG == 0:
-        gl.store(SKIP + bh.to(gl.int64) * gl.num_programs(0) + i, n_skip)
+        gl.store(SKIP + bh.to(gl.int64) * (gl.num_programs(0) // CHUNK) + i, n_skip)
 
 
 @gluon.jit
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr, CHUNK: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles, NBUF - 2 with PAIRS), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -364,7 +364,20 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS,
                         s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
-    _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, WG, BM, NW, o_layout)
+    _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
+              o_layout)
+
+
+@gluon.jit
+def _program(CHUNK: gl.constexpr):
+    """(n - 1 - the program's rank: heaviest first, b * H + h) of a grid (n * CHUNK, B * H / CHUNK): the
+    CHUNK heads of a chunk side by side, rank by rank, the chunks one after the other (CHUNK = 1: one
+    head after the other)."""
+    if CHUNK == 1:
+        return gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1)
+    else:
+        return (gl.num_programs(0) // CHUNK - 1 - gl.program_id(0) // CHUNK,
+                gl.program_id(1) * CHUNK + gl.program_id(0) % CHUNK)
 
 
 @gluon.jit
@@ -392,14 +405,13 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
-                   SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                   SPLIT: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
     producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``); SPLIT (no
     producer): warpgroup 1 issues the V copies. Arguments as ``prefill_gluon._gluon_fwd_kernel``
     except q_desc, whose block is one consumer's half [1, BM / 2, D]."""
-    i = gl.num_programs(0) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
+    i, bh = _program(CHUNK)
     b = bh // num_heads
     h = bh % num_heads
     dtype: gl.constexpr = q_desc.dtype
@@ -431,10 +443,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -442,23 +454,24 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, ISSUER1, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False,
-              split: bool = False) -> dict:
+              split: bool = False, chunk: int = 1) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``pairs``:
     two decided tiles an exchange (a ring of at least 3 slots); ``split`` (no producer warp): warpgroup
-    1 issues the V copies, warpgroup 0 Q and K."""
+    1 issues the V copies, warpgroup 0 Q and K; ``chunk``: heads side by side in the grid (``_program``)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "num_warps": CONSUMER_WARPS}
+          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "CHUNK": int(chunk),
+          "num_warps": CONSUMER_WARPS}
     if pairs and kw["NBUF"] < 3:
         raise ValueError(f"two tiles an exchange need at least 3 ring slots, got {kw['NBUF']}")
     if maxnreg is not None:
@@ -469,7 +482,8 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pai
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, pairs: bool = False, split: bool = False):
+                              producer: bool | None = None, pairs: bool = False, split: bool = False,
+                              chunk: int = 1):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
@@ -482,5 +496,7 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                          f"and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split))
+    chunk = chunk if q.shape[1] % chunk == 0 else 1
+    grid = (grid[0] * chunk, grid[1] // chunk)
+    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)
