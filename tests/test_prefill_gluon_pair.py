@@ -53,6 +53,18 @@ def test_config_gives_each_consumer_a_whole_block():
     assert pp.pair_config(6)["NBUF"] == 6 and not cfg["TWO"] and pp.pair_config(two=True)["TWO"]
 
 
+def test_the_chunked_grid_builds_as_the_default(builds):
+    """Heads side by side (``chunk``, what calls up to CHUNK_UP_TO get) change only the program's (pair,
+    head): the same registers, shared memory and warps as the default build, without spills."""
+    got = build([{"key": f"{m}", "module": pp.__name__, "kernel": "_pair_fwd_kernel", "d": pp.HEAD_DIM, "method": m,
+                  "q_rows": 128, "launch": pp.pair_config(two=True, chunk=4)} for m in (1, 2)])
+    for m in (1, 2):
+        ref = builds[f"{m}-1"]
+        assert got[f"{m}"]["spills"] == 0
+        assert (got[f"{m}"]["regs"], got[f"{m}"]["shared"], got[f"{m}"]["warps"]) == (ref["regs"], ref["shared"],
+                                                                                      ref["warps"])
+
+
 @pytest.mark.parametrize("d,block_n", [(128, 64), (64, 128)])
 def test_refuses_other_geometry(d, block_n, seed):
     q = torch.randn(1, 2, 256, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)

@@ -92,3 +92,31 @@ def test_takes_only_the_calls_the_gluon_kernel_takes(seed):
     q = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="Gluon prefill kernel does not take this call"):
         pw.sparse_attention_gluon_ws(q, q, q, 0.125, 128, 64, thresholds=torch.zeros(2, 2))
+
+
+def test_heads_go_side_by_side_only_where_it_was_measured_ahead():
+    """``grid_chunk``: 4 heads side by side up to N x D = 32K x 64 (D = 64 16K-32K, D = 128 16K measured
+    ahead), one head after the other beyond (D = 64 64K and D = 128 32K measured behind) and where 4
+    does not divide the heads; the paired kernel up to 16K only."""
+    from sparsecal.kernels.sparse import prefill_gluon_pair as pp
+
+    assert [pw.grid_chunk(n, 64, 32) for n in (4096, 16384, 32768, 65536)] == [4, 4, 4, 1]
+    assert [pw.grid_chunk(n, 128, 32) for n in (16384, 32768)] == [4, 1]
+    assert pw.grid_chunk(16384, 64, 6) == 1 and pw.grid_chunk(16384, 64, 8) == 4
+    assert [pw.grid_chunk(n, 64, 32, pp.CHUNK_UP_TO) for n in (16384, 32768)] == [4, 1]
+
+
+@pytest.fixture(scope="module")
+def chunk_builds():
+    return build([{"key": f"{d}-{m}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
+                   "q_rows": 64, "launch": pw.ws_config(d, chunk=4)} for d in (64, 128) for m in (1, 2)])
+
+
+@pytest.mark.parametrize("d,method", [(d, m) for d in (64, 128) for m in (1, 2)])
+def test_the_chunked_grid_builds_as_the_default(chunk_builds, builds, d, method):
+    """Heads side by side change only the program's (block, head): the same registers, shared memory and
+    warps as the default build, without spills."""
+    got, ref = chunk_builds[f"{d}-{method}"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
+    assert got["spills"] == 0
+    assert (got["regs"], got["shared"], got["warps"]) == (ref["regs"], ref["shared"], ref["warps"])
+

@@ -32,6 +32,10 @@ in lockstep twice per tile, and the refill waited for it):
   V copies (NOTES.md "prefill two tiles an exchange, s44": the decision's cost against the form's own
   skipping-off time from 19-23 % to 6-12 %).
 
+- Grid order (``_program``, shared with the paired kernel): heaviest query block first within a head;
+  up to N x D = CHUNK_UP_TO (``grid_chunk``) CHUNK_HEADS heads side by side, so the last heads' longest
+  blocks do not start last (the tail at 16K was ~6 % of the run; NOTES.md "heads side by side in chunks").
+
 Phases: tile t (its ordinal in the program, 0 ..) uses ring slot t % NBUF in use n = t // NBUF; the
 consumer waits ready[slot] with parity n & 1, the producer waits empty[slot] with parity (n - 1) & 1
 before use n >= 1 (both consumers have released use n - 1), and the decision of tile t uses exchange
@@ -80,6 +84,16 @@ CONFIG = {(64, True): (4, 80, 112), (64, False): (4, 128, 128),
           (128, True): (5, None, 240), (128, False): (2, 128, 128)}
 PRODUCER_REGS = 24
 PRODUCER = {64: True, 128: False}  # default per head dim
+# The grid's order (``_program``): CHUNK_HEADS heads side by side where N x D is at most CHUNK_UP_TO (measured
+# ahead at D = 64 16K-32K and D = 128 16K, behind at D = 64 64K BLASST and D = 128 32K, where the chunk's K/V
+# tiles no longer stay in L2; data/bench/NOTES.md "heads side by side in chunks", s45), one head after the other
+# above it.
+CHUNK_HEADS, CHUNK_UP_TO = 4, 32768 * 64
+
+
+def grid_chunk(n: int, d: int, heads: int, up_to: int = CHUNK_UP_TO) -> int:
+    """Heads side by side in the grid for a call of N = n tokens, head dim d and ``heads`` query heads."""
+    return CHUNK_HEADS if n * d <= up_to and heads % CHUNK_HEADS == 0 else 1
 
 
 @gluon.jit
@@ -483,19 +497,22 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, pairs: bool = False, split: bool = False,
-                              chunk: int = 1):
+                              chunk: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); pairs:
     two decided tiles an exchange (``_ws_pair``; same results; head dim 64 and 64-row key tiles, the
     build tests/test_prefill_gluon_ws.py checks and the GPU check ran); split: the V copies issued by
-    warpgroup 1."""
+    warpgroup 1; chunk: heads side by side in the grid (None: ``grid_chunk``, 1 for the two-tile forms,
+    not measured chunked)."""
     if pairs and (q.shape[-1] != 64 or block_n != 64):
         raise ValueError(f"two decided tiles an exchange take head dim 64 and block_n 64 only, got {q.shape[-1]} "
                          f"and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
+    if chunk is None:
+        chunk = 1 if pairs else grid_chunk(q.shape[2], q.shape[-1], q.shape[1])
     chunk = chunk if q.shape[1] % chunk == 0 else 1
     grid = (grid[0] * chunk, grid[1] // chunk)
     _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split, chunk))

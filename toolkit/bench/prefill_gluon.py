@@ -23,8 +23,8 @@ kernel targets, in one run on one Hopper GPU.
    ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an exchange, D = 64
    only, without a producer warp (warpgroup 0 issues the copies), ``gluon_ws_two_split`` the same
    with warpgroup 1 issuing the V copies (what ``prefill_pick`` runs for D = 64 BSFA calls expected
-   to skip little); ``gluon_ws_c4`` / ``gluon_pair_two_c4`` / ``gluon_pair_two_c8``: the grid with 4 / 8
-   heads side by side (``prefill_gluon_ws._program``). A
+   to skip little); ``gluon_ws_c1`` / ``gluon_pair_two_c1``: the grid one head after the other at every
+   length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``). A
    variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
@@ -65,11 +65,11 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
                   "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
                   "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"],
-                  "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
-                  "gluon_pair_two_c4": functools.partial(sparse_attention_gluon_pair, two=True, chunk=4),
-                  "gluon_pair_two_c8": functools.partial(sparse_attention_gluon_pair, two=True, chunk=8)}
+                  "gluon_ws_c1": functools.partial(sparse_attention_gluon_ws, chunk=1),
+                  "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_ws_two": (64,),
-                "gluon_ws_two_split": (64,), "gluon_pair_two_c4": (64,), "gluon_pair_two_c8": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                "gluon_ws_two_split": (64,),
+                "gluon_pair_two_c1": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
