@@ -12,7 +12,8 @@ and 75 %, each with the rounds' exact 95 % interval where the run had enough rou
 Counted: nothing-skipped cells at their goal (NOTHING_SKIPPED: 0.95 at D=64, 0.98 at D=128) and
 sparse cells at >= OF_IDEAL of the ideal, by the median and by the interval's upper end.
 
-Shape legend: one row per (D, N, G) of the file's ``targets``; cells per row: 2 methods x 3 sparsities.
+Shape legend: one row per (D, N, G) of the files' ``targets`` (a later file's shape replaces an earlier
+file's); cells per row: 2 methods x 3 sparsities.
 """
 from __future__ import annotations
 
@@ -101,11 +102,26 @@ def targets_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def latest_rows(paths) -> tuple[list[dict], list[str]]:
+    """``targets_rows`` of the files in order, a shape (D, N, G) of a later file replacing an earlier
+    file's; and one line per replaced shape (its file, the file that replaced it)."""
+    rows, where, notes = {}, {}, []
+    for p in paths:
+        for r in targets_rows(read(p), p):
+            key = (r["d"], r["n"], r["group"])
+            if key in rows:
+                notes.append(f"D={key[0]} N={key[1]} G={key[2]}: {p} replaces {where[key]}")
+            rows[key], where[key] = r, p
+    return sorted(rows.values(), key=lambda r: (r["d"], r["n"], r["group"])), notes
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.prefill_report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="+", help="files of `python -m sparsecal.bench.prefill_gluon --sections targets`")
+    ap.add_argument("files", nargs="+", help="files of `python -m sparsecal.bench.prefill_gluon --sections targets`; "
+                                             "a shape in a later file replaces an earlier file's")
     args = ap.parse_args(argv)
-    print(targets_markdown([r for p in args.files for r in targets_rows(read(p), p)]))
+    rows, notes = latest_rows(args.files)
+    print(targets_markdown(rows) + "".join(f"\n{x}" for x in notes))
 
 
 if __name__ == "__main__":
