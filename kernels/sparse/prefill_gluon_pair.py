@@ -243,7 +243,8 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
-    """Grid (ceil(P / 2), B * H), heaviest pairs first; num_warps = 4: consumer warpgroup 0 (the
+    """Grid (ceil(P / 2) * CHUNK, B * H / CHUNK), heaviest pairs first, CHUNK heads side by side
+    (``_program``); num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
     1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``). Arguments as
     ``prefill_gluon._gluon_fwd_kernel``."""

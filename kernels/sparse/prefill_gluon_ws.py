@@ -420,7 +420,8 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
                    SPLIT: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
-    """Grid (P, B * H), heaviest query blocks first; num_warps = 4: consumer warpgroup 0 (the default
+    """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
+    (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
     producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``); SPLIT (no
     producer): warpgroup 1 issues the V copies. Arguments as ``prefill_gluon._gluon_fwd_kernel``
