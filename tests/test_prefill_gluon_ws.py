@@ -106,6 +106,14 @@ def test_heads_go_side_by_side_only_where_it_was_measured_ahead():
     assert [pw.grid_chunk(n, 64, 32, pp.CHUNK_UP_TO) for n in (16384, 32768)] == [4, 1]
 
 
+def test_the_chunked_grid_is_the_rule_unless_told_and_only_where_the_chunk_divides_the_heads():
+    q = torch.empty(2, 32, 16384, 64, device="meta")
+    assert pw.chunked_grid((128, 64), q, None) == ((512, 16), 4)
+    assert pw.chunked_grid((128, 64), q, 1) == ((128, 64), 1)
+    assert pw.chunked_grid((128, 64), torch.empty(2, 6, 16384, 64, device="meta"), 4) == ((128, 64), 1)
+    assert pw.chunked_grid((128, 64), torch.empty(1, 32, 65536, 64, device="meta"), None) == ((128, 64), 1)
+
+
 @pytest.fixture(scope="module")
 def chunk_builds():
     return build([{"key": f"{d}-{m}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,

@@ -75,11 +75,12 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import (
     _qk_two,
     _step,
     _two_vals,
-    grid_chunk,
+    chunked_grid,
 )
 
-# The paired grid's heads side by side (``grid_chunk``) up to N x D = CHUNK_UP_TO: at 16K 0-3 % ahead for BSFA
-# and 3-4 % for BLASST, at 32K level to 2.5 % behind for BSFA at G = 1 (NOTES.md "heads side by side in chunks").
+# The paired grid's heads side by side (``prefill_gluon_ws.grid_chunk``) up to N x D = CHUNK_UP_TO: at 16K 0-3 %
+# ahead for BSFA and 3-4 % for BLASST, at 32K level to 2.5 % behind for BSFA at G = 1 (NOTES.md "heads side by
+# side in chunks").
 CHUNK_UP_TO = 16384 * 64
 # One program per SM: 12 warps x 32 threads x 168 = 64512 of the SM's 65536 registers; setmaxnreg
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
@@ -292,15 +293,12 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
     decision (``_pair_two``); ``chunk``: heads side by side in the grid (None: ``grid_chunk`` up to
-    CHUNK_UP_TO)."""
+    CHUNK_UP_TO; ``chunked_grid``)."""
     if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
         raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    if chunk is None:
-        chunk = grid_chunk(q.shape[2], HEAD_DIM, q.shape[1], CHUNK_UP_TO)
-    chunk = chunk if q.shape[1] % chunk == 0 else 1
-    _pair_fwd_kernel[(triton.cdiv(grid[0], 2) * chunk, grid[1] // chunk)](*args, **consts,
-                                                                          **pair_config(nbuf, two, chunk))
+    grid, chunk = chunked_grid((triton.cdiv(grid[0], 2), grid[1]), q, chunk, CHUNK_UP_TO)
+    _pair_fwd_kernel[grid](*args, **consts, **pair_config(nbuf, two, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)

@@ -96,6 +96,15 @@ def grid_chunk(n: int, d: int, heads: int, up_to: int = CHUNK_UP_TO) -> int:
     return CHUNK_HEADS if n * d <= up_to and heads % CHUNK_HEADS == 0 else 1
 
 
+def chunked_grid(grid: tuple[int, int], q: torch.Tensor, chunk: int | None, up_to: int = CHUNK_UP_TO):
+    """(grid (programs x C, B x H / C), C) of a call q [B, H, N, D] whose grid one head after the other is
+    ``grid``: C = ``chunk``, or ``grid_chunk`` when None; 1 where C does not divide H."""
+    if chunk is None:
+        chunk = grid_chunk(q.shape[2], q.shape[-1], q.shape[1], up_to)
+    chunk = chunk if q.shape[1] % chunk == 0 else 1
+    return (grid[0] * chunk, grid[1] // chunk), chunk
+
+
 @gluon.jit
 def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr):
     """TMA copy of one tile (ordinal tn) into slot tn % NBUF once the slot's previous use (tn - NBUF) was
@@ -512,9 +521,6 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                          f"and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    if chunk is None:
-        chunk = 1 if pairs else grid_chunk(q.shape[2], q.shape[-1], q.shape[1])
-    chunk = chunk if q.shape[1] % chunk == 0 else 1
-    grid = (grid[0] * chunk, grid[1] // chunk)
+    grid, chunk = chunked_grid(grid, q, 1 if pairs and chunk is None else chunk)
     _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)

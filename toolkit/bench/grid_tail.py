@@ -28,28 +28,28 @@ import torch
 from sparsecal.bench.harness import run_cli
 from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.geometry import cdiv, num_candidates, num_reachable, scan_order
+from sparsecal.kernels.capture.reference import block_scores, pad_blocks, scan_rows
 
 BM, BN = 128, 64
 
 
 def block_tile_stats(n: int, d: int, heads: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bmax, gap) [H, P, Kb] f32 of the bench's input on the CPU: each key block's max scaled score
-    over a query block's rows, and its BLASST forward gap (the rows' max of row max less the running
-    max including the block; 0 where the block raises it), -inf where unreachable."""
+    """(bmax, gap) [H, P, Kb] f32 of the bench's input on the CPU, from the capture reference's scores
+    and forward scan: each key block's max scaled score over a query block's rows, and its BLASST
+    forward gap (the rows' max of row max less the running max including the block), -inf where
+    unreachable."""
     q, k, _ = structured_qkv(n, d, heads, heads // group, seed=seed, device="cpu")
-    qs, kf = q[0].float() * d ** -0.5, k[0].float().repeat_interleave(group, 0)
-    p, kb = math.ceil(n / BM), math.ceil(n / BN)
+    qs, kp = q[0].float() * d ** -0.5, pad_blocks(k[0].float(), BN)
+    p, kb = cdiv(n, BM), cdiv(n, BN)
     bmax = torch.full((heads, p, kb), -math.inf)
     gap = torch.full((heads, p, kb), -math.inf)
     for i in range(p):
         r0, r1 = i * BM, min((i + 1) * BM, n)
-        nr = (r1 - 1) // BN + 1
-        s = torch.einsum("hmd,hnd->hmn", qs[:, r0:r1], kf[:, : nr * BN])
-        s = s.masked_fill(torch.arange(nr * BN).view(1, 1, -1) > torch.arange(r0, r1).view(1, -1, 1), -math.inf)
-        rm = s.view(heads, r1 - r0, nr, BN).amax(-1)                       # [H, m, nr]
-        run = torch.cummax(rm, dim=-1).values
+        nr, a = num_reachable(i, n, BM, BN), num_candidates(i, BM, BN)
+        rm = block_scores(qs, kp, r0, r1, nr, BN, group).view(heads, r1 - r0, nr, BN).amax(-1)   # [H, m, nr]
         bmax[:, i, :nr] = rm.amax(1)
-        gap[:, i, :nr] = torch.where(rm >= run, torch.zeros_like(rm), rm - run).amax(1)
+        gap[:, i, :nr] = scan_rows(rm, scan_order("forward", a, nr), rm.amax(-1))[0].amax(1)
     return bmax, gap
 
 
@@ -128,8 +128,8 @@ def main(argv=None) -> None:
         for paired in (False, True):
             slots = args.sms * (1 if paired else 2)
             t = tail_table(cost, slots, chunks, paired)
-            print(f"| {method} | {'paired' if paired else 'ws'} ({slots}) | " + " | ".join(f"{t[c]:.3f}" for c in chunks)
-                  + " |")
+            cells = " | ".join(f"{t[c]:.3f}" for c in chunks)
+            print(f"| {method} | {'paired' if paired else 'ws'} ({slots}) | {cells} |")
 
 
 if __name__ == "__main__":

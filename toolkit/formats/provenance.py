@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import hashlib
 import importlib.util
 import os
@@ -84,8 +85,10 @@ def _git_files(rev: str, root: str):
                                                    check=True, timeout=60).stdout
 
 
+@functools.lru_cache(maxsize=1)
 def source_digest() -> str | None:
-    """``digest`` of the importable package's files (None where they cannot be read)."""
+    """``digest`` of the importable package's files (None where they cannot be read); read once a
+    process, as its code was imported."""
     try:
         return digest(_installed_files())
     except OSError:
@@ -107,7 +110,8 @@ def provenance() -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit, "source": source_digest(), "host_cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads() if torch else None,
+        "commit": commit, "source": source_digest(), "host_cpu": cpu, "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads() if torch else None,
         "gpu": torch.cuda.get_device_name() if torch and torch.cuda.is_available() else None,
         "versions": versions(),
     }
