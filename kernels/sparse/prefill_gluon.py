@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from sparsecal.kernels.jit import LOG2E, log2_lambda
+from sparsecal.kernels.jit import LAST_COMPILED, LOG2E, log2_lambda
 from sparsecal.kernels.sparse.prefill import _check_args
 
 NUM_WARPS = 8
@@ -169,6 +169,75 @@ def _decide_two(v0, v1k, v1s, thr, DECIDE: gl.constexpr):
     keep1 = ((hits >> 10) & 1023) > 0
     if DECIDE == 2:
         keep1 = gl.where(keep0, keep1, (hits >> 20) > 0)
+    return keep0, keep1
+
+
+def _vote_asm(n: int) -> str:
+    """PTX of one vote.any a warp over the n i32 (0 / 1) elements a thread holds: operands $0 .. $n-1
+    the outputs (f32 1.0 or 0.0, the same in all n), $n .. $2n-1 the inputs."""
+    ors = "".join(f"or.b32 t, t, ${n + i}; " for i in range(1, n))
+    movs = "".join(f"mov.b32 ${i}, $0; " for i in range(1, n))
+    return (f"{{ .reg .pred p; .reg .b32 t; mov.b32 t, ${n}; {ors}setp.ne.b32 p, t, 0; "
+            f"vote.sync.any.pred p, p, 0xffffffff; selp.f32 $0, 0f3F800000, 0f00000000, p; {movs}}}")
+
+
+_VOTE2 = gl.constexpr(_vote_asm(2))
+_VOTE4 = gl.constexpr(_vote_asm(4))
+
+
+@gluon.jit
+def _warp_any(hits, PACK: gl.constexpr):
+    """1.0 in every element of a warp where some element of ``hits`` (i1 [rows], PACK of them a
+    thread: the rows of a wgmma accumulator slice, rows / (8 * warps)) is true, else 0.0: one
+    ``vote.any`` a warp instead of a shuffle tree (f32 [rows], warp-uniform)."""
+    h = hits.to(gl.int32)
+    if PACK == 2:
+        out = gl.inline_asm_elementwise(_VOTE2, "=r,=r,r,r", [h], dtype=gl.float32, is_pure=False, pack=2)
+    else:
+        out = gl.inline_asm_elementwise(_VOTE4, "=r,=r,=r,=r,r,r,r,r", [h], dtype=gl.float32, is_pure=False,
+                                        pack=4)
+    return out
+
+
+@gluon.jit
+def _warps_any(flags, NW: gl.constexpr):
+    """Whether any warp's flag is set, from flags [ROWS] f32 in shared memory written by
+    ``_warp_any`` (row r's warp flag; 16 consecutive rows a warp, the wgmma layout's row block):
+    every thread reads one row of every 16 (broadcast loads, no shuffles) and reduces in registers."""
+    ROWS: gl.constexpr = flags.shape[0]
+    every: gl.constexpr = gl.BlockedLayout([ROWS // 16, 1], [1, 32], [1, NW], [1, 0])
+    reps = flags.reshape([ROWS // 16, 16]).slice(0, 1, dim=1).load(every)
+    return gl.max(gl.max(reps, 1), 0) > 0.0
+
+
+@gluon.jit
+def _vote_decide(xch, v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr, NW: gl.constexpr):
+    """``_decide`` (TWO false: keep0 from v0) or ``_decide_two`` (keep0, keep1) over rows this warpgroup
+    holds all of, by warp votes (``_warp_any``) through rows x0 .. x0 + 2 of xch = (buf [R, ROWS] f32 in
+    shared memory, x0), this warpgroup's own: a
+    vote a warp and decision, read back by every thread (``_warps_any``) between two barriers of the
+    warpgroup (the first: every warp read the previous decision's votes)."""
+    buf, x0 = xch
+    ROWS: gl.constexpr = v0.shape[0]
+    PACK: gl.constexpr = ROWS // (8 * NW)
+    f0 = _warp_any(v0 >= thr, PACK)
+    if TWO:
+        f1k = _warp_any(v1k >= thr, PACK)
+        if DECIDE == 2:
+            f1s = _warp_any(v1s >= thr, PACK)
+    _cta_barrier()
+    buf.index(x0).store(f0)
+    if TWO:
+        buf.index(x0 + 1).store(f1k)
+        if DECIDE == 2:
+            buf.index(x0 + 2).store(f1s)
+    _cta_barrier()
+    keep0 = _warps_any(buf.index(x0), NW)
+    keep1 = keep0
+    if TWO:
+        keep1 = _warps_any(buf.index(x0 + 1), NW)
+        if DECIDE == 2:
+            keep1 = gl.where(keep0, keep1, _warps_any(buf.index(x0 + 2), NW))
     return keep0, keep1
 
 
@@ -346,7 +415,8 @@ def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *,
     k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
-    _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]], num_warps=NUM_WARPS)
+    LAST_COMPILED["gluon"] = _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]],
+                                                      num_warps=NUM_WARPS)
     return out, skip.sum(dim=-1, dtype=torch.int64)
 
 

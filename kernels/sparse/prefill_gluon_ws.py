@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
@@ -69,6 +70,8 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _qk,
     _scores,
     _tma_load,
+    _warp_any,
+    _warps_any,
     launch,
 )
 
@@ -155,27 +158,49 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
-def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
+def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, VOTE: gl.constexpr):
     """The block's decision at exchange e: max over its 128 rows of vals (this warpgroup's 64 rows
-    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, NV * BM]."""
+    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, NV * BM];
+    VOTE: each warp publishes one vote (``_warp_any``) and the reader reduces the 8 warps' votes in
+    registers (``_warps_any``), instead of the 128 values through a shuffle tree."""
     HALF: gl.constexpr = BM // 2
-    entry = red.index(e % 2)
-    entry.slice(WG * HALF, HALF).store(vals)
+    entry = red.index(e % 2)  # VOTE: red [2 * NV, BM], entry e's first row
+    if VOTE:
+        entry.slice(WG * HALF, HALF).store(_warp_any(vals >= thr, HALF // (8 * NW)))
+    else:
+        entry.slice(WG * HALF, HALF).store(vals)
     _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
     mbarrier.arrive(dec_bar.index(e % 2))
     mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+    if VOTE:
+        return _warps_any(entry, NW)
     every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
     return gl.max(entry.slice(0, BM).load(every), 0) >= thr
 
 
 @gluon.jit
 def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr,
-                NW: gl.constexpr):
+                NW: gl.constexpr, VOTE: gl.constexpr):
     """Both decisions of a pair of tiles at one exchange e: (keep0, keep1) from this warpgroup's
     per-row values [HALF] of the first tile (v0) and of the second with the first kept (v1k) or
     skipped (v1s; BLASST's value depends on the running max, BSFA's does not), through red [2, 4 * BM]
     (3 * BM used; shared-memory shapes are powers of two)."""
     HALF: gl.constexpr = BM // 2
+    if VOTE:  # red [2 * 4, BM]: entry e in rows 4 (e % 2) ..
+        PACK: gl.constexpr = HALF // (8 * NW)
+        r0 = (e % 2) * 4
+        red.index(r0).slice(WG * HALF, HALF).store(_warp_any(v0 >= thr, PACK))
+        red.index(r0 + 1).slice(WG * HALF, HALF).store(_warp_any(v1k >= thr, PACK))
+        if DECIDE == 2:
+            red.index(r0 + 2).slice(WG * HALF, HALF).store(_warp_any(v1s >= thr, PACK))
+        _cta_barrier()
+        mbarrier.arrive(dec_bar.index(e % 2))
+        mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+        keep0 = _warps_any(red.index(r0), NW)
+        keep1 = _warps_any(red.index(r0 + 1), NW)
+        if DECIDE == 2:
+            keep1 = gl.where(keep0, keep1, _warps_any(red.index(r0 + 2), NW))
+        return keep0, keep1
     entry = red.index(e % 2)
     entry.slice(WG * HALF, HALF).store(v0)
     entry.slice(BM + WG * HALF, HALF).store(v1k)
@@ -196,7 +221,7 @@ def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, AHEAD: gl.constexpr,
-             NW: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+             NW: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
     release V. ISSUER (0 none, 1 K and V, 2 K, 3 V; warpgroup 0 issues when there is no producer
@@ -217,7 +242,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
+        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, VOTE)
     if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
@@ -288,8 +313,8 @@ def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIP
 @gluon.jit
 def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
              WG: gl.constexpr, ISSUER: gl.constexpr, KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-             NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
-             o_layout: gl.constexpr):
+             NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, VOTE: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Candidate tiles at ordinals t, t + 1 (never masked) for this warpgroup's HALF rows with one
     exchange (e) for both decisions: ``_qk_two``, ``_two_vals``, ``_agree_pair``, then ``_step`` per
     tile in order. Same decisions, counts and arithmetic as two ``_ws_tile`` calls; the ISSUER copies
@@ -300,7 +325,7 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr
         _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
     s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
     v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
-    keep0, keep1 = _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE, WG, BM, NW)
+    keep0, keep1 = _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE, WG, BM, NW, VOTE)
     if ISSUER == 1 or ISSUER == 3:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
         _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
@@ -312,7 +337,7 @@ def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                PAIRS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                PAIRS: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments). With
     PAIRS (decided tiles only) two tiles an exchange (``_ws_pair``), an odd last one alone (never at
     BM = 2 BN, where block i has 2 i candidates), and the
@@ -321,16 +346,16 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
     if PAIRS and DECIDE != 0:
         for u in range(count // 2):
             carry = _ws_pair(carry, q_smem, ring, src, red, dec_bar, u, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE,
-                             WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout, o_layout)
+                             WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, VOTE, s_layout, o_layout)
         for u in range(count % 2):
             carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, count // 2, t0 + count - 1, j0 + count - 1,
                              rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF,
-                             AHEAD, NW, s_layout, o_layout)
+                             AHEAD, NW, VOTE, s_layout, o_layout)
     else:
         for u in range(count):
             carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
-                             qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, s_layout,
-                             o_layout)
+                             qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, VOTE,
+                             s_layout, o_layout)
     return carry
 
 
@@ -357,7 +382,8 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr, CHUNK: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr, CHUNK: gl.constexpr,
+              VOTE: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles, NBUF - 2 with PAIRS), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -381,11 +407,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS, s_layout,
-                        o_layout)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS, VOTE,
+                        s_layout, o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS,
-                        s_layout, o_layout)
+                        VOTE, s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -428,7 +454,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
-                   SPLIT: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                   SPLIT: gl.constexpr, CHUNK: gl.constexpr, VOTE: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -442,7 +468,11 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    red = gl.allocate_shared_memory(gl.float32, [2, 4 * BM if PAIRS else BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if VOTE:  # the votes of exchange e in rows 4 (e % 2) .. (two tiles an exchange) or row e % 2
+        red = gl.allocate_shared_memory(gl.float32, [8 if PAIRS else 2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        red = gl.allocate_shared_memory(gl.float32, [2, 4 * BM if PAIRS else BM],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
@@ -467,10 +497,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -478,15 +508,15 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, ISSUER1, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False,
-              split: bool = False, chunk: int = 1) -> dict:
+              split: bool = False, chunk: int = 1, vote: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``pairs``:
     two decided tiles an exchange (a ring of at least 3 slots); ``split`` (no producer warp): warpgroup
@@ -494,7 +524,7 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pai
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "CHUNK": int(chunk),
+          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "CHUNK": int(chunk), "VOTE": bool(vote),
           "num_warps": CONSUMER_WARPS}
     if pairs and kw["NBUF"] < 3:
         raise ValueError(f"two tiles an exchange need at least 3 ring slots, got {kw['NBUF']}")
@@ -507,7 +537,7 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, pairs: bool = False, split: bool = False,
-                              chunk: int | None = None):
+                              chunk: int | None = None, vote: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
@@ -522,5 +552,6 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, 1 if pairs and chunk is None else chunk)
-    _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, pairs, split, chunk))
+    LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts,
+                                                   **ws_config(q.shape[-1], producer, nbuf, pairs, split, chunk, vote))
     return out, skip.sum(dim=-1, dtype=torch.int64)

@@ -66,10 +66,16 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
                   "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"],
                   "gluon_ws_c1": functools.partial(sparse_attention_gluon_ws, chunk=1),
-                  "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1)}
+                  "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1),
+                  "gluon_ws_vote": functools.partial(sparse_attention_gluon_ws, vote=True),
+                  "gluon_ws_two_split_vote": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True,
+                                                               split=True, vote=True),
+                  "gluon_pair_vote": functools.partial(sparse_attention_gluon_pair, vote=True),
+                  "gluon_pair_two_vote": functools.partial(sparse_attention_gluon_pair, two=True, vote=True)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_ws_two": (64,),
                 "gluon_ws_two_split": (64,),
-                "gluon_pair_two_c1": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                "gluon_pair_two_c1": (64,), "gluon_ws_two_split_vote": (64,), "gluon_pair_vote": (64,),
+                "gluon_pair_two_vote": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
@@ -148,7 +154,9 @@ def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
                 "triton_off": (lambda: sparse_attention_triton(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, {})}
     gluons = {"gluon": (sparse_attention_gluon, {}), **extra}
     for gname, (kern, info) in gluons.items():
-        variants[f"{gname}_off"] = (lambda kern=kern: kern(q, k, v, scale, BM, BN, dense=True, out=out), 0.0, info)
+        kern(q, k, v, scale, BM, BN, dense=True, out=out)
+        variants[f"{gname}_off"] = (lambda kern=kern: kern(q, k, v, scale, BM, BN, dense=True, out=out), 0.0,
+                                    {**info, **_build()})
     for name, (fn, mode) in sdpa_fns(q, k, v)[0].items():
         variants[name] = (fn, None, {"gqa": mode})
     kernels = {"triton": (sparse_attention_triton, {}), **gluons}
@@ -158,12 +166,23 @@ def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
         for method, kw in points.items():
             for kname, (kern, info) in kernels.items():
                 _, sk = kern(q, k, v, scale, BM, BN, out=out, **kw)
+                build = _build() if kname != "triton" else {}
 
                 def fn(kern=kern, kw=kw):
                     return kern(q, k, v, scale, BM, BN, out=out, **kw)
 
-                variants[f"{kname}_{method}_s{int(s * 100)}"] = (fn, float(sk.sum()) / reach, {"target": s, **info})
+                variants[f"{kname}_{method}_s{int(s * 100)}"] = (fn, float(sk.sum()) / reach,
+                                                                {"target": s, **info, **build})
     return variants
+
+
+def _build() -> dict:
+    """The last Gluon launch's build on this machine's compiler: registers a thread and spilled bytes
+    (``build_regs``, ``build_spills``; what a CPU build with another Triton cannot tell)."""
+    from sparsecal.kernels.jit import LAST_COMPILED
+
+    c = LAST_COMPILED.get("gluon")
+    return {} if c is None else {"build_regs": int(c.n_regs), "build_spills": int(c.n_spills)}
 
 
 def _ratio(times: dict, base: str, name: str, over: float = 1.0) -> tuple:
