@@ -19,7 +19,6 @@ H100_SMEM_PER_SM = 228 * 1024  # bytes; each resident program also reserves 1 Ki
 H100_REGS_PER_SM = 64 * 1024
 # head dim, method (dense, BSFA, BLASST, window), producer warp
 CASES = [(d, m, pw.PRODUCER[d]) for d in (64, 128) for m in (0, 1, 2, 3)] + [(128, m, True) for m in (0, 1, 2, 3)]
-TWO = [(64, m, split) for m in (1, 2) for split in (False, True)]  # two decided tiles an exchange: no producer warp
 
 
 def programs_per_sm(d: int, producer: bool) -> int:
@@ -50,39 +49,10 @@ def test_builds_for_hopper_warp_specialized(builds, d, method, producer):
     assert n * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
-@pytest.fixture(scope="module")
-def two_builds():
-    return build([{"key": f"{m}-{int(split)}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
-                   "q_rows": 64, "launch": pw.ws_config(d, False, 4, pairs=True, split=split)} for d, m, split in TWO])
-
-
-@pytest.mark.parametrize("d,method,split", TWO, ids=[f"d{d}-{m}-{'split' if sp else 'wg0'}" for d, m, sp in TWO])
-def test_two_tiles_an_exchange_builds_for_two_programs_an_sm(two_builds, d, method, split):
-    """Both score tiles live across the exchange: without a producer warp (128 registers a thread;
-    warpgroup 0 issues the copies, or with ``split`` the K copies and warpgroup 1 the V ones) the form
-    builds without spills at two programs per SM; with one (104-112) it would spill."""
-    got = two_builds[f"{method}-{int(split)}"]
-    assert got["tma"] and got["wgmma"] and got["cubin"], got
-    assert got["spills"] == 0, got
-    assert not [w for w in got["warnings"] if "C7514" in w or "wgmma" in w.lower()], got["warnings"]
-    assert got["warps"] == 8 and 2 * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got
-    assert 2 * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
-
-
-def test_two_tiles_an_exchange_needs_three_slots_and_the_built_geometry(seed):
-    with pytest.raises(ValueError, match="at least 3 ring slots"):
-        pw.ws_config(64, False, 2, pairs=True)
-    g = torch.Generator().manual_seed(seed)
-    for d, block_n in ((128, 64), (64, 128)):
-        q = torch.randn(1, 2, 256, d, generator=g).to(torch.bfloat16)
-        with pytest.raises(ValueError, match="head dim 64 and block_n 64 only"):
-            pw.sparse_attention_gluon_ws(q, q, q, 0.125, 128, block_n, thresholds=torch.zeros(2, 2), pairs=True)
-
-
 def test_config_is_the_one_each_head_dim_runs():
     """D = 64 gets a producer warp and 4 slots at 80 launch registers (104 + 112 + 24 after
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
-    common = {"PRODUCER_REGS": 24, "PAIRS": False, "SPLIT": False, "CHUNK": 1, "VOTE": False, "num_warps": 4}
+    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "num_warps": 4}
     assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, **common}
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, **common}
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3

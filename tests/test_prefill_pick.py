@@ -5,23 +5,16 @@ import pytest
 import torch
 
 from sparsecal.kernels.sparse.prefill import method_code, sparse_attention_triton
-from sparsecal.kernels.sparse.prefill_pick import (
-    PAIR_BLASST_FROM,
-    PAIR_BLASST_N,
-    PAIR_FROM,
-    WS_FROM,
-    pick,
-    sparse_prefill,
-)
+from sparsecal.kernels.sparse.prefill_pick import PAIR_FROM, WS_FROM, pick, sparse_prefill
 
 DENSE, BSFA, BLASST, WINDOW = (method_code(*a) for a in ((None, None, None, True), (1, None, None, False),
                                                          (None, -1.0, None, False), (None, None, 2, False)))
 
 
 @pytest.mark.parametrize("d,method,expected,kernel", [
-    (64, BSFA, None, "gluon_ws_two_split"), (64, DENSE, None, "gluon_ws"), (64, WINDOW, 0.9, "gluon_ws"),
-    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws_two_split"), (64, BSFA, PAIR_FROM, "gluon_pair_two"),  # BSFA skipping: paired
-    (64, BLASST, 0.9, "gluon_ws"),
+    (64, BSFA, None, "gluon_ws"), (64, DENSE, None, "gluon_ws"), (64, WINDOW, 0.9, "gluon_ws"),
+    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws"), (64, BSFA, PAIR_FROM, "gluon_pair_two"),  # BSFA skipping: paired
+    (64, BLASST, 0.9, "gluon_ws"), (64, BLASST, None, "gluon_ws"),  # BLASST: the ws kernel at every sparsity
     (128, DENSE, None, "gluon_ws"),                     # skipping off: the warp-specialized kernel is faster
     (128, BSFA, None, "gluon"), (128, BLASST, WS_FROM - 0.01, "gluon"),  # little or unknown skipping
     (128, BSFA, WS_FROM, "gluon_ws"), (128, BLASST, 0.9, "gluon_ws"),
@@ -30,20 +23,8 @@ def test_pick(d, method, expected, kernel):
     assert pick(d, method, expected) == kernel
 
 
-@pytest.mark.parametrize("expected,tokens,kernel", [
-    (0.75, PAIR_BLASST_N, "gluon_pair_two"), (PAIR_BLASST_FROM, 4 * PAIR_BLASST_N, "gluon_pair_two"),
-    (PAIR_BLASST_FROM - 0.01, 2 * PAIR_BLASST_N, "gluon_ws"),   # 50 %: level with the ws kernel
-    (0.9, PAIR_BLASST_N // 2, "gluon_ws"),                      # 16K: the paired kernel 3-7 % behind
-    (None, 2 * PAIR_BLASST_N, "gluon_ws"), (0.9, None, "gluon_ws")])
-def test_blasst_at_64_runs_the_paired_kernel_only_long_and_sparse(expected, tokens, kernel):
-    """D = 64 BLASST: the two-tile paired kernel where s44's run measured it ahead (75 %, 32K-64K)."""
-    assert pick(64, BLASST, expected, tokens=tokens) == kernel
-    assert pick(128, BLASST, expected, tokens=tokens) == ("gluon_ws" if (expected or 0) >= WS_FROM else "gluon")
-
-
-def test_the_paired_kernel_and_the_two_tile_exchange_only_take_64_key_tiles():
+def test_the_paired_kernel_only_takes_64_key_tiles():
     assert pick(64, BSFA, 0.9, block_n=128) == "gluon_ws" and pick(64, BSFA, 0.0, block_n=128) == "gluon_ws"
-    assert pick(64, BLASST, 0.9, block_n=128, tokens=2 * PAIR_BLASST_N) == "gluon_ws"
 
 
 @pytest.mark.parametrize("d", [64, 128])

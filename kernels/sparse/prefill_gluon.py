@@ -147,31 +147,6 @@ def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
     return gl.where(row_ok, vals, float("-inf"))
 
 
-@gluon.jit
-def _decide(m_ij, m_new, row_ok, thr, DECIDE: gl.constexpr):
-    """A tile's decision over rows the caller holds all of: DECIDE 1 BSFA (tile max >= thr), 2 BLASST
-    (max of row max - running max >= thr), from ``_decided_vals``."""
-    return gl.max(_decided_vals(m_ij, m_new, row_ok, DECIDE), 0) >= thr
-
-
-@gluon.jit
-def _decide_two(v0, v1k, v1s, thr, DECIDE: gl.constexpr):
-    """Two tiles' decisions in one reduction over rows the caller holds all of: (keep0, keep1) from
-    the per-row values (``_decided_vals``) of the first tile (v0) and of the second with the first
-    kept (v1k) or skipped (v1s, BLASST only). A tile is kept when some row's value reaches thr, so
-    each test's row count goes in its own 10 bits of one int32 and the rows are summed once; a count
-    above 0 is a keep (128 rows, and 512 if a layout's replicas were counted, fit 10 bits)."""
-    bits = (v0 >= thr).to(gl.int32) + (v1k >= thr).to(gl.int32) * 1024
-    if DECIDE == 2:
-        bits += (v1s >= thr).to(gl.int32) * 1048576
-    hits = gl.sum(bits, 0)
-    keep0 = (hits & 1023) > 0
-    keep1 = ((hits >> 10) & 1023) > 0
-    if DECIDE == 2:
-        keep1 = gl.where(keep0, keep1, (hits >> 20) > 0)
-    return keep0, keep1
-
-
 def _vote_asm(n: int) -> str:
     """PTX of one vote.any a warp over the n i32 (0 / 1) elements a thread holds: operands $0 .. $n-1
     the outputs (f32 1.0 or 0.0, the same in all n), $n .. $2n-1 the inputs."""
@@ -267,8 +242,7 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
 def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t, j, t_end, b, hk, num_kv,
           rows, row_ok, n_ctx, qk_scale, thr,
           MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-          BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr,
-          o_layout: gl.constexpr):
+          BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t of t_end): refill the ring NBUF - 1 tiles ahead, S = Q.K^T, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST), then the online-softmax update and P.V when kept.
     carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
@@ -284,11 +258,8 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t, j
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        if VOTE:
-            vals = _decided_vals(m_ij, m_new, row_ok, DECIDE)
-            keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
-        else:
-            keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
+        vals = _decided_vals(m_ij, m_new, row_ok, DECIDE)
+        keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
         # the decision's cross-warp exchange synchronized the warps: tile t - 1 is done everywhere
         _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN,
                 NBUF)
@@ -306,13 +277,12 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t, j
 def _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t0, j0, count, t_end, b, hk,
              num_kv, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr,
-             o_layout: gl.constexpr):
+             BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
     for u in range(count):
         carry = _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t0 + u, j0 + u, t_end, b,
                       hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, KV_ROWS, HEAD_DIM, BM, BN, NBUF,
-                      VOTE, s_layout, o_layout)
+                      s_layout, o_layout)
     return carry
 
 
@@ -357,8 +327,7 @@ def _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, 
 def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                       n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                       METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, VOTE: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST (forward),
     3 window. THR [H, n_thr] f32 natural units; log_lambda2 = ln(lambda) log2(e); O [B, H, N, D] by
     strides; SKIP [B * H, P] i32 candidate tiles skipped per program."""
@@ -376,9 +345,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
     q_bar, k_bar, v_bar = _ring_barriers(NBUF)
-    xch = (q_bar, 0)  # unused without VOTE
-    if VOTE:  # the warps' votes of a decision (_vote_decide)
-        xch = (gl.allocate_shared_memory(gl.float32, [1, BM], gl.SwizzledSharedLayout(1, 1, 1, [0])), 0)
+    xch = (gl.allocate_shared_memory(gl.float32, [1, BM], gl.SwizzledSharedLayout(1, 1, 1, [0])), 0)  # votes
 
     n_cand = (i * BM) // BN
     n_reach = (gl.minimum((i + 1) * BM, n_ctx) - 1) // BN + 1
@@ -409,10 +376,10 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, 0, j_lo, n_cand - j_lo,
                      t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, False, DECIDE, KV_ROWS,
-                     HEAD_DIM, BM, BN, NBUF, VOTE, s_layout, o_layout)
+                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
     carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, n_cand - j_lo, n_cand,
                      n_reach - n_cand, t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, True, 0, KV_ROWS,
-                     HEAD_DIM, BM, BN, NBUF, VOTE, s_layout, o_layout)
+                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _invalidate(q_bar, k_bar, v_bar, NBUF)
     _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, BM, HEAD_DIM, num_warps, o_layout)
@@ -420,14 +387,13 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
 
 def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                            log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                           dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                           vote: bool = False):
+                           dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None):
     """The Gluon kernel with ``sparse_attention_triton``'s arguments and results (q [B, H, N, D],
     k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
     LAST_COMPILED["gluon"] = _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]],
-                                                      VOTE=bool(vote), num_warps=NUM_WARPS)
+                                                      num_warps=NUM_WARPS)
     return out, skip.sum(dim=-1, dtype=torch.int64)
 
 

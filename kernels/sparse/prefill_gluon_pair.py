@@ -54,14 +54,17 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
     _coords,
-    _decide,
-    _decide_two,
     _decided_vals,
     _qk,
     _scores,
@@ -75,9 +78,6 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import (
     _block_range,
     _issue,
     _program,
-    _qk_two,
-    _step,
-    _two_vals,
     chunked_grid,
 )
 
@@ -89,6 +89,61 @@ CHUNK_UP_TO = 16384 * 64
 # gives the producer warpgroup 24, the worker consumer 240, the default consumer the rest (240).
 CONFIG = {"NBUF": 4, "maxnreg": 168, "WORKER_REGS": 240, "PRODUCER_REGS": PRODUCER_REGS, "TWO": False, "num_warps": 4}
 HEAD_DIM, BLOCK_N = 64, 64  # the only geometry this kernel takes (BM = 128 as every Gluon kernel)
+
+
+@gluon.jit
+def _qk_two(q_smem, ring, t, qk_scale, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr):
+    """(S [ROWS, BN] f32 of ring tiles t and t + 1, their row maxima in log2 units): both Q.K^T in
+    flight once their K copies landed, each K slot released as soon as its product is done."""
+    k_ring, _, k_ready, k_empty, _, _ = ring
+    rows: gl.constexpr = q_smem.shape[0]
+    d: gl.constexpr = q_smem.shape[1]
+    zero = gl.zeros([rows, BN], gl.float32, s_layout)
+    mbarrier.wait(k_ready.index(t % NBUF), (t // NBUF) & 1)
+    s0 = warpgroup_mma(q_smem, k_ring.index(t % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                       is_async=True)
+    mbarrier.wait(k_ready.index((t + 1) % NBUF), ((t + 1) // NBUF) & 1)
+    s1 = warpgroup_mma(q_smem, k_ring.index((t + 1) % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
+                       is_async=True)
+    s0 = warpgroup_mma_wait(1, deps=(s0,))
+    mbarrier.arrive(k_empty.index(t % NBUF))
+    m0 = gl.max(s0, 1) * qk_scale
+    s1 = warpgroup_mma_wait(0, deps=(s1,))
+    mbarrier.arrive(k_empty.index((t + 1) % NBUF))
+    return s0, s1, m0, gl.max(s1, 1) * qk_scale
+
+
+@gluon.jit
+def _two_vals(m_i, m0, m1, row_ok, DECIDE: gl.constexpr):
+    """The per-row decision values (``_decided_vals``) of two candidate tiles with row maxima m0, m1
+    after the running max m_i: the first tile's, the second's with the first kept, and with the first
+    skipped (BLASST's value depends on the running max, BSFA's does not)."""
+    m_a = gl.maximum(m_i, m0)  # the running max after the first tile when it is kept
+    return (_decided_vals(m0, m_a, row_ok, DECIDE), _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
+            _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE))
+
+
+@gluon.jit
+def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIPPED: gl.constexpr,
+          o_layout: gl.constexpr):
+    """A decided candidate tile (ring ordinal t, never masked; m_ij its row maxima in log2 units)
+    after its decision: kept, the online-softmax update and P.V (``_attend``); skipped, counted (with
+    WAIT_SKIPPED once its V copy landed); then its V slot released."""
+    acc, l_i, m_i, n_skip = carry
+    _, v_ring, _, _, v_ready, v_empty = ring
+    bn: gl.constexpr = s.shape[1]
+    d: gl.constexpr = acc.shape[1]
+    if keep:
+        m_new = gl.maximum(m_i, m_ij)
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(t % NBUF).reshape([bn, d]),
+                           v_ready.index(t % NBUF), (t // NBUF) & 1, False, o_layout)
+        m_i = m_new
+    else:
+        if WAIT_SKIPPED:
+            mbarrier.wait(v_ready.index(t % NBUF), (t // NBUF) & 1)
+        n_skip += 1
+    mbarrier.arrive(v_empty.index(t % NBUF))
+    return acc, l_i, m_i, n_skip
 
 
 @gluon.jit
@@ -106,7 +161,7 @@ def _pass(ring, t0, count, NBUF: gl.constexpr):
 
 @gluon.jit
 def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
-               DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, VOTE: gl.constexpr,
+               DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
     128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
@@ -123,11 +178,8 @@ def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, th
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        if VOTE:
-            vals = _decided_vals(m_ij, m_new, row_ok, DECIDE)
-            keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
-        else:
-            keep = _decide(m_ij, m_new, row_ok, thr, DECIDE)
+        vals = _decided_vals(m_ij, m_new, row_ok, DECIDE)
+        keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
                            v_ready.index(slot), phase, MASKED, o_layout)
@@ -141,16 +193,13 @@ def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, th
 
 @gluon.jit
 def _pair_two(carry, q_smem, ring, xch, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr, BN: gl.constexpr,
-              NBUF: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+              NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Candidate tiles at ring ordinals t, t + 1 (never masked) for this warpgroup's block with one
     reduction for both decisions (``_decide_two``); the same decisions, counts and arithmetic as two
     ``_pair_tile`` calls."""
     s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
     v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
-    if VOTE:
-        keep0, keep1 = _vote_decide(xch, v0, v1k, v1s, thr, DECIDE, True, s_layout.warps_per_cta[0])
-    else:
-        keep0, keep1 = _decide_two(v0, v1k, v1s, thr, DECIDE)
+    keep0, keep1 = _vote_decide(xch, v0, v1k, v1s, thr, DECIDE, True, s_layout.warps_per_cta[0])
     carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, True, o_layout)
     return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, True, o_layout)
 
@@ -158,21 +207,21 @@ def _pair_two(carry, q_smem, ring, xch, t, row_ok, qk_scale, thr, DECIDE: gl.con
 @gluon.jit
 def _pair_segment(carry, q_smem, ring, xch, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                   MASKED: gl.constexpr, DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                  TWO: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                  TWO: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 ..; with TWO (decided tiles only) two tiles a
     decision (``_pair_two``), an odd last one alone (never at BM = 2 BN, where block i has 2 i
     candidates)."""
     if TWO and DECIDE != 0:
         for u in range(count // 2):
-            carry = _pair_two(carry, q_smem, ring, xch, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, VOTE,
-                              s_layout, o_layout)
+            carry = _pair_two(carry, q_smem, ring, xch, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, s_layout,
+                              o_layout)
         for u in range(count % 2):
             carry = _pair_tile(carry, q_smem, ring, xch, t0 + count - 1, j0 + count - 1, rows, row_ok, n_ctx,
-                               qk_scale, thr, MASKED, DECIDE, BM, BN, NBUF, VOTE, s_layout, o_layout)
+                               qk_scale, thr, MASKED, DECIDE, BM, BN, NBUF, s_layout, o_layout)
     else:
         for u in range(count):
             carry = _pair_tile(carry, q_smem, ring, xch, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
-                               DECIDE, BM, BN, NBUF, VOTE, s_layout, o_layout)
+                               DECIDE, BM, BN, NBUF, s_layout, o_layout)
     return carry
 
 
@@ -195,8 +244,7 @@ def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constex
 @gluon.jit
 def _pair_consumer(q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                    qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, TWO: gl.constexpr,
-                   VOTE: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, TWO: gl.constexpr):
     """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
     outside its block's range (all of them when the block is past N), then stores its rows and skip
     count (SKIP [B * H, P])."""
@@ -226,9 +274,9 @@ def _pair_consumer(q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair
     _pass(ring, 0, j_lo - lo, NBUF)
     xch_wg = (xch, WG * 4)
     carry = _pair_segment(carry, q_tile, ring, xch_wg, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                          qk_scale, thr, False, DECIDE, BM, BN, NBUF, TWO, VOTE, s_layout, o_layout)
+                          qk_scale, thr, False, DECIDE, BM, BN, NBUF, TWO, s_layout, o_layout)
     carry = _pair_segment(carry, q_tile, ring, xch_wg, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
-                          qk_scale, thr, True, 0, BM, BN, NBUF, TWO, VOTE, s_layout, o_layout)
+                          qk_scale, thr, True, 0, BM, BN, NBUF, TWO, s_layout, o_layout)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
     acc, l_i, m_i, n_skip = carry
     if i < n_blocks:
@@ -255,8 +303,7 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, CHUNK: gl.constexpr, VOTE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2) * CHUNK, B * H / CHUNK), heaviest pairs first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
@@ -273,9 +320,7 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
     q_bar = _barriers(1, 1)
-    xch = q_bar  # unused without VOTE
-    if VOTE:  # each warpgroup's votes: rows 4 WG .. 4 WG + 2
-        xch = gl.allocate_shared_memory(gl.float32, [8, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    xch = gl.allocate_shared_memory(gl.float32, [8, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # votes: rows 4 WG ..
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
@@ -287,24 +332,24 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO, VOTE)),
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
         (_pair_consumer, (q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, TWO, VOTE)),
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
         (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                           NBUF)),
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, two: bool = False, chunk: int = 1, vote: bool = False) -> dict:
+def pair_config(nbuf: int | None = None, two: bool = False, chunk: int = 1) -> dict:
     """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
     ``two``: two decided tiles a decision; ``chunk``: heads side by side in the grid (``_program``)."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two), CHUNK=int(chunk), VOTE=bool(vote))
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two), CHUNK=int(chunk))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                                 dense: bool = False, out=None, nbuf: int | None = None, two: bool = False,
-                                chunk: int | None = None, vote: bool = False):
+                                chunk: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
@@ -316,7 +361,5 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
     grid, chunk = chunked_grid((triton.cdiv(grid[0], 2), grid[1]), q, chunk, CHUNK_UP_TO)
-    LAST_COMPILED["gluon"] = _pair_fwd_kernel[grid](*args, **consts, **pair_config(nbuf, two, chunk, vote))
+    LAST_COMPILED["gluon"] = _pair_fwd_kernel[grid](*args, **consts, **pair_config(nbuf, two, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)
-
-VOTE_OK = True

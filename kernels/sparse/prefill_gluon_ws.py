@@ -17,21 +17,14 @@ in lockstep twice per tile, and the refill waited for it):
 - Each consumer warpgroup (``_consumer``, 4 warps, 64 of the block's 128 query rows) is its own
   partition with its own Q half, accumulator and softmax state; it runs Q.K^T, softmax and P.V for
   its rows at its own pace.
-- The decision (``_agree``) needs the max over all 128 rows: each warpgroup writes its 64 per-row
-  values to a 2-entry shared-memory exchange, syncs its own 4 warps, arrives on the entry's
-  mbarrier (2 arrivals a phase), waits for the other warpgroup's arrival, and reduces the 128
-  values in every thread (no cross-warp reduction, no CTA-wide barrier). Both warpgroups read the
-  same 128 values, so they take the same decision: the BM = 128 semantics are unchanged.
+- The decision (``_agree``) needs all 128 rows: each warp of each warpgroup votes once whether one of
+  its rows keeps the tile (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry shared-memory
+  exchange, the warpgroup syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals a phase),
+  waits for the other warpgroup's arrival, and every thread reads the 8 votes (no shuffle tree, no
+  CTA-wide barrier). Both warpgroups read the same 8 votes, so they take the same decision: the
+  BM = 128 semantics are unchanged.
 - A skipped tile only arrives on its V slot's empty barrier; the producer waits for that slot's
   previous V copy to land before refilling it (a skipped tile never waits for its V).
-- ``pairs`` (D = 64 BSFA calls expected to skip little, ``prefill_pick``): the decided tiles go two
-  an exchange (``_ws_pair``: both Q.K^T in flight, one ``_agree_pair`` for both decisions, BLASST's
-  second value published for either outcome of the first). Both score tiles live across the
-  exchange need 128 registers a thread, which two programs an SM give only without the producer
-  warp, so it runs with warpgroup 0 issuing the Q and K copies and, with ``split``, warpgroup 1 the
-  V copies (NOTES.md "prefill two tiles an exchange, s44": the decision's cost against the form's own
-  skipping-off time from 19-23 % to 6-12 %).
-
 - Grid order (``_program``, shared with the paired kernel): heaviest query block first within a head;
   up to N x D = CHUNK_UP_TO (``grid_chunk``) CHUNK_HEADS heads side by side, so the last heads' longest
   blocks do not start last (the tail at 16K was ~6 % of the run; NOTES.md "heads side by side in chunks").
@@ -57,8 +50,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from sparsecal.kernels.jit import LAST_COMPILED
@@ -158,80 +149,33 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
-def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, VOTE: gl.constexpr):
-    """The block's decision at exchange e: max over its 128 rows of vals (this warpgroup's 64 rows
-    [HALF], -inf where a row is past N) >= thr, from both warpgroups' halves in red [2, NV * BM];
-    VOTE: each warp publishes one vote (``_warp_any``) and the reader reduces the 8 warps' votes in
-    registers (``_warps_any``), instead of the 128 values through a shuffle tree."""
+def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr):
+    """The block's decision at exchange e: does some row of its 128 reach thr (vals: this warpgroup's
+    64 rows [HALF], -inf where a row is past N)? Each warp votes once (``_warp_any``) into row e % 2 of
+    red [2, BM]; after both warpgroups arrived, every thread reads the 8 warps' votes (``_warps_any``)."""
     HALF: gl.constexpr = BM // 2
-    entry = red.index(e % 2)  # VOTE: red [2 * NV, BM], entry e's first row
-    if VOTE:
-        entry.slice(WG * HALF, HALF).store(_warp_any(vals >= thr, HALF // (8 * NW)))
-    else:
-        entry.slice(WG * HALF, HALF).store(vals)
-    _cta_barrier()  # this warpgroup's 4 warps wrote their rows before its thread 0 arrives
-    mbarrier.arrive(dec_bar.index(e % 2))
-    mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
-    if VOTE:
-        return _warps_any(entry, NW)
-    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])  # all 128 in each warp
-    return gl.max(entry.slice(0, BM).load(every), 0) >= thr
-
-
-@gluon.jit
-def _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr,
-                NW: gl.constexpr, VOTE: gl.constexpr):
-    """Both decisions of a pair of tiles at one exchange e: (keep0, keep1) from this warpgroup's
-    per-row values [HALF] of the first tile (v0) and of the second with the first kept (v1k) or
-    skipped (v1s; BLASST's value depends on the running max, BSFA's does not), through red [2, 4 * BM]
-    (3 * BM used; shared-memory shapes are powers of two)."""
-    HALF: gl.constexpr = BM // 2
-    if VOTE:  # red [2 * 4, BM]: entry e in rows 4 (e % 2) ..
-        PACK: gl.constexpr = HALF // (8 * NW)
-        r0 = (e % 2) * 4
-        red.index(r0).slice(WG * HALF, HALF).store(_warp_any(v0 >= thr, PACK))
-        red.index(r0 + 1).slice(WG * HALF, HALF).store(_warp_any(v1k >= thr, PACK))
-        if DECIDE == 2:
-            red.index(r0 + 2).slice(WG * HALF, HALF).store(_warp_any(v1s >= thr, PACK))
-        _cta_barrier()
-        mbarrier.arrive(dec_bar.index(e % 2))
-        mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
-        keep0 = _warps_any(red.index(r0), NW)
-        keep1 = _warps_any(red.index(r0 + 1), NW)
-        if DECIDE == 2:
-            keep1 = gl.where(keep0, keep1, _warps_any(red.index(r0 + 2), NW))
-        return keep0, keep1
     entry = red.index(e % 2)
-    entry.slice(WG * HALF, HALF).store(v0)
-    entry.slice(BM + WG * HALF, HALF).store(v1k)
-    if DECIDE == 2:
-        entry.slice(2 * BM + WG * HALF, HALF).store(v1s)
-    _cta_barrier()
+    entry.slice(WG * HALF, HALF).store(_warp_any(vals >= thr, HALF // (8 * NW)))
+    _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
     mbarrier.arrive(dec_bar.index(e % 2))
     mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
-    every: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [NW], [0])
-    keep0 = gl.max(entry.slice(0, BM).load(every), 0) >= thr
-    top1 = gl.max(entry.slice(BM, BM).load(every), 0)
-    if DECIDE == 2:
-        top1 = gl.where(keep0, top1, gl.max(entry.slice(2 * BM, BM).load(every), 0))
-    return keep0, top1 >= thr
+    return _warps_any(entry, NW)
 
 
 @gluon.jit
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, AHEAD: gl.constexpr,
-             NW: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+             NW: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
-    release V. ISSUER (0 none, 1 K and V, 2 K, 3 V; warpgroup 0 issues when there is no producer
-    warp, or with SPLIT warpgroup 0 the K and warpgroup 1 the V copies) copies tile t + AHEAD's K
-    before and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
+    release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + AHEAD's K before
+    and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
     units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
-    if ISSUER == 1 or ISSUER == 2:
+    if ISSUER:
         _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
@@ -242,8 +186,8 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, VOTE)
-    if ISSUER == 1 or ISSUER == 3:
+        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW)
+    if ISSUER:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
@@ -256,106 +200,16 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
 
 
 @gluon.jit
-def _qk_two(q_smem, ring, t, qk_scale, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr):
-    """(S [ROWS, BN] f32 of ring tiles t and t + 1, their row maxima in log2 units): both Q.K^T in
-    flight once their K copies landed, each K slot released as soon as its product is done."""
-    k_ring, _, k_ready, k_empty, _, _ = ring
-    rows: gl.constexpr = q_smem.shape[0]
-    d: gl.constexpr = q_smem.shape[1]
-    zero = gl.zeros([rows, BN], gl.float32, s_layout)
-    mbarrier.wait(k_ready.index(t % NBUF), (t // NBUF) & 1)
-    s0 = warpgroup_mma(q_smem, k_ring.index(t % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
-                       is_async=True)
-    mbarrier.wait(k_ready.index((t + 1) % NBUF), ((t + 1) // NBUF) & 1)
-    s1 = warpgroup_mma(q_smem, k_ring.index((t + 1) % NBUF).reshape([BN, d]).permute((1, 0)), zero, use_acc=False,
-                       is_async=True)
-    s0 = warpgroup_mma_wait(1, deps=(s0,))
-    mbarrier.arrive(k_empty.index(t % NBUF))
-    m0 = gl.max(s0, 1) * qk_scale
-    s1 = warpgroup_mma_wait(0, deps=(s1,))
-    mbarrier.arrive(k_empty.index((t + 1) % NBUF))
-    return s0, s1, m0, gl.max(s1, 1) * qk_scale
-
-
-@gluon.jit
-def _two_vals(m_i, m0, m1, row_ok, DECIDE: gl.constexpr):
-    """The per-row decision values (``_decided_vals``) of two candidate tiles with row maxima m0, m1
-    after the running max m_i: the first tile's, the second's with the first kept, and with the first
-    skipped (BLASST's value depends on the running max, BSFA's does not)."""
-    m_a = gl.maximum(m_i, m0)  # the running max after the first tile when it is kept
-    return (_decided_vals(m0, m_a, row_ok, DECIDE), _decided_vals(m1, gl.maximum(m_a, m1), row_ok, DECIDE),
-            _decided_vals(m1, gl.maximum(m_i, m1), row_ok, DECIDE))
-
-
-@gluon.jit
-def _step(carry, s, m_ij, keep, ring, t, qk_scale, NBUF: gl.constexpr, WAIT_SKIPPED: gl.constexpr,
-          o_layout: gl.constexpr):
-    """A decided candidate tile (ring ordinal t, never masked; m_ij its row maxima in log2 units)
-    after its decision: kept, the online-softmax update and P.V (``_attend``); skipped, counted (with
-    WAIT_SKIPPED once its V copy landed); then its V slot released."""
-    acc, l_i, m_i, n_skip = carry
-    _, v_ring, _, _, v_ready, v_empty = ring
-    bn: gl.constexpr = s.shape[1]
-    d: gl.constexpr = acc.shape[1]
-    if keep:
-        m_new = gl.maximum(m_i, m_ij)
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(t % NBUF).reshape([bn, d]),
-                           v_ready.index(t % NBUF), (t // NBUF) & 1, False, o_layout)
-        m_i = m_new
-    else:
-        if WAIT_SKIPPED:
-            mbarrier.wait(v_ready.index(t % NBUF), (t // NBUF) & 1)
-        n_skip += 1
-    mbarrier.arrive(v_empty.index(t % NBUF))
-    return acc, l_i, m_i, n_skip
-
-
-@gluon.jit
-def _ws_pair(carry, q_smem, ring, src, red, dec_bar, e, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
-             WG: gl.constexpr, ISSUER: gl.constexpr, KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-             NBUF: gl.constexpr, AHEAD: gl.constexpr, NW: gl.constexpr, VOTE: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Candidate tiles at ordinals t, t + 1 (never masked) for this warpgroup's HALF rows with one
-    exchange (e) for both decisions: ``_qk_two``, ``_two_vals``, ``_agree_pair``, then ``_step`` per
-    tile in order. Same decisions, counts and arithmetic as two ``_ws_tile`` calls; the ISSUER copies
-    tiles t + AHEAD and t + 1 + AHEAD (K before, V after)."""
-    d: gl.constexpr = q_smem.shape[1]
-    if ISSUER == 1 or ISSUER == 2:
-        _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
-        _issue(ring, src, t + 1 + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
-    s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
-    v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
-    keep0, keep1 = _agree_pair(red, dec_bar, e, v0, v1k, v1s, thr, DECIDE, WG, BM, NW, VOTE)
-    if ISSUER == 1 or ISSUER == 3:
-        _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
-        _issue(ring, src, t + 1 + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
-    carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, False, o_layout)
-    return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, False, o_layout)
-
-
-@gluon.jit
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                PAIRS: gl.constexpr, VOTE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments). With
-    PAIRS (decided tiles only) two tiles an exchange (``_ws_pair``), an odd last one alone (never at
-    BM = 2 BN, where block i has 2 i candidates), and the
-    ISSUER copies NBUF - 2 tiles ahead (a pair holds two slots) instead of NBUF - 1."""
-    AHEAD: gl.constexpr = NBUF - 2 if PAIRS else NBUF - 1
-    if PAIRS and DECIDE != 0:
-        for u in range(count // 2):
-            carry = _ws_pair(carry, q_smem, ring, src, red, dec_bar, u, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE,
-                             WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, VOTE, s_layout, o_layout)
-        for u in range(count % 2):
-            carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, count // 2, t0 + count - 1, j0 + count - 1,
-                             rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF,
-                             AHEAD, NW, VOTE, s_layout, o_layout)
-    else:
-        for u in range(count):
-            carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
-                             qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, AHEAD, NW, VOTE,
-                             s_layout, o_layout)
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
+    ISSUER copies NBUF - 1 tiles ahead."""
+    for u in range(count):
+        carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
+                         qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NBUF - 1, NW, s_layout,
+                         o_layout)
     return carry
 
 
@@ -382,10 +236,9 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PAIRS: gl.constexpr, CHUNK: gl.constexpr,
-              VOTE: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
-    (the ISSUER also loads Q and the first NBUF - 1 tiles, NBUF - 2 with PAIRS), then its rows of O."""
+    (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BN, 16])
@@ -393,11 +246,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
                                                        instr_shape=[16, HEAD_DIM, 16])
     j_lo = src[5]
     n_reach = j_lo + src[6]
-    if ISSUER == 1 or ISSUER == 2:
+    if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
-    if ISSUER != 0:
-        for t in gl.static_range(NBUF - 2 if PAIRS else NBUF - 1):
-            _issue(ring, src, t, ISSUER != 3, ISSUER != 2, KV_ROWS, HEAD_DIM, BN, NBUF)
+        for t in gl.static_range(NBUF - 1):
+            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -407,11 +259,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS, VOTE,
-                        s_layout, o_layout)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout, o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
-                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, PAIRS,
-                        VOTE, s_layout, o_layout)
+                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, s_layout,
+                        o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -453,13 +304,12 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
-                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PAIRS: gl.constexpr,
-                   SPLIT: gl.constexpr, CHUNK: gl.constexpr, VOTE: gl.constexpr, num_warps: gl.constexpr):
+                   WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
-    producer (PRODUCER_REGS). PAIRS: decided tiles two an exchange (``_ws_pair``); SPLIT (no
-    producer): warpgroup 1 issues the V copies. Arguments as ``prefill_gluon._gluon_fwd_kernel``
+    producer (PRODUCER_REGS). Arguments as ``prefill_gluon._gluon_fwd_kernel``
     except q_desc, whose block is one consumer's half [1, BM / 2, D]."""
     i, bh = _program(CHUNK)
     b = bh // num_heads
@@ -468,11 +318,8 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    if VOTE:  # the votes of exchange e in rows 4 (e % 2) .. (two tiles an exchange) or row e % 2
-        red = gl.allocate_shared_memory(gl.float32, [8 if PAIRS else 2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        red = gl.allocate_shared_memory(gl.float32, [2, 4 * BM if PAIRS else BM],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # the warps' votes of exchange e: row e % 2, or rows 4 (e % 2) .. with two tiles an exchange
+    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
@@ -490,17 +337,16 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
-    ISSUER: gl.constexpr = 2 if SPLIT else 1  # warpgroup 0 without a producer warp: K and V, or K
-    ISSUER1: gl.constexpr = 3 if SPLIT else 0  # warpgroup 1: V with SPLIT
+    ISSUER: gl.constexpr = 1  # warpgroup 0 without a producer warp
     NOT_ISSUER: gl.constexpr = 0
     if PRODUCER:
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -508,26 +354,21 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
-                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, ISSUER1, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, PAIRS, CHUNK, VOTE)),
+                         num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK)),
         ], [num_warps], [WORKER_REGS])
 
 
-def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pairs: bool = False,
-              split: bool = False, chunk: int = 1, vote: bool = False) -> dict:
+def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
-    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``pairs``:
-    two decided tiles an exchange (a ring of at least 3 slots); ``split`` (no producer warp): warpgroup
-    1 issues the V copies, warpgroup 0 Q and K; ``chunk``: heads side by side in the grid (``_program``)."""
+    keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
+    side by side in the grid (``_program``)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "PAIRS": bool(pairs), "SPLIT": bool(split) and not producer, "CHUNK": int(chunk), "VOTE": bool(vote),
-          "num_warps": CONSUMER_WARPS}
-    if pairs and kw["NBUF"] < 3:
-        raise ValueError(f"two tiles an exchange need at least 3 ring slots, got {kw['NBUF']}")
+          "CHUNK": int(chunk), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -536,22 +377,14 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, pai
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, pairs: bool = False, split: bool = False,
-                              chunk: int | None = None, vote: bool = False):
+                              producer: bool | None = None, chunk: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
-    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); pairs:
-    two decided tiles an exchange (``_ws_pair``; same results; head dim 64 and 64-row key tiles, the
-    build tests/test_prefill_gluon_ws.py checks and the GPU check ran); split: the V copies issued by
-    warpgroup 1; chunk: heads side by side in the grid (None: ``grid_chunk``, 1 for the two-tile forms,
-    not measured chunked)."""
-    if pairs and (q.shape[-1] != 64 or block_n != 64):
-        raise ValueError(f"two decided tiles an exchange take head dim 64 and block_n 64 only, got {q.shape[-1]} "
-                         f"and {block_n}: use prefill_pick.sparse_prefill")
+    PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
+    heads side by side in the grid (None: ``grid_chunk``)."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
-    grid, chunk = chunked_grid(grid, q, 1 if pairs and chunk is None else chunk)
-    LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts,
-                                                   **ws_config(q.shape[-1], producer, nbuf, pairs, split, chunk, vote))
+    grid, chunk = chunked_grid(grid, q, chunk)
+    LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)

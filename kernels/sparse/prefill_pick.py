@@ -4,29 +4,23 @@ bench and the model benchmarks call.
 The Gluon Hopper kernels measured fastest per head dim, method and sparsity (data/bench/NOTES.md,
 "prefill-gluon-ws" and "prefill-pair"; one H100 run per head dim, bf16, causal, 16K-64K, G 1/4/8):
 
-    D = 64   prefill_gluon_pair (two query blocks a program) deciding two tiles in one reduction
+    D = 64   prefill_gluon_pair (two query blocks a program) deciding two tiles in one exchange
              (``gluon_pair_two``) for BSFA where the call is expected to skip at least PAIR_FROM =
-             0.25 of its tiles and the key tile is 64 rows: 0.84-0.88 of the ideal at 50% and 75%
-             with one tile a decision (s42, s44) against 0.81-0.85 for the warp-specialized kernel,
-             and 3-4% faster with two (NOTES "the paired kernel deciding two tiles", s44); its
-             skipping-off form is 0.90-0.93x the warp-specialized one's. BSFA calls with 64-row
-             key tiles expected to skip less (or unknown): the warp-specialized kernel deciding two
-             tiles an exchange, its copies issued by the two consumer warpgroups
-             (``gluon_ws_two_split``; NOTES "prefill two tiles an exchange, s44": nothing skipped
-             0.85-0.86 of the dense against 0.83-0.84). prefill_gluon_ws (warp-specialized, TMA
-             producer warp) for everything else: ahead of the Triton kernel at every sparsity and
-             of the one-partition Gluon kernel at 50% and 75%. BLASST stays on it, except calls of
-             at least PAIR_BLASST_N = 32K tokens expected to skip at least PAIR_BLASST_FROM = 0.6:
-             there ``gluon_pair_two`` (s44's second run, 5 rounds, ws / paired time at 75%: 1.03-1.05,
-             exact 95% intervals 1.015-1.066, at 32K and 64K, G 1/4/8; at 50% 0.99-1.02, level; at
-             16K 0.93-0.97, behind; s45's 32K runs, 3 rounds: 1.02-1.04 at 75%)
+             0.25 of its tiles and the key tile is 64 rows: 0.89-0.91 of the ideal at 50% and
+             0.92-0.93 at 75% (s46, 16K-64K, G 1 and 8, 3 rounds) against 0.87-0.88 and 0.85-0.86 for
+             the warp-specialized kernel, which is 3% faster with nothing skipped. prefill_gluon_ws
+             (warp-specialized, TMA producer warp) for everything else, BLASST at every length
+             included: with the decision by warp votes (s46) it is 0-4% ahead of the paired kernel at
+             BLASST 75% at 32K-64K, where the shuffle-tree forms put the paired kernel 3-5% ahead
+             (s44, s45), and 5-10% ahead below.
     D = 128  prefill_gluon_ws with skipping off (1.03-1.06x) and where the call is expected to skip
              at least WS_FROM = 0.25 of its tiles (ahead by 0-6% at 50% in 17 of 18 cells, 4-10% at
              75%); prefill_gluon (one partition) otherwise, which is ahead by 0-9% when nothing is
              skipped, and for the window baseline (not timed against the other)
 
-PAIR_FROM and WS_FROM lie between measured points (0 and 0.5), PAIR_BLASST_FROM between 0.5 and 0.75 and
-PAIR_BLASST_N between 16K and 32K: interpolated, not measured.
+PAIR_FROM and WS_FROM lie between measured points (0 and 0.5): interpolated, not measured. Every
+Gluon kernel decides by warp votes (``prefill_gluon._warp_any``, NOTES.md "the decision by warp
+votes", s46).
 
 The expected sparsity is a hint: sparsify passes the layer's calibrated sparsity at the length
 bucket from the export's dispatch record (None without one), the break-even bench its operating
@@ -48,26 +42,16 @@ from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
 DENSE, BSFA, BLASST, WINDOW = 0, 1, 2, 3  # prefill.method_code
 WS_FROM = 0.25  # at D = 128: the expected sparsity from which the warp-specialized kernel is faster
 PAIR_FROM = 0.25  # at D = 64, BSFA: the expected sparsity from which the paired kernel is faster
-PAIR_BLASST_FROM, PAIR_BLASST_N = 0.6, 32768  # at D = 64, BLASST: from this sparsity and this many tokens
 GLUON_KERNELS = {"gluon": sparse_attention_gluon, "gluon_ws": sparse_attention_gluon_ws,
-                 "gluon_pair_two": functools.partial(sparse_attention_gluon_pair, two=True),
-                 "gluon_ws_two_split": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True,
-                                                         split=True)}
+                 "gluon_pair_two": functools.partial(sparse_attention_gluon_pair, two=True)}
 
 
-def pick(head_dim: int, method: int, expected_sparsity: float | None = None, block_n: int = PAIR_BLOCK_N,
-         tokens: int | None = None) -> str:
-    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair_two",
-    "gluon_ws_two_split", or "triton" (a head dim they were not measured at); ``method`` as
-    ``prefill.method_code``; ``tokens``: the call's N (None: unknown)."""
+def pick(head_dim: int, method: int, expected_sparsity: float | None = None, block_n: int = PAIR_BLOCK_N) -> str:
+    """The kernel for a call the Gluon kernels support: "gluon", "gluon_ws", "gluon_pair_two", or
+    "triton" (a head dim they were not measured at); ``method`` as ``prefill.method_code``."""
     if head_dim == 64:
-        if method == BLASST and block_n == PAIR_BLOCK_N and tokens is not None and tokens >= PAIR_BLASST_N:
-            skipping = expected_sparsity is not None and expected_sparsity >= PAIR_BLASST_FROM
-            return "gluon_pair_two" if skipping else "gluon_ws"
-        if method != BSFA or block_n != PAIR_BLOCK_N:
-            return "gluon_ws"
         skipping = expected_sparsity is not None and expected_sparsity >= PAIR_FROM
-        return "gluon_pair_two" if skipping else "gluon_ws_two_split"
+        return "gluon_pair_two" if method == BSFA and block_n == PAIR_BLOCK_N and skipping else "gluon_ws"
     if head_dim != 128:
         return "triton"
     if method == DENSE or (method != WINDOW and expected_sparsity is not None and expected_sparsity >= WS_FROM):
@@ -86,7 +70,7 @@ def sparse_prefill(q, k, v, scale: float, block_m: int, block_n: int, *, thresho
     method = method_code(thresholds, log_lambda, window, dense, sink)
     kw = {"thresholds": thresholds, "log_lambda": log_lambda, "window": window, "order": order, "dense": dense,
           "out": out}
-    name = pick(q.shape[-1], method, expected_sparsity, block_n, q.shape[2])
+    name = pick(q.shape[-1], method, expected_sparsity, block_n)
     if name != "triton" and not sink and gluon_supported(q, block_m, block_n, method, order, softcap):
         return GLUON_KERNELS[name](q, k, v, scale, block_m, block_n, **kw)
     return sparse_attention_triton(q, k, v, scale, block_m, block_n, softcap=softcap, sink=sink, **kw)

@@ -19,13 +19,12 @@ kernel targets, in one run on one Hopper GPU.
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
-   the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one reduction (what
-   ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_two``, the warp-specialized kernel deciding two tiles an exchange, D = 64
-   only, without a producer warp (warpgroup 0 issues the copies), ``gluon_ws_two_split`` the same
-   with warpgroup 1 issuing the V copies (what ``prefill_pick`` runs for D = 64 BSFA calls expected
-   to skip little); ``gluon_ws_c1`` / ``gluon_pair_two_c1``: the grid one head after the other at every
-   length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``). A
-   variant whose check fails is still timed (its rows say ``check_ok``: false); one whose check
+   the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one exchange (what
+   ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_c1`` / ``gluon_pair_two_c1``
+   / ``gluon_ws_c4``: the grid one head after the other, or 4 heads side by side, at every
+   length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``). Every
+   Gluon row records ``build_regs`` / ``build_spills`` as compiled on the GPU machine. A variant whose
+   check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
 
     python -m sparsecal.bench.prefill_gluon [--sections check,targets] [--dims 128,64]
@@ -63,22 +62,11 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair": sparse_attention_gluon_pair,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
                   "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
-                  "gluon_ws_two": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True),
-                  "gluon_ws_two_split": GLUON_KERNELS["gluon_ws_two_split"],
                   "gluon_ws_c1": functools.partial(sparse_attention_gluon_ws, chunk=1),
                   "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1),
-                  "gluon_vote": functools.partial(sparse_attention_gluon, vote=True),
-                  "gluon_ws_vote": functools.partial(sparse_attention_gluon_ws, vote=True),
-                  "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
-                  "gluon_ws_vote_c4": functools.partial(sparse_attention_gluon_ws, vote=True, chunk=4),
-                  "gluon_ws_two_split_vote": functools.partial(sparse_attention_gluon_ws, producer=False, pairs=True,
-                                                               split=True, vote=True),
-                  "gluon_pair_vote": functools.partial(sparse_attention_gluon_pair, vote=True),
-                  "gluon_pair_two_vote": functools.partial(sparse_attention_gluon_pair, two=True, vote=True)}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,), "gluon_ws_two": (64,),
-                "gluon_ws_two_split": (64,),
-                "gluon_pair_two_c1": (64,), "gluon_ws_two_split_vote": (64,), "gluon_pair_vote": (64,),
-                "gluon_pair_two_vote": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                  "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4)}
+VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
+                "gluon_pair_two_c1": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:

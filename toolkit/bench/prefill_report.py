@@ -58,7 +58,7 @@ def targets_rows(doc: dict, path="the prefill run") -> list[dict]:
                "dense": shape["dense_variant"]}
         for method, code in METHODS.items():
             for s in SPARSITIES:
-                kernel = pick(d, code, s / 100, tokens=n)
+                kernel = pick(d, code, s / 100)
                 name = f"{kernel}_{method}_s{s}"
                 if name not in rows:
                     raise UserError(f"{path}: D={d} N={n} G={g}: {name}, the kernel prefill_pick runs there, was not "
