@@ -13,7 +13,9 @@ Counted: nothing-skipped cells at their goal (NOTHING_SKIPPED: 0.95 at D=64, 0.9
 sparse cells at >= OF_IDEAL of the ideal, by the median and by the interval's upper end.
 
 Shape legend: one row per (D, N, G) of the files' ``targets`` (a later file's shape replaces an earlier
-file's); cells per row: 2 methods x 3 sparsities.
+file's); cells per row: 2 methods x 3 sparsities; the last column names the tree that ran the row (its
+file's ``provenance``: commit, and the source digest where the file has one): a kernel name means the
+code of that tree, so rows of different trees are different kernels under one name.
 """
 from __future__ import annotations
 
@@ -48,14 +50,17 @@ def _cell(row: dict, key: str, path) -> tuple:
 
 
 def targets_rows(doc: dict, path="the prefill run") -> list[dict]:
-    """Per shape: d, n, group, sdpa_ms, dense_ms, dense (variant), and per (method, sparsity) key
-    "bsfa_s50" etc.: (picked kernel, (median, lo, hi)): vs_dense at 0, of_ideal_best at 50 / 75."""
+    """Per shape: d, n, group, sdpa_ms, dense_ms, dense (variant), run (the tree: commit [source
+    digest]), and per (method, sparsity) key "bsfa_s50" etc.: (picked kernel, (median, lo, hi)):
+    vs_dense at 0, of_ideal_best at 50 / 75."""
+    prov = doc.get("provenance") if isinstance(doc.get("provenance"), dict) else {}
+    run = " ".join(str(prov[k]) for k in ("commit", "source") if prov.get(k)) or "unknown"
     out = []
     for shape in doc["targets"]:
         d, n, g = shape["d"], shape["n"], shape["group"]
         rows = {r["variant"]: r for r in shape["rows"]}
         row = {"d": d, "n": n, "group": g, "sdpa_ms": shape["best_sdpa_ms"], "dense_ms": shape["dense_ms"],
-               "dense": shape["dense_variant"]}
+               "dense": shape["dense_variant"], "run": run}
         for method, code in METHODS.items():
             for s in SPARSITIES:
                 kernel = pick(d, code, s / 100)
@@ -88,12 +93,12 @@ def targets_markdown(rows: list[dict]) -> str:
     """The table, one line per shape, and the counts."""
     cols = [f"{m.upper()} {'nothing skipped / dense' if s == 0 else f'{s}%: of ideal'}" for m in METHODS
             for s in SPARSITIES]
-    lines = ["| D | N | G | best SDPA ms | own dense ms | " + " | ".join(cols) + " |",
-             "|---|---|---|---|---|" + "---|" * len(cols)]
+    lines = ["| D | N | G | best SDPA ms | own dense ms | " + " | ".join(cols) + " | run |",
+             "|---|---|---|---|---|" + "---|" * (len(cols) + 1)]
     for r in rows:
         cells = [_fmt(r[f"{m}_s{s}"]) for m in METHODS for s in SPARSITIES]
         lines.append(f"| {r['d']} | {r['n'] // 1024}K | {r['group']} | {r['sdpa_ms']:.2f} | {r['dense_ms']:.2f} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cells) + f" | {r['run']} |")
     c = counts(rows)
     goals = ", ".join(f"{v} at D={d}" for d, v in NOTHING_SKIPPED.items())
     lines += ["", (f"Nothing skipped at its goal ({goals}): {c['zero_at_goal']}/{c['zero_cells']}; 50 % / 75 % at "
