@@ -13,7 +13,9 @@ Why a second kernel: in the Triton kernel the data-dependent ``if`` around P.V s
 software pipeliner, so the K/V loads of the next tiles wait for the decision (data/bench/NOTES.md,
 issue 5 and the count-only runs). Here the pipeline is written out: a ring of NBUF shared-memory
 slots is filled by TMA copies issued NBUF - 1 tiles ahead, for every tile, whatever the decisions;
-a skipped tile only gives its slot back. The decision itself is one cross-warp max per tile.
+a skipped tile only gives its slot back. The decision itself is one vote a warp (``_warp_any``, a
+``vote.any`` over the rows the warp holds) and one shared-memory exchange of the warps' votes per tile
+(``_vote_decide``; NOTES.md "the decision by warp votes": 1-10 % faster than a cross-warp max).
 
 Rejected after measuring (NOTES.md): issuing the next tile's Q.K^T before this tile's decision
 (FA3's intra-warpgroup overlap) needs two score tiles in registers (160-175 a thread at D = 128, one
@@ -187,11 +189,12 @@ def _warps_any(flags, NW: gl.constexpr):
 
 @gluon.jit
 def _vote_decide(xch, v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr, NW: gl.constexpr):
-    """``_decide`` (TWO false: keep0 from v0) or ``_decide_two`` (keep0, keep1) over rows this warpgroup
-    holds all of, by warp votes (``_warp_any``) through rows x0 .. x0 + 2 of xch = (buf [R, ROWS] f32 in
-    shared memory, x0), this warpgroup's own: a
-    vote a warp and decision, read back by every thread (``_warps_any``) between two barriers of the
-    warpgroup (the first: every warp read the previous decision's votes)."""
+    """A tile's decision (TWO false: keep0, some row of v0 >= thr) or two tiles' (keep0, keep1; the
+    second from v1k when the first is kept, else from v1s, BLASST only) over rows this warpgroup
+    holds all of, by warp votes (``_warp_any``: one a warp and decision) through rows x0 .. x0 + 2 of
+    xch = (buf [R, ROWS] f32 in shared memory, x0), this warpgroup's own, read back by every thread
+    (``_warps_any``) between two barriers of the warpgroup (the first: every warp read the previous
+    decision's votes)."""
     buf, x0 = xch
     ROWS: gl.constexpr = v0.shape[0]
     PACK: gl.constexpr = ROWS // (8 * NW)

@@ -19,7 +19,8 @@ Measured on an H100 (NOTES.md "prefill-pair"): the decision now costs 8-11% of t
 skipping-off form (13-18% in the warp-specialized one), but that form is 0.90-0.93x the
 warp-specialized kernel's (half the warpgroups per SM to hide latency); BSFA at 50% / 75% reaches
 0.84-0.88 of the ideal against 0.81-0.85, so ``prefill_pick`` runs it for D = 64 BSFA calls expected
-to skip a quarter of their tiles or more.
+to skip a quarter of their tiles or more. Since s46 every decision is a vote a warp
+(``prefill_gluon._vote_decide``): 0.3-6 % faster again (NOTES.md "the decision by warp votes").
 
 - Program p (heaviest first) owns query blocks 2p (warpgroup 0, the default partition) and 2p + 1
   (warpgroup 1, a worker) of one (batch, head); the last program of an odd block count has only 2p.
@@ -35,8 +36,8 @@ to skip a quarter of their tiles or more.
 - One program per SM: 12 warps (2 consumer warpgroups + the producer warp's padded warpgroup) at
   ``maxnreg`` registers, redistributed by setmaxnreg (CONFIG).
 - ``two`` (what ``prefill_pick`` runs, ``gluon_pair_two``): the decided tiles go two a decision, both
-  score tiles in flight (``prefill_gluon_ws._qk_two``) and one reduction for both decisions
-  (``prefill_gluon._decide_two``); 3-4 % faster where tiles are skipped, 1-2 % slower with every tile
+  score tiles in flight (``_qk_two``) and one exchange of warp votes for both decisions
+  (``prefill_gluon._vote_decide``); 3-4 % faster where tiles are skipped, 1-2 % slower with every tile
   kept, BLASST about level (NOTES.md "the paired kernel deciding two tiles in one reduction", s44).
 
 Phases as in ``prefill_gluon_ws``: ring tile ordinal t (key tile lo + t) uses slot t % NBUF in use
@@ -195,7 +196,7 @@ def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, th
 def _pair_two(carry, q_smem, ring, xch, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr, BN: gl.constexpr,
               NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Candidate tiles at ring ordinals t, t + 1 (never masked) for this warpgroup's block with one
-    reduction for both decisions (``_decide_two``); the same decisions, counts and arithmetic as two
+    exchange for both decisions (``_vote_decide``); the same decisions, counts and arithmetic as two
     ``_pair_tile`` calls."""
     s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
     v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)

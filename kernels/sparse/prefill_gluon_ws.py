@@ -318,7 +318,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    # the warps' votes of exchange e: row e % 2, or rows 4 (e % 2) .. with two tiles an exchange
+    # the warps' votes of exchange e: row e % 2
     red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
