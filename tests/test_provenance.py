@@ -1,6 +1,7 @@
 """formats/provenance.py: the source digest a result file records identifies the package's files, the
 same read from the importable package and from a git revision, and its command answers bad input in
-one line."""
+one line, and checks a result file's digest against the commit it names."""
+import json
 import subprocess
 import sys
 
@@ -53,3 +54,35 @@ def test_a_bad_revision_is_one_line_and_exit_code_2(args):
                        text=True, check=False)
     assert r.returncode == 2 and r.stdout.startswith("error: ") and len(r.stdout.splitlines()) == 1, r
     assert "Traceback" not in r.stderr
+
+
+def _result(tmp_path, name, prov):
+    path = tmp_path / name
+    path.write_text(json.dumps({"benchmark": "x", "provenance": prov}))
+    return path
+
+
+def test_check_holds_only_where_the_source_is_the_named_commits(tmp_path):
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    at_head = pv.revision_digest(head, str(ROOT))
+    ok, line = pv.check_file(_result(tmp_path, "a.json", {"commit": head, "source": at_head}), str(ROOT))
+    assert ok and at_head in line and head in line
+    ok, line = pv.check_file(_result(tmp_path, "b.json", {"commit": head, "source": "0" * 12}), str(ROOT))
+    assert not ok and "ran other code" in line
+    ok, line = pv.check_file(_result(tmp_path, "c.json", {"commit": "0000000", "source": at_head}), str(ROOT))
+    assert not ok and "not a revision" in line
+    ok, line = pv.check_file(_result(tmp_path, "d.json", {"commit": head}), str(ROOT))
+    assert not ok and "cannot be checked" in line
+
+
+def test_check_answers_one_line_a_file_and_exit_code_2_when_one_does_not_hold(tmp_path):
+    bad = _result(tmp_path, "bad.json", {"commit": "0000000", "source": "0" * 12})
+    r = subprocess.run([sys.executable, "-m", "sparsecal.formats.provenance", "--check", str(bad),
+                        str(_result(tmp_path, "old.json", {"commit": "abc"}))], cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 2 and len(r.stdout.splitlines()) == 2 and "Traceback" not in r.stderr, r
+    (tmp_path / "junk.json").write_text("{not json")
+    r = subprocess.run([sys.executable, "-m", "sparsecal.formats.provenance", "--check", str(tmp_path / "junk.json")],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and r.stdout.startswith("error: ") and len(r.stdout.splitlines()) == 1, r

@@ -19,31 +19,16 @@ median and by the interval's upper end, dispatched floors below 0.99.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-from pathlib import Path
 
 from sparsecal.bench.harness import run_cli
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.json_values import finite_number
+from sparsecal.formats.json_values import finite_number, read_file
 from sparsecal.kernels.sparse.decode_group import sparse_launch_for
 from sparsecal.kernels.sparse.decode_group_dense import ATTEND, launch_for
 
 OF_IDEAL = 0.90     # issue 28: sparse decode at >= 0.90 of the ideal from the group V-skip share
 FLOOR = 0.99        # and no dispatched decode below 0.99x the best SDPA
 TARGETS = (50, 75)  # the sparsities the benchmarks time (percent)
-
-
-def read_file(path, what: str):
-    """The JSON document of a benchmark file (.json, or .json.gz as the GPU runs leave them), or one
-    UserError line naming ``what`` it should have been."""
-    path = Path(path)
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        return json.loads(raw)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable {what} file ({type(e).__name__}); pass the .json or .json.gz "
-                        "the benchmark wrote.") from None
 
 
 def read(path, benchmark: str) -> dict:

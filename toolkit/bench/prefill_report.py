@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 
-from sparsecal.bench.decode_report import number, read_file
+from sparsecal.bench.decode_report import number
 from sparsecal.bench.harness import run_cli
 from sparsecal.formats.errors import UserError
-from sparsecal.formats.json_values import finite_number
+from sparsecal.formats.json_values import finite_number, read_file
 from sparsecal.kernels.sparse.prefill_pick import pick
 
 NOTHING_SKIPPED = {64: 0.95, 128: 0.98}   # issue 28: nothing skipped / own dense, per head dim

@@ -6,7 +6,12 @@ finds the first such number and names where it is.
 """
 from __future__ import annotations
 
+import gzip
+import json
 import math
+from pathlib import Path
+
+from sparsecal.formats.errors import UserError
 
 
 def first_non_finite(doc, where: str = "") -> tuple[str, float] | None:
@@ -53,3 +58,15 @@ def fit_values(doc: dict) -> str | None:
         if not finite_number(a) or a <= 0:
             return f"a BLASST factor (a) is {a!r}, not a finite positive number"
     return None
+
+
+def read_file(path, what: str):
+    """The JSON document of a benchmark file (.json, or .json.gz as the GPU runs leave them), or one
+    UserError line naming ``what`` it should have been."""
+    path = Path(path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        return json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable {what} file ({type(e).__name__}); pass the .json or .json.gz "
+                        "the benchmark wrote.") from None

@@ -4,7 +4,10 @@ and ``source``, a digest of the package's Python files as they ran.
 The commit names a git revision where the copy has one (``SPARSECAL_COMMIT`` or the copy's HEAD); a
 copy made from a working tree may carry a HEAD older than its files, so ``source`` is what identifies
 the code: ``python -m sparsecal.formats.provenance --at REV`` prints the digest of a revision's files
-(from git) and without ``--at`` the digest of the importable package, to compare with a file's.
+(from git) and without ``--at`` the digest of the importable package, to compare with a file's; and
+``--check FILE ...`` compares each result file's ``source`` with the digest of the commit it names
+(``check_file``), one line a file, exit code 2 when one does not hold: a copy's stale HEAD or a
+mistyped ``--commit`` shows there, not in a reader's conclusions.
 
 Torch-free: the GPU name and torch's thread count are read from an already imported torch (every
 caller that measures something has imported it), so reading or writing provenance never loads it.
@@ -22,6 +25,7 @@ import subprocess
 import sys
 
 from sparsecal.formats.errors import UserError
+from sparsecal.formats.json_values import read_file
 from sparsecal.formats.run import versions
 
 # The package's directories in the repository (pyproject.toml's [tool.setuptools.package-dir]) and its
@@ -85,6 +89,11 @@ def _git_files(rev: str, root: str):
                                                    check=True, timeout=60).stdout
 
 
+def revision_digest(rev: str, repo: str = ".") -> str:
+    """``digest`` of the package's files at git revision ``rev`` of the repository at ``repo``."""
+    return digest(_git_files(rev, repo))
+
+
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str | None:
     """``digest`` of the importable package's files (None where they cannot be read); read once a
@@ -117,17 +126,45 @@ def provenance() -> dict:
     }
 
 
+def check_file(path, repo: str = ".") -> tuple[bool, str]:
+    """(holds, one line) for a result file (.json / .json.gz with ``provenance``): does its ``source``
+    equal the digest of the files at its ``commit`` in ``repo``? Without a ``source`` (files older than
+    the digest) or without a commit it cannot be checked, which is said, not counted as holding."""
+    doc = read_file(path, "result")
+    prov = doc.get("provenance") if isinstance(doc, dict) else None
+    if not isinstance(prov, dict):
+        return False, f"{path}: no provenance"
+    commit, source = prov.get("commit"), prov.get("source")
+    if not source or not commit:
+        return False, f"{path}: commit {commit or '-'}, no source digest: cannot be checked"
+    try:
+        at = revision_digest(str(commit), repo)
+    except (OSError, subprocess.SubprocessError):
+        return False, f"{path}: commit {commit} is not a revision of {repo}; its source {source} names the code"
+    if at != source:
+        return False, f"{path}: source {source} is not commit {commit}'s ({at}): the file ran other code"
+    return True, f"{path}: source {source} is commit {commit}'s"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsecal.formats.provenance",
                                  description="The source digest a result file's provenance records.")
     ap.add_argument("--at", metavar="REV", help="a git revision of the repository (default: the importable package)")
-    ap.add_argument("--repo", default=".", help="the repository for --at (default: here)")
+    ap.add_argument("--repo", default=".", help="the repository for --at and --check (default: here)")
+    ap.add_argument("--check", nargs="+", metavar="FILE", help="result files whose source digest is checked "
+                                                               "against the commit they name")
     args = ap.parse_args(argv)
+    if args.check:
+        results = [check_file(p, args.repo) for p in args.check]
+        print("\n".join(line for _, line in results))
+        if not all(ok for ok, _ in results):
+            raise SystemExit(2)
+        return
     if args.at is None:
         print(source_digest())
         return
     try:
-        print(digest(_git_files(args.at, args.repo)))
+        print(revision_digest(args.at, args.repo))
     except (OSError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", None) or ""
         msg = (err.decode(errors="replace") if isinstance(err, bytes) else err).strip().splitlines()
