@@ -49,10 +49,28 @@ def test_builds_for_hopper_warp_specialized(builds, d, method, producer):
     assert n * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
+XBAR = [(d, m) for d in (64, 128) for m in (1, 2)]  # the decided methods, warpgroups meeting at a named barrier
+
+
+@pytest.fixture(scope="module")
+def xbar_builds():
+    return build([{"key": f"{d}-{m}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
+                   "q_rows": 64, "launch": pw.ws_config(d, xbar=True)} for d, m in XBAR])
+
+
+@pytest.mark.parametrize("d,method", XBAR, ids=[f"d{d}-{m}" for d, m in XBAR])
+def test_the_named_barrier_form_builds_as_the_default(xbar_builds, builds, d, method):
+    """``xbar``: the same registers, no spills, the same programs an SM as the default form."""
+    got, default = xbar_builds[f"{d}-{method}"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
+    assert got["cubin"] and got["spills"] == 0, got
+    assert got["regs"] == default["regs"] and got["warps"] == default["warps"], (got, default)
+    assert programs_per_sm(d, pw.PRODUCER[d]) * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
+
+
 def test_config_is_the_one_each_head_dim_runs():
     """D = 64 gets a producer warp and 4 slots at 80 launch registers (104 + 112 + 24 after
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
-    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "num_warps": 4}
+    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "XBAR": False, "num_warps": 4}
     assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, **common}
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, **common}
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3

@@ -22,7 +22,8 @@ kernel targets, in one run on one Hopper GPU.
    the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one exchange (what
    ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_c1`` / ``gluon_pair_two_c1``
    / ``gluon_ws_c4``: the grid one head after the other, or 4 heads side by side, at every
-   length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``). Every
+   length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``);
+   ``gluon_ws_xbar``: the ws kernel's warpgroups meeting at a named barrier (``xbar``). Every
    Gluon row records ``build_regs`` / ``build_spills`` as compiled on the GPU machine. A variant whose
    check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
@@ -64,7 +65,8 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
                   "gluon_ws_c1": functools.partial(sparse_attention_gluon_ws, chunk=1),
                   "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1),
-                  "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4)}
+                  "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
+                  "gluon_ws_xbar": functools.partial(sparse_attention_gluon_ws, xbar=True)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
                 "gluon_pair_two_c1": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
