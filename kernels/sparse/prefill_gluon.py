@@ -167,6 +167,7 @@ def _warp_any(hits, PACK: gl.constexpr):
     """1.0 in every element of a warp where some element of ``hits`` (i1 [rows], PACK of them a
     thread: the rows of a wgmma accumulator slice, rows / (8 * warps)) is true, else 0.0: one
     ``vote.any`` a warp instead of a shuffle tree (f32 [rows], warp-uniform)."""
+    gl.static_assert(PACK == 2 or PACK == 4, "a vote takes the 2 or 4 rows a thread holds")
     h = hits.to(gl.int32)
     if PACK == 2:
         out = gl.inline_asm_elementwise(_VOTE2, "=r,=r,r,r", [h], dtype=gl.float32, is_pure=False, pack=2)

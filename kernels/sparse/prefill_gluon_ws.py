@@ -163,9 +163,8 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     entry = red.index(e % 2)
     flags = _warp_any(vals >= thr, HALF // (8 * NW))
     entry.slice(WG * HALF, HALF).store(flags)
-    if XBAR:
-        gl.inline_asm_elementwise(_BOTH_WARPGROUPS, "=r,=r,r,r", [flags], dtype=gl.float32, is_pure=False,
-                                  pack=HALF // (8 * NW))
+    if XBAR:  # the asm passes 2 elements through: the 2 rows a thread holds of 64 over 4 warps
+        gl.inline_asm_elementwise(_BOTH_WARPGROUPS, "=r,=r,r,r", [flags], dtype=gl.float32, is_pure=False, pack=2)
     else:
         _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
         mbarrier.arrive(dec_bar.index(e % 2))

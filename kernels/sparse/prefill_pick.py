@@ -39,7 +39,7 @@ from sparsecal.kernels.sparse.prefill_gluon_pair import BLOCK_N as PAIR_BLOCK_N
 from sparsecal.kernels.sparse.prefill_gluon_pair import sparse_attention_gluon_pair
 from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
 
-DENSE, BSFA, BLASST, WINDOW = 0, 1, 2, 3  # prefill.method_code
+DENSE, BSFA, WINDOW = 0, 1, 3  # prefill.method_code
 WS_FROM = 0.25  # at D = 128: the expected sparsity from which the warp-specialized kernel is faster
 PAIR_FROM = 0.25  # at D = 64, BSFA: the expected sparsity from which the paired kernel is faster
 GLUON_KERNELS = {"gluon": sparse_attention_gluon, "gluon_ws": sparse_attention_gluon_ws,

@@ -44,6 +44,7 @@ from sparsecal.bench.harness import log, result_file, run_section
 from sparsecal.bench.sparse import BM, BN, HEADS, SPARSITIES, ideal, round_robin_times
 from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
 from sparsecal.kernels.dense import attention_dense, flops_causal
+from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
 from sparsecal.kernels.sparse.prefill_gluon_pair import sparse_attention_gluon_pair
@@ -172,8 +173,6 @@ def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
 def _build() -> dict:
     """The last Gluon launch's build on this machine's compiler: registers a thread and spilled bytes
     (``build_regs``, ``build_spills``; what a CPU build with another Triton cannot tell)."""
-    from sparsecal.kernels.jit import LAST_COMPILED
-
     c = LAST_COMPILED.get("gluon")
     return {} if c is None else {"build_regs": int(c.n_regs), "build_spills": int(c.n_spills)}
 

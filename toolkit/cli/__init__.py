@@ -461,7 +461,7 @@ def _exit(code: int) -> None:
 
     try:
         several = from_env().several
-    except Exception:  # a malformed torchrun environment: the command itself has said so
+    except UserError:  # a malformed torchrun environment: the command itself has said so
         several = False
     if several:
         sys.stdout.flush()

@@ -126,6 +126,13 @@ def provenance() -> dict:
     }
 
 
+@functools.cache
+def _commit_digest(commit: str, repo: str) -> str:
+    """``revision_digest`` of a commit a result file names (a hash: fixed, so read once a process,
+    however many files name it)."""
+    return revision_digest(commit, repo)
+
+
 def check_file(path, repo: str = ".") -> tuple[bool, str]:
     """(holds, one line) for a result file (.json / .json.gz with ``provenance``): does its ``source``
     equal the digest of the files at its ``commit`` in ``repo``? Without a ``source`` (files older than
@@ -138,7 +145,7 @@ def check_file(path, repo: str = ".") -> tuple[bool, str]:
     if not source or not commit:
         return False, f"{path}: commit {commit or '-'}, no source digest: cannot be checked"
     try:
-        at = revision_digest(str(commit), repo)
+        at = _commit_digest(str(commit), repo)
     except (OSError, subprocess.SubprocessError):
         return False, f"{path}: commit {commit} is not a revision of {repo}; its source {source} names the code"
     if at != source:
