@@ -70,7 +70,7 @@ def test_the_named_barrier_form_builds_as_the_default(xbar_builds, builds, d, me
 def test_config_is_the_one_each_head_dim_runs():
     """D = 64 gets a producer warp and 4 slots at 80 launch registers (104 + 112 + 24 after
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
-    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "XBAR": False, "num_warps": 4}
+    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "MEET": 0, "num_warps": 4}
     assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, **common}
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, **common}
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3

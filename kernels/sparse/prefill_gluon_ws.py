@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
+    _bar_any,
     _coords,
     _cta_barrier,
     _decided_vals,
@@ -154,29 +155,35 @@ _BOTH_WARPGROUPS = gl.constexpr("{ bar.sync 15, 256; mov.b32 $0, $2; mov.b32 $1,
 
 
 @gluon.jit
-def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, XBAR: gl.constexpr):
+def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, MEET: gl.constexpr):
     """The block's decision at exchange e: does some row of its 128 reach thr (vals: this warpgroup's
-    64 rows [HALF], -inf where a row is past N)? Each warp votes once (``_warp_any``) into row e % 2 of
-    red [2, BM]; after both warpgroups arrived (XBAR: at one named barrier of the 8 consumer warps,
-    else through the entry's mbarrier), every thread reads the 8 warps' votes (``_warps_any``)."""
+    64 rows [HALF], -inf where a row is past N)? MEET 2: one barrier with an OR of the 8 consumer warps
+    (``prefill_gluon._bar_any``, no shared memory). Else each warp votes once (``_warp_any``) into row
+    e % 2 of red [2, BM]; after both warpgroups arrived (MEET 1: at one named barrier of the 8 consumer
+    warps, 0: through the entry's mbarrier), every thread reads the 8 warps' votes (``_warps_any``)."""
     HALF: gl.constexpr = BM // 2
-    entry = red.index(e % 2)
-    flags = _warp_any(vals >= thr, HALF // (8 * NW))
-    entry.slice(WG * HALF, HALF).store(flags)
-    if XBAR:  # the asm passes 2 elements through: the 2 rows a thread holds of 64 over 4 warps
-        gl.inline_asm_elementwise(_BOTH_WARPGROUPS, "=r,=r,r,r", [flags], dtype=gl.float32, is_pure=False, pack=2)
+    if MEET == 2:
+        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
     else:
-        _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
-        mbarrier.arrive(dec_bar.index(e % 2))
-        mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
-    return _warps_any(entry, NW)
+        entry = red.index(e % 2)
+        flags = _warp_any(vals >= thr, HALF // (8 * NW))
+        entry.slice(WG * HALF, HALF).store(flags)
+        if MEET == 1:  # the asm passes 2 elements through: the 2 rows a thread holds of 64 over 4 warps
+            gl.inline_asm_elementwise(_BOTH_WARPGROUPS, "=r,=r,r,r", [flags], dtype=gl.float32, is_pure=False,
+                                      pack=2)
+        else:
+            _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
+            mbarrier.arrive(dec_bar.index(e % 2))
+            mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+        keep = _warps_any(entry, NW)
+    return keep
 
 
 @gluon.jit
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, AHEAD: gl.constexpr,
-             NW: gl.constexpr, XBAR: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+             NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + AHEAD's K before
@@ -196,7 +203,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, XBAR)
+        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
     if ISSUER:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
@@ -213,12 +220,12 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                XBAR: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
-                         qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NBUF - 1, NW, XBAR,
+                         qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NBUF - 1, NW, MEET,
                          s_layout, o_layout)
     return carry
 
@@ -246,7 +253,7 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, XBAR: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -269,10 +276,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, XBAR, s_layout,
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
                         o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
-                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, XBAR,
+                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
                         s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
@@ -316,7 +323,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   XBAR: gl.constexpr, num_warps: gl.constexpr):
+                   MEET: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -354,10 +361,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, XBAR)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, XBAR)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -365,23 +372,23 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, XBAR)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, XBAR)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              xbar: bool = False) -> dict:
+              xbar: bool = False, redbar: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``xbar``: the two warpgroups meet at a named barrier
-    (``_agree``; built in s46, not timed yet)."""
+    (``_agree``, MEET 1; built in s46), ``redbar``: they decide at a barrier with an OR (MEET 2; s47)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "XBAR": bool(xbar), "num_warps": CONSUMER_WARPS}
+          "CHUNK": int(chunk), "MEET": 2 if redbar else int(bool(xbar)), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -390,14 +397,16 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, chunk: int | None = None, xbar: bool = False):
+                              producer: bool | None = None, chunk: int | None = None, xbar: bool = False,
+                              redbar: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); xbar: ``ws_config``'s."""
+    heads side by side in the grid (None: ``grid_chunk``); xbar, redbar: ``ws_config``'s."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **ws_config(q.shape[-1], producer, nbuf, chunk, xbar))
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, xbar, redbar)
+    LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)
