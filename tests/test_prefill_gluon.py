@@ -41,7 +41,7 @@ for d, method in json.loads(sys.argv[1]):
            "SKIP": "*i32", "so_b": "i64", "so_h": "i64", "so_n": "i64", "n_ctx": "i32", "num_heads": "i32",
            "num_kv": "i32", "group": "i32", "n_thr": "i32", "qk_scale": "fp32", "log_lambda2": "fp32", "window": "i32"}
     consts = dict(METHOD=method, Q_ROWS=method % 2 == 0, KV_ROWS=method < 2, HEAD_DIM=d, BM=128, BN=64,
-                  NBUF=pg.NBUF[d], REDBAR=False, num_warps=pg.NUM_WARPS)
+                  NBUF=pg.NBUF[d], num_warps=pg.NUM_WARPS)
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     src = GluonASTSource(pg._gluon_fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()})

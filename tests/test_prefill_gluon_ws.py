@@ -49,30 +49,44 @@ def test_builds_for_hopper_warp_specialized(builds, d, method, producer):
     assert n * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
-XBAR = [(d, m) for d in (64, 128) for m in (1, 2)]  # the decided methods, warpgroups meeting at a named barrier
+MEETS = [(d, m, meet) for d in (64, 128) for m in (1, 2) for meet in (0, 1, 2) if meet != pw.MEET[d]]
 
 
 @pytest.fixture(scope="module")
-def xbar_builds():
-    return build([{"key": f"{d}-{m}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
-                   "q_rows": 64, "launch": pw.ws_config(d, xbar=True)} for d, m in XBAR])
+def meet_builds():
+    return build([{"key": f"{d}-{m}-{meet}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
+                   "q_rows": 64, "launch": pw.ws_config(d, meet=meet)} for d, m, meet in MEETS])
 
 
-@pytest.mark.parametrize("d,method", XBAR, ids=[f"d{d}-{m}" for d, m in XBAR])
-def test_the_named_barrier_form_builds_as_the_default(xbar_builds, builds, d, method):
-    """``xbar``: the same registers, no spills, the same programs an SM as the default form."""
-    got, default = xbar_builds[f"{d}-{method}"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
+@pytest.mark.parametrize("d,method,meet", MEETS, ids=[f"d{d}-{m}-meet{x}" for d, m, x in MEETS])
+def test_every_way_to_agree_builds_as_the_default(meet_builds, builds, d, method, meet):
+    """Votes and an mbarrier (0), votes and a named barrier (1), one barrier with an OR (2): the same
+    registers, no spills, the same programs an SM as the default form of the head dim."""
+    got, default = meet_builds[f"{d}-{method}-{meet}"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
     assert got["cubin"] and got["spills"] == 0, got
     assert got["regs"] == default["regs"] and got["warps"] == default["warps"], (got, default)
     assert programs_per_sm(d, pw.PRODUCER[d]) * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
+    assert got["bar_red"] == (meet == 2) and got["vote"] == (meet != 2), got
+
+
+@pytest.mark.parametrize("d,method", [(d, m) for d in (64, 128) for m in (0, 1, 2, 3)])
+def test_the_default_decides_as_its_head_dim_was_measured_fastest(builds, d, method):
+    """D = 64 decides at one barrier with an OR (``bar.red.or.pred``, no vote); D = 128 by warp votes;
+    the methods without a decision (dense, window) have neither."""
+    got = builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
+    decides = method in (1, 2)
+    assert got["bar_red"] == (decides and pw.MEET[d] == 2), got
+    assert got["vote"] == (decides and pw.MEET[d] != 2), got
 
 
 def test_config_is_the_one_each_head_dim_runs():
     """D = 64 gets a producer warp and 4 slots at 80 launch registers (104 + 112 + 24 after
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
-    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "MEET": 0, "num_warps": 4}
-    assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, **common}
-    assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, **common}
+    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "num_warps": 4}
+    assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, "MEET": 2, **common}
+    assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, "MEET": 0,
+                                 **common}
+    assert pw.ws_config(64, meet=0)["MEET"] == 0 and pw.ws_config(128, meet=2)["MEET"] == 2
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3
 
 

@@ -257,22 +257,6 @@ def _vote_decide(xch, v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr
 
 
 @gluon.jit
-def _bar_decide(v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr, NW: gl.constexpr, BAR: gl.constexpr,
-                SITE: gl.constexpr):
-    """``_vote_decide``'s decisions, each by one barrier with an OR (``_bar_any``) of the NW warps that
-    hold the rows, at named barrier BAR (predicate sites SITE, SITE + 1)."""
-    PACK: gl.constexpr = v0.shape[0] // (8 * NW)
-    keep0 = _bar_any(v0 >= thr, PACK, BAR, NW * 32, SITE)
-    keep1 = keep0
-    if TWO:
-        v1 = v1k
-        if DECIDE == 2:
-            v1 = gl.where(keep0, v1k, v1s)
-        keep1 = _bar_any(v1 >= thr, PACK, BAR, NW * 32, SITE + 1)
-    return keep0, keep1
-
-
-@gluon.jit
 def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
             o_layout: gl.constexpr):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
@@ -298,11 +282,9 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
 def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t, j, t_end, b, hk, num_kv,
           rows, row_ok, n_ctx, qk_scale, thr,
           MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-          BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, REDBAR: gl.constexpr, s_layout: gl.constexpr,
-          o_layout: gl.constexpr):
+          BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t of t_end): refill the ring NBUF - 1 tiles ahead, S = Q.K^T, decide
-    (DECIDE 0 compute, 1 BSFA, 2 BLASST; REDBAR: at a barrier with an OR of all warps, else by warp votes
-    through shared memory), then the online-softmax update and P.V when kept.
+    (DECIDE 0 compute, 1 BSFA, 2 BLASST), then the online-softmax update and P.V when kept.
     carry = (acc [BM, D] f32, l_i [BM], m_i [BM] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     if DECIDE == 0:  # no decision, no cross-warp reduction: a barrier orders the refill after tile t - 1
@@ -317,11 +299,8 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t, j
     keep = True
     if DECIDE != 0:
         vals = _decided_vals(m_ij, m_new, row_ok, DECIDE)
-        if REDBAR:
-            keep = _bar_decide(vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0], 15, 0)[0]
-        else:
-            keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
-        # the decision's barrier synchronized the warps: tile t - 1 is done everywhere
+        keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
+        # the decision's cross-warp exchange synchronized the warps: tile t - 1 is done everywhere
         _refill(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, t, j, t_end, b, hk, num_kv, KV_ROWS, HEAD_DIM, BN,
                 NBUF)
     if keep:
@@ -338,13 +317,12 @@ def _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t, j
 def _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t0, j0, count, t_end, b, hk,
              num_kv, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, REDBAR: gl.constexpr, s_layout: gl.constexpr,
-             o_layout: gl.constexpr):
+             BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments)."""
     for u in range(count):
         carry = _tile(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, t0 + u, j0 + u, t_end, b,
                       hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, MASKED, DECIDE, KV_ROWS, HEAD_DIM, BM, BN, NBUF,
-                      REDBAR, s_layout, o_layout)
+                      s_layout, o_layout)
     return carry
 
 
@@ -389,10 +367,9 @@ def _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, 
 def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                       n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                       METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, REDBAR: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P, B * H), heaviest query blocks first. METHOD 0 dense, 1 BSFA, 2 BLASST (forward),
-    3 window; REDBAR: each decision at a barrier with an OR (``_bar_decide``). THR [H, n_thr] f32 natural units; log_lambda2 = ln(lambda) log2(e); O [B, H, N, D] by
+    3 window. THR [H, n_thr] f32 natural units; log_lambda2 = ln(lambda) log2(e); O [B, H, N, D] by
     strides; SKIP [B * H, P] i32 candidate tiles skipped per program."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BN, 16])
@@ -439,10 +416,10 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, 0, j_lo, n_cand - j_lo,
                      t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, False, DECIDE, KV_ROWS,
-                     HEAD_DIM, BM, BN, NBUF, REDBAR, s_layout, o_layout)
+                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
     carry = _segment(carry, q_smem, k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, xch, n_cand - j_lo, n_cand,
                      n_reach - n_cand, t_end, b, hk, num_kv, rows, row_ok, n_ctx, qk_scale, thr, True, 0, KV_ROWS,
-                     HEAD_DIM, BM, BN, NBUF, REDBAR, s_layout, o_layout)
+                     HEAD_DIM, BM, BN, NBUF, s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _invalidate(q_bar, k_bar, v_bar, NBUF)
     _store_out(acc, l_i, n_skip, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_ctx, BM, HEAD_DIM, num_warps, o_layout)
@@ -450,15 +427,13 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
 
 def sparse_attention_gluon(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                            log_lambda: float | None = None, window: int | None = None, order: str = "forward",
-                           dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                           redbar: bool = False):
+                           dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None):
     """The Gluon kernel with ``sparse_attention_triton``'s arguments and results (q [B, H, N, D],
-    k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold.
-    redbar: each decision at a barrier with an OR (s47)."""
+    k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64)); ``gluon_supported`` must hold."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
     LAST_COMPILED["gluon"] = _gluon_fwd_kernel[grid](*args, **consts, NBUF=nbuf or NBUF[q.shape[-1]],
-                                                      REDBAR=bool(redbar), num_warps=NUM_WARPS)
+                                                      num_warps=NUM_WARPS)
     return out, skip.sum(dim=-1, dtype=torch.int64)
 
 

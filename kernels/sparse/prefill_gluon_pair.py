@@ -65,7 +65,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill_gluon import (
     _attend,
-    _bar_decide,
     _coords,
     _decided_vals,
     _qk,
@@ -163,7 +162,7 @@ def _pass(ring, t0, count, NBUF: gl.constexpr):
 
 @gluon.jit
 def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, thr, MASKED: gl.constexpr,
-               DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, RB: gl.constexpr,
+               DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
                s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tile j (ring ordinal t) for this warpgroup's block: S = Q.K^T, release K, decide over its
     128 rows (DECIDE 0 compute, 1 BSFA, 2 BLASST), the online-softmax update and P.V when kept,
@@ -181,7 +180,7 @@ def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, th
     keep = True
     if DECIDE != 0:
         vals = _decided_vals(m_ij, m_new, row_ok, DECIDE)
-        keep = _pair_decide(xch, vals, vals, vals, thr, DECIDE, False, RB, 2, s_layout.warps_per_cta[0])[0]
+        keep = _vote_decide(xch, vals, vals, vals, thr, DECIDE, False, s_layout.warps_per_cta[0])[0]
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
                            v_ready.index(slot), phase, MASKED, o_layout)
@@ -195,47 +194,35 @@ def _pair_tile(carry, q_smem, ring, xch, t, j, rows, row_ok, n_ctx, qk_scale, th
 
 @gluon.jit
 def _pair_two(carry, q_smem, ring, xch, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr, BN: gl.constexpr,
-              NBUF: gl.constexpr, RB: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+              NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Candidate tiles at ring ordinals t, t + 1 (never masked) for this warpgroup's block with one
     exchange for both decisions (``_vote_decide``); the same decisions, counts and arithmetic as two
     ``_pair_tile`` calls."""
     s0, s1, m0, m1 = _qk_two(q_smem, ring, t, qk_scale, BN, NBUF, s_layout)
     v0, v1k, v1s = _two_vals(carry[2], m0, m1, row_ok, DECIDE)
-    keep0, keep1 = _pair_decide(xch, v0, v1k, v1s, thr, DECIDE, True, RB, 0, s_layout.warps_per_cta[0])
+    keep0, keep1 = _vote_decide(xch, v0, v1k, v1s, thr, DECIDE, True, s_layout.warps_per_cta[0])
     carry = _step(carry, s0, m0, keep0, ring, t, qk_scale, NBUF, True, o_layout)
     return _step(carry, s1, m1, keep1, ring, t + 1, qk_scale, NBUF, True, o_layout)
 
 
 @gluon.jit
-def _pair_decide(xch, v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr, RB: gl.constexpr,
-                 SITE: gl.constexpr, NW: gl.constexpr):
-    """(keep0, keep1) of ``_vote_decide`` over this warpgroup's block: RB 0 by warp votes through its
-    rows of xch, else at its named barrier RB with an OR (``_bar_decide``; predicate sites 4 RB + SITE ..)."""
-    if RB == 0:
-        keep0, keep1 = _vote_decide(xch, v0, v1k, v1s, thr, DECIDE, TWO, NW)
-    else:
-        keep0, keep1 = _bar_decide(v0, v1k, v1s, thr, DECIDE, TWO, NW, RB, 4 * RB + SITE)
-    return keep0, keep1
-
-
-@gluon.jit
 def _pair_segment(carry, q_smem, ring, xch, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                   MASKED: gl.constexpr, DECIDE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                  TWO: gl.constexpr, RB: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                  TWO: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key tiles j0 .. j0 + count - 1 at ring ordinals t0 ..; with TWO (decided tiles only) two tiles a
     decision (``_pair_two``), an odd last one alone (never at BM = 2 BN, where block i has 2 i
     candidates)."""
     if TWO and DECIDE != 0:
         for u in range(count // 2):
-            carry = _pair_two(carry, q_smem, ring, xch, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, RB,
-                              s_layout, o_layout)
+            carry = _pair_two(carry, q_smem, ring, xch, t0 + 2 * u, row_ok, qk_scale, thr, DECIDE, BN, NBUF, s_layout,
+                              o_layout)
         for u in range(count % 2):
             carry = _pair_tile(carry, q_smem, ring, xch, t0 + count - 1, j0 + count - 1, rows, row_ok, n_ctx,
-                               qk_scale, thr, MASKED, DECIDE, BM, BN, NBUF, RB, s_layout, o_layout)
+                               qk_scale, thr, MASKED, DECIDE, BM, BN, NBUF, s_layout, o_layout)
     else:
         for u in range(count):
             carry = _pair_tile(carry, q_smem, ring, xch, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale, thr, MASKED,
-                               DECIDE, BM, BN, NBUF, RB, s_layout, o_layout)
+                               DECIDE, BM, BN, NBUF, s_layout, o_layout)
     return carry
 
 
@@ -258,11 +245,10 @@ def _store(acc, l_i, q_tile, O, so_b, so_h, so_n, i, b, h, n_ctx, BM: gl.constex
 @gluon.jit
 def _pair_consumer(q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
                    qk_scale, log_lambda2, window, METHOD: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, TWO: gl.constexpr,
-                   REDBAR: gl.constexpr):
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, TWO: gl.constexpr):
     """One warpgroup on query block i = 2 pair + WG over ring tiles lo .. hi - 1: it passes those
     outside its block's range (all of them when the block is past N), then stores its rows and skip
-    count (SKIP [B * H, P]); REDBAR: it decides at its own named barrier 13 + WG (``_pair_decide``)."""
+    count (SKIP [B * H, P])."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -288,11 +274,10 @@ def _pair_consumer(q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair
     DECIDE: gl.constexpr = METHOD if METHOD < 3 else 0
     _pass(ring, 0, j_lo - lo, NBUF)
     xch_wg = (xch, WG * 4)
-    RB: gl.constexpr = REDBAR * (13 + WG)
     carry = _pair_segment(carry, q_tile, ring, xch_wg, j_lo - lo, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                          qk_scale, thr, False, DECIDE, BM, BN, NBUF, TWO, RB, s_layout, o_layout)
+                          qk_scale, thr, False, DECIDE, BM, BN, NBUF, TWO, s_layout, o_layout)
     carry = _pair_segment(carry, q_tile, ring, xch_wg, n_cand - lo, n_cand, n_reach - n_cand, rows, row_ok, n_ctx,
-                          qk_scale, thr, True, 0, BM, BN, NBUF, TWO, RB, s_layout, o_layout)
+                          qk_scale, thr, True, 0, BM, BN, NBUF, TWO, s_layout, o_layout)
     _pass(ring, n_reach - lo, hi - n_reach, NBUF)
     acc, l_i, m_i, n_skip = carry
     if i < n_blocks:
@@ -319,13 +304,11 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                      n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                      METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, WORKER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, CHUNK: gl.constexpr, REDBAR: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, TWO: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
     """Grid (ceil(P / 2) * CHUNK, B * H / CHUNK), heaviest pairs first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the
     default partition, block 2p), consumer warpgroup 1 (block 2p + 1, WORKER_REGS registers) and the
-    1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``); REDBAR (0 / 1):
-    decisions at a barrier with an OR (``_pair_decide``). Arguments as
+    1-warp producer (PRODUCER_REGS); TWO: decided tiles two a decision (``_pair_two``). Arguments as
     ``prefill_gluon._gluon_fwd_kernel``."""
     pair, bh = _program(CHUNK)
     b = bh // num_heads
@@ -350,37 +333,34 @@ def _pair_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_pair_consumer, (q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO,
-                          REDBAR)),
+                          qk_scale, log_lambda2, window, METHOD, WG0, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
         (_pair_consumer, (q_buf, q_bar, ring, xch, O, THR, SKIP, so_b, so_h, so_n, pair, b, h, bh, n_ctx, n_thr, lo, hi,
-                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, TWO,
-                          REDBAR)),
+                          qk_scale, log_lambda2, window, METHOD, WG1, HEAD_DIM, BM, BN, NBUF, num_warps, TWO)),
         (_pair_producer, (q_desc, q_buf, q_bar, ring, src, pair, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                           NBUF)),
     ], [num_warps, 1], [WORKER_REGS, PRODUCER_REGS])
 
 
-def pair_config(nbuf: int | None = None, two: bool = False, chunk: int = 1, redbar: bool = False) -> dict:
+def pair_config(nbuf: int | None = None, two: bool = False, chunk: int = 1) -> dict:
     """Launch constants of ``_pair_fwd_kernel[grid](...)``: CONFIG, with ``nbuf`` ring slots if given;
-    ``two``: two decided tiles a decision; ``chunk``: heads side by side in the grid (``_program``);
-    ``redbar``: decisions at a barrier with an OR (s47)."""
-    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two), CHUNK=int(chunk), REDBAR=int(bool(redbar)))
+    ``two``: two decided tiles a decision; ``chunk``: heads side by side in the grid (``_program``)."""
+    return dict(CONFIG, NBUF=nbuf or CONFIG["NBUF"], TWO=bool(two), CHUNK=int(chunk))
 
 
 def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                                 log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                                 dense: bool = False, out=None, nbuf: int | None = None, two: bool = False,
-                                chunk: int | None = None, redbar: bool = False):
+                                chunk: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run two query blocks a program: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
     decision (``_pair_two``); ``chunk``: heads side by side in the grid (None: ``grid_chunk`` up to
-    CHUNK_UP_TO; ``chunked_grid``); ``redbar``: ``pair_config``'s."""
+    CHUNK_UP_TO; ``chunked_grid``)."""
     if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
         raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,
                                            window, order, dense, out)
     grid, chunk = chunked_grid((triton.cdiv(grid[0], 2), grid[1]), q, chunk, CHUNK_UP_TO)
-    LAST_COMPILED["gluon"] = _pair_fwd_kernel[grid](*args, **consts, **pair_config(nbuf, two, chunk, redbar))
+    LAST_COMPILED["gluon"] = _pair_fwd_kernel[grid](*args, **consts, **pair_config(nbuf, two, chunk))
     return out, skip.sum(dim=-1, dtype=torch.int64)

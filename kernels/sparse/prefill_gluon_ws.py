@@ -17,12 +17,13 @@ in lockstep twice per tile, and the refill waited for it):
 - Each consumer warpgroup (``_consumer``, 4 warps, 64 of the block's 128 query rows) is its own
   partition with its own Q half, accumulator and softmax state; it runs Q.K^T, softmax and P.V for
   its rows at its own pace.
-- The decision (``_agree``) needs all 128 rows: each warp of each warpgroup votes once whether one of
-  its rows keeps the tile (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry shared-memory
-  exchange, the warpgroup syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals a phase),
-  waits for the other warpgroup's arrival, and every thread reads the 8 votes (no shuffle tree, no
-  CTA-wide barrier). Both warpgroups read the same 8 votes, so they take the same decision: the
-  BM = 128 semantics are unchanged.
+- The decision (``_agree``) needs all 128 rows. At D = 64 (MEET 2) the 8 consumer warps meet at one
+  barrier that ORs each thread's "one of my rows keeps the tile" (``prefill_gluon._bar_any``, one
+  ``bar.red.or.pred``; no shared memory). At D = 128 (MEET 0) each warp of each warpgroup votes once
+  (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry shared-memory exchange, the warpgroup
+  syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals a phase), waits for the other
+  warpgroup's arrival, and every thread reads the 8 votes. Either way both warpgroups take the same
+  decision: the BM = 128 semantics are unchanged.
 - A skipped tile only arrives on its V slot's empty barrier; the producer waits for that slot's
   previous V copy to land before refilling it (a skipped tile never waits for its V).
 - Grid order (``_program``, shared with the paired kernel): heaviest query block first within a head;
@@ -79,6 +80,11 @@ CONFIG = {(64, True): (4, 80, 112), (64, False): (4, 128, 128),
           (128, True): (5, None, 240), (128, False): (2, 128, 128)}
 PRODUCER_REGS = 24
 PRODUCER = {64: True, 128: False}  # default per head dim
+# How the two warpgroups agree on a decision, per head dim (``_agree``'s MEET): 2, at one barrier with an OR
+# (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %); 0, votes through shared memory
+# and an mbarrier (D = 128: the barrier with an OR read 2-7 % slower with nothing skipped); data/bench/NOTES.md
+# "the decision at a barrier with an OR", s47.
+MEET = {64: 2, 128: 0}
 # The grid's order (``_program``): CHUNK_HEADS heads side by side where N x D is at most CHUNK_UP_TO (measured
 # ahead at D = 64 16K-32K and D = 128 16K, behind at D = 64 64K BLASST and D = 128 32K, where the chunk's K/V
 # tiles no longer stay in L2; data/bench/NOTES.md "heads side by side in chunks", s45), one head after the other
@@ -380,15 +386,16 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              xbar: bool = False, redbar: bool = False) -> dict:
+              meet: int | None = None) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
-    side by side in the grid (``_program``); ``xbar``: the two warpgroups meet at a named barrier
-    (``_agree``, MEET 1; built in s46), ``redbar``: they decide at a barrier with an OR (MEET 2; s47)."""
+    side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
+    None: MEET[d]; 0 votes and an mbarrier, 1 votes and a named barrier (built in s46, not timed), 2 one barrier
+    with an OR)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "MEET": 2 if redbar else int(bool(xbar)), "num_warps": CONSUMER_WARPS}
+          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -397,16 +404,15 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, chunk: int | None = None, xbar: bool = False,
-                              redbar: bool = False):
+                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); xbar, redbar: ``ws_config``'s."""
+    heads side by side in the grid (None: ``grid_chunk``); meet: ``ws_config``'s."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, xbar, redbar)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)
