@@ -82,8 +82,9 @@ PRODUCER_REGS = 24
 PRODUCER = {64: True, 128: False}  # default per head dim
 # How the two warpgroups agree on a decision, per head dim (``_agree``'s MEET): 2, at one barrier with an OR
 # (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %); 0, votes through shared memory
-# and an mbarrier (D = 128: the barrier with an OR read 2-7 % slower with nothing skipped); data/bench/NOTES.md
-# "the decision at a barrier with an OR", s47.
+# and an mbarrier (D = 128: the barrier with an OR read 2-8 % slower with nothing skipped at 16K, level elsewhere;
+# votes at a named barrier, MEET 1 until s47, level with both and removed); data/bench/NOTES.md "the decision at a
+# barrier with an OR", s47.
 MEET = {64: 2, 128: 0}
 # The grid's order (``_program``): CHUNK_HEADS heads side by side where N x D is at most CHUNK_UP_TO (measured
 # ahead at D = 64 16K-32K and D = 128 16K, behind at D = 64 64K BLASST and D = 128 32K, where the chunk's K/V
@@ -155,18 +156,14 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
         _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
 
 
-# One named barrier (id 15, unused by Triton's partitions) of the program's two consumer warpgroups
-# (256 threads; the producer warp never takes it), in PTX; the operands pass 2 elements through.
-_BOTH_WARPGROUPS = gl.constexpr("{ bar.sync 15, 256; mov.b32 $0, $2; mov.b32 $1, $3; }")
-
-
 @gluon.jit
 def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, MEET: gl.constexpr):
     """The block's decision at exchange e: does some row of its 128 reach thr (vals: this warpgroup's
     64 rows [HALF], -inf where a row is past N)? MEET 2: one barrier with an OR of the 8 consumer warps
-    (``prefill_gluon._bar_any``, no shared memory). Else each warp votes once (``_warp_any``) into row
-    e % 2 of red [2, BM]; after both warpgroups arrived (MEET 1: at one named barrier of the 8 consumer
-    warps, 0: through the entry's mbarrier), every thread reads the 8 warps' votes (``_warps_any``)."""
+    (``prefill_gluon._bar_any`` at named barrier 15, which Triton's partitions do not use; the producer
+    warp never takes it; no shared memory). MEET 0: each warp votes once (``_warp_any``) into row e % 2
+    of red [2, BM]; after both warpgroups arrived through the entry's mbarrier, every thread reads the 8
+    warps' votes (``_warps_any``)."""
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
@@ -174,13 +171,9 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
         entry.slice(WG * HALF, HALF).store(flags)
-        if MEET == 1:  # the asm passes 2 elements through: the 2 rows a thread holds of 64 over 4 warps
-            gl.inline_asm_elementwise(_BOTH_WARPGROUPS, "=r,=r,r,r", [flags], dtype=gl.float32, is_pure=False,
-                                      pack=2)
-        else:
-            _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
-            mbarrier.arrive(dec_bar.index(e % 2))
-            mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
+        _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
+        mbarrier.arrive(dec_bar.index(e % 2))
+        mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
         keep = _warps_any(entry, NW)
     return keep
 
@@ -390,10 +383,11 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
-    None: MEET[d]; 0 votes and an mbarrier, 1 votes and a named barrier (built in s46, not timed), 2 one barrier
-    with an OR)."""
+    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
+    if meet not in (None, 0, 2):
+        raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:

@@ -23,9 +23,9 @@ kernel targets, in one run on one Hopper GPU.
    ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_c1`` / ``gluon_pair_two_c1``
    / ``gluon_ws_c4``: the grid one head after the other, or 4 heads side by side, at every
    length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``);
-   ``gluon_ws_vote`` / ``gluon_ws_xbar`` / ``gluon_ws_redbar``: the ws kernel's warpgroups agreeing
-   by votes and an mbarrier, by votes and a named barrier, or at one barrier with an OR (``meet`` 0 / 1 /
-   2; the default per head dim is ``prefill_gluon_ws.MEET``). Every
+   ``gluon_ws_vote`` / ``gluon_ws_redbar``: the ws kernel's warpgroups agreeing by votes and an
+   mbarrier, or at one barrier with an OR (``meet`` 0 / 2; the default per head dim is
+   ``prefill_gluon_ws.MEET``). Every
    Gluon row records ``build_regs`` / ``build_spills`` as compiled on the GPU machine. A variant whose
    check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
@@ -70,7 +70,6 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1),
                   "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
                   "gluon_ws_vote": functools.partial(sparse_attention_gluon_ws, meet=0),
-                  "gluon_ws_xbar": functools.partial(sparse_attention_gluon_ws, meet=1),
                   "gluon_ws_redbar": functools.partial(sparse_attention_gluon_ws, meet=2)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
                 "gluon_pair_two_c1": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
