@@ -165,7 +165,7 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     of red [2, BM]; after both warpgroups arrived through the entry's mbarrier, every thread reads the 8
     warps' votes (``_warps_any``)."""
     HALF: gl.constexpr = BM // 2
-    if MEET >= 2:
+    if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
     else:
         entry = red.index(e % 2)
@@ -197,16 +197,12 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
     s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
-    LATE_K: gl.constexpr = DECIDE != 0 and MEET == 3
-    if not LATE_K:
-        mbarrier.arrive(k_empty.index(slot))
+    mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if LATE_K:  # the decision's barrier already met every warp: the release's own barrier waits for nobody
-        mbarrier.arrive(k_empty.index(slot))
     if ISSUER:
         _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
@@ -390,9 +386,8 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2, 3):
-        raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 3 (2, K released after "
-                         f"the decision), got {meet!r}")
+    if meet not in (None, 0, 2):
+        raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
