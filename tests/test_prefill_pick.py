@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparsecal.kernels.sparse.prefill import method_code, sparse_attention_triton
-from sparsecal.kernels.sparse.prefill_pick import PAIR_FROM, WS_FROM, pick, sparse_prefill
+from sparsecal.kernels.sparse.prefill_pick import WS_FROM, pick, sparse_prefill
 
 DENSE, BSFA, BLASST, WINDOW = (method_code(*a) for a in ((None, None, None, True), (1, None, None, False),
                                                          (None, -1.0, None, False), (None, None, 2, False)))
@@ -13,18 +13,14 @@ DENSE, BSFA, BLASST, WINDOW = (method_code(*a) for a in ((None, None, None, True
 
 @pytest.mark.parametrize("d,method,expected,kernel", [
     (64, BSFA, None, "gluon_ws"), (64, DENSE, None, "gluon_ws"), (64, WINDOW, 0.9, "gluon_ws"),
-    (64, BSFA, PAIR_FROM - 0.01, "gluon_ws"), (64, BSFA, PAIR_FROM, "gluon_pair_two"),  # BSFA skipping: paired
-    (64, BLASST, 0.9, "gluon_ws"), (64, BLASST, None, "gluon_ws"),  # BLASST: the ws kernel at every sparsity
+    (64, BSFA, 0.0, "gluon_ws"), (64, BSFA, 0.9, "gluon_ws"),  # D = 64: the ws kernel at every sparsity (s47)
+    (64, BLASST, 0.9, "gluon_ws"), (64, BLASST, None, "gluon_ws"),
     (128, DENSE, None, "gluon_ws"),                     # skipping off: the warp-specialized kernel is faster
     (128, BSFA, None, "gluon"), (128, BLASST, WS_FROM - 0.01, "gluon"),  # little or unknown skipping
     (128, BSFA, WS_FROM, "gluon_ws"), (128, BLASST, 0.9, "gluon_ws"),
     (128, WINDOW, 0.9, "gluon"), (256, BSFA, 0.9, "triton"), (96, DENSE, None, "triton")])
 def test_pick(d, method, expected, kernel):
     assert pick(d, method, expected) == kernel
-
-
-def test_the_paired_kernel_only_takes_64_key_tiles():
-    assert pick(64, BSFA, 0.9, block_n=128) == "gluon_ws" and pick(64, BSFA, 0.0, block_n=128) == "gluon_ws"
 
 
 @pytest.mark.parametrize("d", [64, 128])

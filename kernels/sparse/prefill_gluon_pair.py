@@ -35,7 +35,8 @@ to skip a quarter of their tiles or more. Since s46 every decision is a vote a w
   use n's copy only after use n - 1 was released by both, so waiting for the copy orders them.
 - One program per SM: 12 warps (2 consumer warpgroups + the producer warp's padded warpgroup) at
   ``maxnreg`` registers, redistributed by setmaxnreg (CONFIG).
-- ``two`` (what ``prefill_pick`` runs, ``gluon_pair_two``): the decided tiles go two a decision, both
+- ``two`` (``gluon_pair_two``, what ``prefill_pick`` ran for D = 64 BSFA calls expected to skip from s44 to
+  s46; since s47 the ws kernel, level with it there and faster elsewhere): the decided tiles go two a decision, both
   score tiles in flight (``_qk_two``) and one exchange of warp votes for both decisions
   (``prefill_gluon._vote_decide``); 3-4 % faster where tiles are skipped, 1-2 % slower with every tile
   kept, BLASST about level (NOTES.md "the paired kernel deciding two tiles in one reduction", s44).

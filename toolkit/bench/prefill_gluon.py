@@ -20,7 +20,7 @@ kernel targets, in one run on one Hopper GPU.
    form per head dim; ``gluon_ws_prod`` / ``gluon_ws_inline`` force the producer warp on / off;
    ``gluon_pair``, two query blocks a program of prefill_gluon_pair.py, D = 64 only, ``gluon_pair_b6``
    the same with 6 ring slots, ``gluon_pair_two`` the same deciding two tiles in one exchange (what
-   ``prefill_pick`` runs for D = 64 BSFA calls expected to skip); ``gluon_ws_c1`` / ``gluon_pair_two_c1``
+   ``prefill_pick`` ran for D = 64 BSFA calls expected to skip until s47); ``gluon_ws_c1`` / ``gluon_pair_two_c1``
    / ``gluon_ws_c4``: the grid one head after the other, or 4 heads side by side, at every
    length (the default puts heads side by side at short ones, ``prefill_gluon_ws.grid_chunk``);
    ``gluon_ws_vote`` / ``gluon_ws_redbar``: the ws kernel's warpgroups agreeing by votes and an
@@ -51,7 +51,6 @@ from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_t
 from sparsecal.kernels.sparse.prefill_gluon import sparse_attention_gluon
 from sparsecal.kernels.sparse.prefill_gluon_pair import sparse_attention_gluon_pair
 from sparsecal.kernels.sparse.prefill_gluon_ws import sparse_attention_gluon_ws
-from sparsecal.kernels.sparse.prefill_pick import GLUON_KERNELS
 from sparsecal.kernels.sparse.reference import sparse_attention
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -65,7 +64,7 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_inline": functools.partial(sparse_attention_gluon_ws, producer=False),
                   "gluon_pair": sparse_attention_gluon_pair,
                   "gluon_pair_b6": functools.partial(sparse_attention_gluon_pair, nbuf=6),
-                  "gluon_pair_two": GLUON_KERNELS["gluon_pair_two"],
+                  "gluon_pair_two": functools.partial(sparse_attention_gluon_pair, two=True),
                   "gluon_ws_c1": functools.partial(sparse_attention_gluon_ws, chunk=1),
                   "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1),
                   "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
