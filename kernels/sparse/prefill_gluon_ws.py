@@ -167,10 +167,6 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
-    elif MEET == 4:  # diagnostic, timing only: the barrier taken, its answer ignored (every tile kept)
-        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG) | True
-    elif MEET == 5:  # diagnostic, timing only: each warpgroup decides over its own 64 rows (not the BM = 128 rule)
-        keep = _bar_any(vals >= thr, HALF // (8 * NW), 13 + WG, NW * 32, WG)
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
@@ -390,7 +386,7 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2, 4, 5):
+    if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
