@@ -36,7 +36,12 @@ before use n >= 1 (both consumers have released use n - 1), and the decision of 
 entry t % 2 with parity (t // 2) & 1 (the decided tiles are ordinals 0 .. n_cand - 1, consecutive).
 No barrier can run two phases ahead of a waiter: a slot is refilled only after both consumers
 released its previous use, and a warpgroup writes exchange entry t % 2 again (tile t + 2) only after
-the other warpgroup arrived for tile t + 1, which it does after reading tile t's values.
+the other warpgroup arrived for tile t + 1, which it does after reading tile t's values. An empty
+barrier (2 arrivals a use) never takes one warpgroup's release of use n for the other's of use n - 1:
+a release follows the wait for that use's copy, except a skipped tile's V release, and a skipped tile
+was decided at the meeting of both warpgroups, so the other one is past use n - 1 of the slot. A
+decision without that meeting (each warpgroup alone) breaks this; the paired kernel, whose warpgroups
+never meet, waits for a skipped tile's V copy instead (NOTES.md, s47 diagnostic forms: their call hung).
 
 Shape legend
     B batch   H query heads   Hkv KV heads   N tokens   D head dim   P = ceil(N/BM) query blocks
