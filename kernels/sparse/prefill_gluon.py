@@ -149,17 +149,44 @@ def _decided_vals(m_ij, m_new, row_ok, DECIDE: gl.constexpr):
     return gl.where(row_ok, vals, float("-inf"))
 
 
-def _vote_asm(n: int) -> str:
-    """PTX of one vote.any a warp over the n i32 (0 / 1) elements a thread holds: operands $0 .. $n-1
-    the outputs (f32 1.0 or 0.0, the same in all n), $n .. $2n-1 the inputs."""
+@triton.constexpr_function
+def _thread_any(n):
+    """PTX that sets predicate p when one of the n i32 (0 / 1) inputs $n .. $2n-1 of this thread is set
+    (the rows it holds); inside a block declaring ``.reg .pred p; .reg .b32 t;``."""
     ors = "".join(f"or.b32 t, t, ${n + i}; " for i in range(1, n))
+    return f"mov.b32 t, ${n}; {ors}setp.ne.b32 p, t, 0; "
+
+
+@triton.constexpr_function
+def _vote_asm(n):
+    """PTX of one vote.any a warp over the n elements a thread holds (``_thread_any``): outputs $0 ..
+    $n-1 f32 1.0 or 0.0, the same in all n."""
     movs = "".join(f"mov.b32 ${i}, $0; " for i in range(1, n))
-    return (f"{{ .reg .pred p; .reg .b32 t; mov.b32 t, ${n}; {ors}setp.ne.b32 p, t, 0; "
+    return (f"{{ .reg .pred p; .reg .b32 t; {_thread_any(n)}"
             f"vote.sync.any.pred p, p, 0xffffffff; selp.f32 $0, 0f3F800000, 0f00000000, p; {movs}}}")
 
 
-_VOTE2 = gl.constexpr(_vote_asm(2))
-_VOTE4 = gl.constexpr(_vote_asm(4))
+@triton.constexpr_function
+def _bar_any_asm(n, bar, threads, site):
+    """PTX of one barrier with an OR (``bar.red.or.pred``, what CUDA's __syncthreads_or is) at named barrier
+    ``bar`` of ``threads`` threads, over the n elements of every thread that meets there
+    (``_thread_any``), into the predicate register %scany<site> that ``_bar_read_asm`` reads (declared
+    here: one site a call site and kernel); the outputs $0 .. $n-1 are zeros, unused."""
+    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(n))
+    return (f".reg .pred %scany{site}; {{ .reg .pred p; .reg .b32 t; {_thread_any(n)}"
+            f"bar.red.or.pred %scany{site}, {bar}, {threads}, p; }} {zeros}")
+
+
+@triton.constexpr_function
+def _bar_read_asm(site):
+    """PTX of 1 or 0 from the predicate register ``_bar_any_asm`` set at ``site``."""
+    return f"selp.u32 $0, 1, 0, %scany{site};"
+
+
+@triton.constexpr_function
+def _pack_constraints(n):
+    """Inline-asm constraints of n i32 outputs and n i32 inputs (one asm a thread over its n elements)."""
+    return ",".join(["=r"] * n + ["r"] * n)
 
 
 @gluon.jit
@@ -168,35 +195,8 @@ def _warp_any(hits, PACK: gl.constexpr):
     thread: the rows of a wgmma accumulator slice, rows / (8 * warps)) is true, else 0.0: one
     ``vote.any`` a warp instead of a shuffle tree (f32 [rows], warp-uniform)."""
     gl.static_assert(PACK == 2 or PACK == 4, "a vote takes the 2 or 4 rows a thread holds")
-    h = hits.to(gl.int32)
-    if PACK == 2:
-        out = gl.inline_asm_elementwise(_VOTE2, "=r,=r,r,r", [h], dtype=gl.float32, is_pure=False, pack=2)
-    else:
-        out = gl.inline_asm_elementwise(_VOTE4, "=r,=r,=r,=r,r,r,r,r", [h], dtype=gl.float32, is_pure=False,
-                                        pack=4)
-    return out
-
-
-@triton.constexpr_function
-def _bar_any_asm(n, bar, threads, site):
-    """PTX of one barrier with an OR (``bar.red.or.pred``, what CUDA's __syncthreads_or is) at named barrier
-    ``bar`` of ``threads`` threads, over the n i32 (0 / 1) inputs $n .. $2n-1 of every thread that meets
-    there, into the predicate register %scany<site> that ``_bar_read`` reads (declared here: one site a
-    call site and kernel); the outputs $0 .. $n-1 are zeros, unused."""
-    ors = "".join(f"or.b32 t, t, ${n + i}; " for i in range(1, n))
-    zeros = "".join(f"mov.b32 ${i}, 0; " for i in range(n))
-    return (f".reg .pred %scany{site}; {{ .reg .pred p; .reg .b32 t; mov.b32 t, ${n}; {ors}setp.ne.b32 p, t, 0; "
-            f"bar.red.or.pred %scany{site}, {bar}, {threads}, p; }} {zeros}")
-
-
-@triton.constexpr_function
-def _bar_read_asm(site):
-    return f"selp.u32 $0, 1, 0, %scany{site};"
-
-
-@triton.constexpr_function
-def _pack_constraints(n):
-    return ",".join(["=r"] * n + ["r"] * n)
+    return gl.inline_asm_elementwise(_vote_asm(PACK), _pack_constraints(PACK), [hits.to(gl.int32)],
+                                     dtype=gl.float32, is_pure=False, pack=PACK)
 
 
 @gluon.jit

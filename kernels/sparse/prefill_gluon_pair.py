@@ -18,9 +18,11 @@ two warpgroups, each on its own block, run out of step: one's decision under the
 Measured on an H100 (NOTES.md "prefill-pair"): the decision now costs 8-11% of this kernel's own
 skipping-off form (13-18% in the warp-specialized one), but that form is 0.90-0.93x the
 warp-specialized kernel's (half the warpgroups per SM to hide latency); BSFA at 50% / 75% reaches
-0.84-0.88 of the ideal against 0.81-0.85, so ``prefill_pick`` runs it for D = 64 BSFA calls expected
-to skip a quarter of their tiles or more. Since s46 every decision is a vote a warp
-(``prefill_gluon._vote_decide``): 0.3-6 % faster again (NOTES.md "the decision by warp votes").
+0.84-0.88 of the ideal against 0.81-0.85, so ``prefill_pick`` ran it for D = 64 BSFA calls expected
+to skip a quarter of their tiles or more from s44 to s46. Since s46 every decision is a vote a warp
+(``prefill_gluon._vote_decide``): 0.3-6 % faster again (NOTES.md "the decision by warp votes"). Since
+s47 ``prefill_pick`` runs the ws kernel for every D = 64 call (level with this one where it was
+picked, faster elsewhere; NOTES.md "prefill_pick at D = 64"); this kernel is a bench variant.
 
 - Program p (heaviest first) owns query blocks 2p (warpgroup 0, the default partition) and 2p + 1
   (warpgroup 1, a worker) of one (batch, head); the last program of an odd block count has only 2p.
@@ -35,8 +37,7 @@ to skip a quarter of their tiles or more. Since s46 every decision is a vote a w
   use n's copy only after use n - 1 was released by both, so waiting for the copy orders them.
 - One program per SM: 12 warps (2 consumer warpgroups + the producer warp's padded warpgroup) at
   ``maxnreg`` registers, redistributed by setmaxnreg (CONFIG).
-- ``two`` (``gluon_pair_two``, what ``prefill_pick`` ran for D = 64 BSFA calls expected to skip from s44 to
-  s46; since s47 the ws kernel, level with it there and faster elsewhere): the decided tiles go two a decision, both
+- ``two`` (``gluon_pair_two``, the form ``prefill_pick`` ran): the decided tiles go two a decision, both
   score tiles in flight (``_qk_two``) and one exchange of warp votes for both decisions
   (``prefill_gluon._vote_decide``); 3-4 % faster where tiles are skipped, 1-2 % slower with every tile
   kept, BLASST about level (NOTES.md "the paired kernel deciding two tiles in one reduction", s44).

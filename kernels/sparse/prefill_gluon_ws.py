@@ -184,20 +184,20 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
 
 
 @gluon.jit
-def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ctx, qk_scale, thr,
+def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
-             KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, AHEAD: gl.constexpr,
+             KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
              NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
-    (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange e), online-softmax update and P.V when kept,
-    release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + AHEAD's K before
+    (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
+    release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
     and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
     units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
     if ISSUER:
-        _issue(ring, src, t + AHEAD, True, False, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
@@ -207,9 +207,9 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, e, t, j, rows, row_ok, n_ct
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, e, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
+        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
     if ISSUER:
-        _issue(ring, src, t + AHEAD, False, True, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
                            v_ready.index(slot), phase, MASKED, o_layout)
@@ -228,9 +228,8 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
-        carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, t0 + u, j0 + u, rows, row_ok, n_ctx,
-                         qk_scale, thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NBUF - 1, NW, MEET,
-                         s_layout, o_layout)
+        carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout)
     return carry
 
 
