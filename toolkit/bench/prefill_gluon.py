@@ -173,8 +173,9 @@ def _variants(q, k, v, d: int, n: int, extra: dict) -> dict:
 
 
 def _build() -> dict:
-    """The last Gluon launch's build on this machine's compiler: registers a thread and spilled bytes
-    (``build_regs``, ``build_spills``; what a CPU build with another Triton cannot tell)."""
+    """The last Gluon launch's build on this machine's compiler: registers a thread and its local
+    memory (spills) in 4-byte words, as the driver reports it (``build_regs``, ``build_spills``; what a
+    CPU build with another Triton cannot tell; ptxas -v's spill counts are bytes of stores and loads)."""
     c = LAST_COMPILED.get("gluon")
     return {} if c is None else {"build_regs": int(c.n_regs), "build_spills": int(c.n_spills)}
 
