@@ -172,6 +172,8 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
+    elif MEET == 4:  # timing only: the barrier is met, its answer ignored, every tile kept (no branch)
+        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG) | True
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
@@ -187,12 +189,15 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-             NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+             NW: gl.constexpr, MEET: gl.constexpr, VLOAD: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
-    and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
-    units), n_skip)."""
+    and (VLOAD 0) its V after the decision; VLOAD 1: the ISSUER copies a kept tile's own V after its
+    decision, into V slot c % NBUF of the tile's kept ordinal c (skipped tiles copy no V and take no V
+    slot); VLOAD 2 (timing only): no V is copied or waited for. carry = (acc [HALF, D] f32, l_i [HALF],
+    m_i [HALF] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
@@ -208,15 +213,26 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if ISSUER:
+    if ISSUER and VLOAD == 0:
         _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    vslot = slot
+    vphase = phase
+    if VLOAD == 1:
+        kept = t + src[5] - n_skip  # tiles kept before this one (n_skip counts from j_lo)
+        vslot = kept % NBUF
+        vphase = (kept // NBUF) & 1
     if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           v_ready.index(slot), phase, MASKED, o_layout)
+        if ISSUER and VLOAD == 1:
+            _load(src[1], v_ring, v_ready, v_empty, kept, _coords(src[2], src[3], j * BN, KV_ROWS, src[4], d), NBUF)
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(vslot).reshape([BN, d]),
+                           v_ready.index(vslot), vphase, MASKED, o_layout, VLOAD != 2)
         m_i = m_new
+        if VLOAD == 1:
+            mbarrier.arrive(v_empty.index(vslot))
     else:
         n_skip += 1
-    mbarrier.arrive(v_empty.index(slot))
+    if VLOAD == 0:
+        mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
 
 
@@ -224,12 +240,13 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                MEET: gl.constexpr, VLOAD: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout)
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, VLOAD, s_layout,
+                         o_layout)
     return carry
 
 
@@ -256,7 +273,8 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
+              VLOAD: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -269,7 +287,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
-            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+            _issue(ring, src, t, True, VLOAD == 0, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -279,11 +297,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
-                        o_layout)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, VLOAD,
+                        s_layout, o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                        s_layout, o_layout)
+                        VLOAD, s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -326,7 +344,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, num_warps: gl.constexpr):
+                   MEET: gl.constexpr, VLOAD: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -364,10 +382,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -375,25 +393,29 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None) -> dict:
+              meet: int | None = None, vload: int = 0) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
-    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR)."""
+    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR, 4 timing only: the barrier met and
+    every tile kept); ``vload``: when V is copied (``_ws_tile``'s VLOAD; 1 and 2 without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2):
-        raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
+    if meet not in (None, 0, 2, 4):
+        raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 4, got {meet!r}")
+    if vload not in (0, 1, 2) or (vload and producer):
+        raise ValueError(f"vload is 0, or 1 / 2 without a producer warp, got {vload!r} (producer {producer})")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
+          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
+          "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -402,15 +424,16 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None):
+                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
+                              vload: int = 0):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); meet: ``ws_config``'s."""
+    heads side by side in the grid (None: ``grid_chunk``); meet, vload: ``ws_config``'s."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)
