@@ -129,7 +129,8 @@ def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr):
 def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
            BN: gl.constexpr, NBUF: gl.constexpr):
     """K and/or V of tile ordinal tn (key tile j_lo + tn); nothing past the program's last tile.
-    ring = (k_ring, v_ring [NBUF, 1, BN, D], k_ready, k_empty, v_ready, v_empty [NBUF, 1] mbarriers),
+    ring = (k_ring [NBUF, 1, BN, D], v_ring [VBUF, 1, BN, D], k_ready, k_empty [NBUF, 1], v_ready, v_empty
+    [VBUF, 1] mbarriers),
     src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end)."""
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     k_desc, v_desc, b, hk, num_kv, j_lo, t_end = src
@@ -138,7 +139,7 @@ def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.co
         if DO_K:
             _load(k_desc, k_ring, k_ready, k_empty, tn, c, NBUF)
         if DO_V:
-            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF)
+            _load(v_desc, v_ring, v_ready, v_empty, tn, c, v_ring.shape[0])
 
 
 @gluon.jit
@@ -177,7 +178,7 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
-        entry.slice(WG * HALF, HALF).store(flags)
+        entry.slice(WG * HALF, HALF).store(flags.to(entry.dtype))
         _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
         mbarrier.arrive(dec_bar.index(e % 2))
         mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
@@ -201,6 +202,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
+    VBUF: gl.constexpr = v_ring.shape[0]
     if ISSUER:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
@@ -214,16 +216,16 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
     if ISSUER and VLOAD == 0:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-    vslot = slot
-    vphase = phase
+        _issue(ring, src, t + VBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    vslot = t % VBUF
+    vphase = (t // VBUF) & 1
     if VLOAD == 1:
         kept = t + src[5] - n_skip  # tiles kept before this one (n_skip counts from j_lo)
-        vslot = kept % NBUF
-        vphase = (kept // NBUF) & 1
+        vslot = kept % VBUF
+        vphase = (kept // VBUF) & 1
     if keep:
         if ISSUER and VLOAD == 1:
-            _load(src[1], v_ring, v_ready, v_empty, kept, _coords(src[2], src[3], j * BN, KV_ROWS, src[4], d), NBUF)
+            _load(src[1], v_ring, v_ready, v_empty, kept, _coords(src[2], src[3], j * BN, KV_ROWS, src[4], d), VBUF)
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(vslot).reshape([BN, d]),
                            v_ready.index(vslot), vphase, MASKED, o_layout, VLOAD != 2)
         m_i = m_new
@@ -232,7 +234,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     else:
         n_skip += 1
     if VLOAD == 0:
-        mbarrier.arrive(v_empty.index(slot))
+        mbarrier.arrive(v_empty.index(vslot))
     return acc, l_i, m_i, n_skip
 
 
@@ -287,7 +289,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
-            _issue(ring, src, t, True, VLOAD == 0, KV_ROWS, HEAD_DIM, BN, NBUF)
+            _issue(ring, src, t, True, False, KV_ROWS, HEAD_DIM, BN, NBUF)
+        if VLOAD == 0:
+            for t in gl.static_range(ring[1].shape[0] - 1):
+                _issue(ring, src, t, False, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -342,7 +347,7 @@ def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: g
 def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, VBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
                    MEET: gl.constexpr, VLOAD: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
@@ -356,14 +361,18 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     dtype: gl.constexpr = q_desc.dtype
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [VBUF, 1, BN, HEAD_DIM], v_desc.layout)
     # the warps' votes of exchange e: row e % 2
-    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # (f16 when the V ring is the deeper one: two programs an SM at D = 128 with 3 V slots need the 512 bytes)
+    if VBUF > NBUF:
+        red = gl.allocate_shared_memory(gl.float16, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
-    v_ready = _barriers(NBUF, 1)
+    v_ready = _barriers(VBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
-    v_empty = _barriers(NBUF, 2)
+    v_empty = _barriers(VBUF, 2)
     dec_bar = _barriers(2, 2)
     fence_async_shared()
 
@@ -401,19 +410,20 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, vload: int = 0) -> dict:
+              meet: int | None = None, vload: int = 0, vbuf: int | None = None) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
     None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR, 4 timing only: the barrier met and
-    every tile kept); ``vload``: when V is copied (``_ws_tile``'s VLOAD; 1 and 2 without a producer warp only)."""
+    every tile kept); ``vload``: when V is copied (``_ws_tile``'s VLOAD; 1 and 2 without a producer warp only);
+    ``vbuf``: V ring slots (None: as many as K's)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2, 4):
         raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 4, got {meet!r}")
     if vload not in (0, 1, 2) or (vload and producer):
         raise ValueError(f"vload is 0, or 1 / 2 without a producer warp, got {vload!r} (producer {producer})")
-    kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
+    kw = {"NBUF": nbuf or slots, "VBUF": vbuf or nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
           "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
@@ -425,15 +435,15 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              vload: int = 0):
+                              vload: int = 0, vbuf: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); meet, vload: ``ws_config``'s."""
+    heads side by side in the grid (None: ``grid_chunk``); meet, vload, vbuf: ``ws_config``'s."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload, vbuf)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)
