@@ -154,6 +154,21 @@ def _load_q(q_desc, q_buf, q_bar, b, h, i, num_heads, Q_ROWS: gl.constexpr, HEAD
 
 
 @gluon.jit
+def _v_bytes_only(v_ring, v_ready, src, tn, KV_ROWS: gl.constexpr, BN: gl.constexpr):
+    """Timing only (VLOAD 3): the V copy of tile ordinal tn into slot tn % VBUF once the slot's previous copy
+    landed, without waiting for any consumer to release it: what V's bytes cost without V's waits."""
+    VBUF: gl.constexpr = v_ring.shape[0]
+    d: gl.constexpr = v_ring.shape[3]
+    if tn < src[6]:
+        slot = tn % VBUF
+        if tn >= VBUF:
+            mbarrier.wait(v_ready.index(slot), ((tn // VBUF) + 1) & 1)
+        mbarrier.expect(v_ready.index(slot), src[1].block_type.nbytes)
+        _tma_load(src[1], _coords(src[2], src[3], (src[5] + tn) * BN, KV_ROWS, src[4], d), v_ready.index(slot),
+                  v_ring.index(slot))
+
+
+@gluon.jit
 def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr,
               HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
     """1 warp: Q, then K and V of every tile of the program, in order, as fast as the ring frees."""
@@ -197,7 +212,8 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
     and (VLOAD 0) its V after the decision; VLOAD 1: the ISSUER copies a kept tile's own V after its
     decision, into V slot c % NBUF of the tile's kept ordinal c (skipped tiles copy no V and take no V
-    slot); VLOAD 2 (timing only): no V is copied or waited for. carry = (acc [HALF, D] f32, l_i [HALF],
+    slot); VLOAD 2 (timing only): no V is copied or waited for; VLOAD 3 (timing only): V copied as VLOAD 0
+    but nobody waits for it or releases its slot (``_v_bytes_only``). carry = (acc [HALF, D] f32, l_i [HALF],
     m_i [HALF] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
@@ -217,6 +233,8 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
     if ISSUER and VLOAD == 0:
         _issue(ring, src, t + VBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+    if ISSUER and VLOAD == 3:
+        _v_bytes_only(v_ring, v_ready, src, t + VBUF - 1, KV_ROWS, BN)
     vslot = t % VBUF
     vphase = (t // VBUF) & 1
     if VLOAD == 1:
@@ -227,7 +245,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
         if ISSUER and VLOAD == 1:
             _load(src[1], v_ring, v_ready, v_empty, kept, _coords(src[2], src[3], j * BN, KV_ROWS, src[4], d), VBUF)
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(vslot).reshape([BN, d]),
-                           v_ready.index(vslot), vphase, MASKED, o_layout, VLOAD != 2)
+                           v_ready.index(vslot), vphase, MASKED, o_layout, VLOAD < 2)
         m_i = m_new
         if VLOAD == 1:
             mbarrier.arrive(v_empty.index(vslot))
@@ -290,7 +308,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
             _issue(ring, src, t, True, False, KV_ROWS, HEAD_DIM, BN, NBUF)
-        if VLOAD == 0:
+        if VLOAD == 0 or VLOAD == 3:
             for t in gl.static_range(ring[1].shape[0] - 1):
                 _issue(ring, src, t, False, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
@@ -421,8 +439,8 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2, 4):
         raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 4, got {meet!r}")
-    if vload not in (0, 1, 2) or (vload and producer):
-        raise ValueError(f"vload is 0, or 1 / 2 without a producer warp, got {vload!r} (producer {producer})")
+    if vload not in (0, 1, 2, 3) or (vload and producer):
+        raise ValueError(f"vload is 0, or 1 / 2 / 3 without a producer warp, got {vload!r} (producer {producer})")
     kw = {"NBUF": nbuf or slots, "VBUF": vbuf or nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
           "num_warps": CONSUMER_WARPS}
