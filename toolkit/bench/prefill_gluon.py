@@ -75,7 +75,7 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_diag_keep": functools.partial(sparse_attention_gluon_ws, meet=4),
                   "gluon_ws_v3": functools.partial(sparse_attention_gluon_ws, vbuf=3),
                   "gluon_ws_vbytes": functools.partial(sparse_attention_gluon_ws, vload=3)}
-VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
+VARIANT_DIMS = {"gluon_pair": (64, 128), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
                 "gluon_pair_two_c1": (64,), "gluon_ws_vdec": (128,), "gluon_ws_nov": (128,), "gluon_ws_v3": (128,), "gluon_ws_vbytes": (128,),
                 "gluon_ws_diag_keep": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
