@@ -57,6 +57,28 @@ def test_the_committed_runs_read_as_the_notes_count_them():
     assert text.count("\n| ") == 18 and "10/36" in text and "38/72 by the median" in text and "| 9e52418" in text
 
 
+S48 = {name: BENCH / f"prefill-{name}-h100-d128-s48.json.gz" for name in ("vload", "v3", "vbytes", "pair128")}
+
+
+def test_the_s48_ab_runs_read_as_the_notes_quote_them():
+    """NOTES "is the D = 128 sparse tile waiting on its V copies?" (s48), from the committed files: without V's
+    copies (nov) the dense ws form is 8-15 % faster in both runs; V's bytes without their waits (vbytes) read like
+    the ws kernel at 32K; the paired kernel at D = 128 is slower than the ws one in every decided cell."""
+    rows = report.ab_rows(report.read(S48["vbytes"]), "gluon_ws", ["gluon_ws_nov", "gluon_ws_vbytes"])
+    by = {(r["form"], r["n"], r["group"]): r["ratios"] for r in rows}
+    assert len(rows) == 8 and len(by[("gluon_ws_nov", 16384, 1)]) == len(report.AB_CELLS) == 7
+    assert all(1.11 < by[("gluon_ws_nov", n, g)][0] < 1.16 for n in (16384, 32768) for g in (1, 8))
+    assert all(0.96 < x < 1.03 for g in (1, 8) for x in by[("gluon_ws_vbytes", 32768, g)])
+    assert f"{by[('gluon_ws_nov', 32768, 1)][0]:.3f}" == "1.151"
+    first = report.ab_rows(report.read(S48["vload"]), "gluon_ws", ["gluon_ws_nov"])
+    assert all(1.07 < r["ratios"][0] < 1.16 for r in first)
+    pair = report.ab_rows(report.read(S48["pair128"]), "gluon_ws", ["gluon_pair"])
+    decided = [x for r in pair for i, x in enumerate(r["ratios"]) if report.AB_CELLS[i][-3:] in ("s50", "s75")]
+    assert len(decided) == 16 and max(decided) < 1.0
+    text = report.ab_markdown(rows, "gluon_ws")
+    assert "| gluon_ws_nov | 128 | 32K | 1 | 1.151; " in text and text.count("\n| gluon_ws_") == 8
+
+
 def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tmp_path):
     doc = report.read(RUNS[0])
     for shape in doc["targets"]:
@@ -64,6 +86,9 @@ def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tm
     with pytest.raises(UserError, match=r"gluon_ws_bsfa_s0, the kernel prefill_pick runs there, was not timed; "
                                         r"run the benchmark with --variants gluon_ws"):
         report.targets_rows(doc, "d64")
+    with pytest.raises(UserError, match=r"gluon_ws_x_off was not timed; pass variants the run timed \(it has gluon, "
+                                        r"gluon_ws, "):
+        report.ab_rows(report.read(S48["vbytes"]), "gluon_ws", ["gluon_ws_x"], "vbytes")
     doc = report.read(D128[0])
     doc["targets"][0]["rows"][-1]["of_ideal_best"] = float("nan")  # gluon_ws_blasst_s75, picked at 75 %
     with pytest.raises(UserError, match="not a finite number"):

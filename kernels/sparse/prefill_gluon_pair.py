@@ -358,7 +358,7 @@ def sparse_attention_gluon_pair(q, k, v, scale: float, block_m: int, block_n: in
     ``gluon_supported`` must hold, with head dim 64 and block_n 64; ``two``: two decided tiles a
     decision (``_pair_two``); ``chunk``: heads side by side in the grid (None: ``grid_chunk`` up to
     CHUNK_UP_TO; ``chunked_grid``)."""
-    if q.shape[-1] not in (HEAD_DIM, 128) or block_n != BLOCK_N:
+    if q.shape[-1] != HEAD_DIM or block_n != BLOCK_N:
         raise ValueError(f"the paired Gluon prefill kernel takes head dim {HEAD_DIM} and block_n {BLOCK_N} only, "
                          f"got {q.shape[-1]} and {block_n}: use prefill_pick.sparse_prefill")
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m, thresholds, log_lambda,

@@ -129,8 +129,7 @@ def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr):
 def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
            BN: gl.constexpr, NBUF: gl.constexpr):
     """K and/or V of tile ordinal tn (key tile j_lo + tn); nothing past the program's last tile.
-    ring = (k_ring [NBUF, 1, BN, D], v_ring [VBUF, 1, BN, D], k_ready, k_empty [NBUF, 1], v_ready, v_empty
-    [VBUF, 1] mbarriers),
+    ring = (k_ring, v_ring [NBUF, 1, BN, D], k_ready, k_empty, v_ready, v_empty [NBUF, 1] mbarriers),
     src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end)."""
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     k_desc, v_desc, b, hk, num_kv, j_lo, t_end = src
@@ -139,7 +138,7 @@ def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.co
         if DO_K:
             _load(k_desc, k_ring, k_ready, k_empty, tn, c, NBUF)
         if DO_V:
-            _load(v_desc, v_ring, v_ready, v_empty, tn, c, v_ring.shape[0])
+            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF)
 
 
 @gluon.jit
@@ -151,21 +150,6 @@ def _load_q(q_desc, q_buf, q_bar, b, h, i, num_heads, Q_ROWS: gl.constexpr, HEAD
     for w in gl.static_range(2):
         _tma_load(q_desc, _coords(b, h, i * BM + w * HALF, Q_ROWS, num_heads, HEAD_DIM), q_bar.index(0),
                   q_buf.index(w))
-
-
-@gluon.jit
-def _v_bytes_only(v_ring, v_ready, src, tn, KV_ROWS: gl.constexpr, BN: gl.constexpr):
-    """Timing only (VLOAD 3): the V copy of tile ordinal tn into slot tn % VBUF once the slot's previous copy
-    landed, without waiting for any consumer to release it: what V's bytes cost without V's waits."""
-    VBUF: gl.constexpr = v_ring.shape[0]
-    d: gl.constexpr = v_ring.shape[3]
-    if tn < src[6]:
-        slot = tn % VBUF
-        if tn >= VBUF:
-            mbarrier.wait(v_ready.index(slot), ((tn // VBUF) + 1) & 1)
-        mbarrier.expect(v_ready.index(slot), src[1].block_type.nbytes)
-        _tma_load(src[1], _coords(src[2], src[3], (src[5] + tn) * BN, KV_ROWS, src[4], d), v_ready.index(slot),
-                  v_ring.index(slot))
 
 
 @gluon.jit
@@ -188,12 +172,10 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
-    elif MEET == 4:  # timing only: the barrier is met, its answer ignored, every tile kept (no branch)
-        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG) | True
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
-        entry.slice(WG * HALF, HALF).store(flags.to(entry.dtype))
+        entry.slice(WG * HALF, HALF).store(flags)
         _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
         mbarrier.arrive(dec_bar.index(e % 2))
         mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
@@ -205,20 +187,15 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-             NW: gl.constexpr, MEET: gl.constexpr, VLOAD: gl.constexpr, s_layout: gl.constexpr,
-             o_layout: gl.constexpr):
+             NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
-    and (VLOAD 0) its V after the decision; VLOAD 1: the ISSUER copies a kept tile's own V after its
-    decision, into V slot c % NBUF of the tile's kept ordinal c (skipped tiles copy no V and take no V
-    slot); VLOAD 2 (timing only): no V is copied or waited for; VLOAD 3 (timing only): V copied as VLOAD 0
-    but nobody waits for it or releases its slot (``_v_bytes_only``). carry = (acc [HALF, D] f32, l_i [HALF],
-    m_i [HALF] (log2 units), n_skip)."""
+    and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
+    units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
-    VBUF: gl.constexpr = v_ring.shape[0]
     if ISSUER:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
@@ -231,28 +208,15 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if ISSUER and VLOAD == 0:
-        _issue(ring, src, t + VBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
-    if ISSUER and VLOAD == 3:
-        _v_bytes_only(v_ring, v_ready, src, t + VBUF - 1, KV_ROWS, BN)
-    vslot = t % VBUF
-    vphase = (t // VBUF) & 1
-    if VLOAD == 1:
-        kept = t + src[5] - n_skip  # tiles kept before this one (n_skip counts from j_lo)
-        vslot = kept % VBUF
-        vphase = (kept // VBUF) & 1
+    if ISSUER:
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
-        if ISSUER and VLOAD == 1:
-            _load(src[1], v_ring, v_ready, v_empty, kept, _coords(src[2], src[3], j * BN, KV_ROWS, src[4], d), VBUF)
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(vslot).reshape([BN, d]),
-                           v_ready.index(vslot), vphase, MASKED, o_layout, VLOAD < 2)
+        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                           v_ready.index(slot), phase, MASKED, o_layout)
         m_i = m_new
-        if VLOAD == 1:
-            mbarrier.arrive(v_empty.index(vslot))
     else:
         n_skip += 1
-    if VLOAD == 0:
-        mbarrier.arrive(v_empty.index(vslot))
+    mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
 
 
@@ -260,13 +224,12 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                MEET: gl.constexpr, VLOAD: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, VLOAD, s_layout,
-                         o_layout)
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout)
     return carry
 
 
@@ -293,8 +256,7 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
-              VLOAD: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -307,10 +269,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
-            _issue(ring, src, t, True, False, KV_ROWS, HEAD_DIM, BN, NBUF)
-        if VLOAD == 0 or VLOAD == 3:
-            for t in gl.static_range(ring[1].shape[0] - 1):
-                _issue(ring, src, t, False, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -320,11 +279,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, VLOAD,
-                        s_layout, o_layout)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
+                        o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                        VLOAD, s_layout, o_layout)
+                        s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -365,9 +324,9 @@ def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: g
 def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    n_ctx, num_heads, num_kv, group, n_thr, qk_scale, log_lambda2, window,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, VBUF: gl.constexpr, PRODUCER: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, VLOAD: gl.constexpr, num_warps: gl.constexpr):
+                   MEET: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -379,18 +338,14 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     dtype: gl.constexpr = q_desc.dtype
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [VBUF, 1, BN, HEAD_DIM], v_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
     # the warps' votes of exchange e: row e % 2
-    # (f16 when the V ring is the deeper one: two programs an SM at D = 128 with 3 V slots need the 512 bytes)
-    if VBUF > NBUF:
-        red = gl.allocate_shared_memory(gl.float16, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
-    v_ready = _barriers(VBUF, 1)
+    v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
-    v_empty = _barriers(VBUF, 2)
+    v_empty = _barriers(NBUF, 2)
     dec_bar = _barriers(2, 2)
     fence_async_shared()
 
@@ -409,10 +364,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -420,30 +375,25 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, vload: int = 0, vbuf: int | None = None) -> dict:
+              meet: int | None = None) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
-    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR, 4 timing only: the barrier met and
-    every tile kept); ``vload``: when V is copied (``_ws_tile``'s VLOAD; 1 and 2 without a producer warp only);
-    ``vbuf``: V ring slots (None: as many as K's)."""
+    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2, 4):
-        raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 4, got {meet!r}")
-    if vload not in (0, 1, 2, 3) or (vload and producer):
-        raise ValueError(f"vload is 0, or 1 / 2 / 3 without a producer warp, got {vload!r} (producer {producer})")
-    kw = {"NBUF": nbuf or slots, "VBUF": vbuf or nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
-          "num_warps": CONSUMER_WARPS}
+    if meet not in (None, 0, 2):
+        raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
+    kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
+          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -452,16 +402,15 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              vload: int = 0, vbuf: int | None = None):
+                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); meet, vload, vbuf: ``ws_config``'s."""
+    heads side by side in the grid (None: ``grid_chunk``); meet: ``ws_config``'s."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload, vbuf)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)

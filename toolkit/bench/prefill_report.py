@@ -12,6 +12,13 @@ and 75 %, each with the rounds' exact 95 % interval where the run had enough rou
 Counted: nothing-skipped cells at their goal (NOTHING_SKIPPED: 0.95 at D=64, 0.98 at D=128) and
 sparse cells at >= OF_IDEAL of the ideal, by the median and by the interval's upper end.
 
+With ``--ab BASE FORM[,FORM...]`` it prints instead the A/B tables NOTES.md records after a comparison run: per
+shape and form, BASE's time over the form's (> 1: the form is faster) in every cell: skipping off, then BSFA and
+BLASST at 0 / 50 / 75 % (the medians of the run's rounds; no interval below 4 rounds, so read them against the run's
+own floor, the spread of cells that run identical code).
+
+    python -m sparsecal.bench.prefill_report --ab gluon_ws gluon_ws_nov data/bench/prefill-vbytes-h100-d128-s48.json.gz
+
 Shape legend: one row per (D, N, G) of the files' ``targets`` (a later file's shape replaces an earlier
 file's); cells per row: 2 methods x 3 sparsities; the last column names the tree that ran the row (its
 file's ``provenance``: commit, and the source digest where the file has one): a kernel name means the
@@ -107,6 +114,37 @@ def targets_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+AB_CELLS = ("off", *(f"{m}_s{s}" for m in METHODS for s in SPARSITIES))  # the A/B table's cells, in order
+
+
+def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> list[dict]:
+    """Per shape and form: d, n, group, form, ratios (BASE ms / form ms per AB_CELLS cell)."""
+    out = []
+    for shape in doc["targets"]:
+        rows = {r["variant"]: r for r in shape["rows"]}
+        for form in forms:
+            ratios = []
+            for cell in AB_CELLS:
+                a, b = f"{base}_{cell}", f"{form}_{cell}"
+                if a not in rows or b not in rows:
+                    raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: "
+                                    f"{a if a not in rows else b} was not timed; pass variants the run timed "
+                                    f"(it has {', '.join(sorted({k.rsplit('_', 1)[0] for k in rows if k.endswith('_off')}))}).")
+                ratios.append(number(rows[a], "ms", path) / number(rows[b], "ms", path))
+            out.append({"d": shape["d"], "n": shape["n"], "group": shape["group"], "form": form, "ratios": ratios})
+    return out
+
+
+def ab_markdown(rows: list[dict], base: str) -> str:
+    """The A/B table: one line per shape and form, BASE's time over the form's per cell."""
+    lines = [f"| form | D | N | G | {base} ms / form ms: " + "; ".join(AB_CELLS) + " |", "|---|---|---|---|---|"]
+    for r in rows:
+        x = r["ratios"]
+        lines.append(f"| {r['form']} | {r['d']} | {r['n'] // 1024}K | {r['group']} | {x[0]:.3f}; "
+                     + " ".join(f"{v:.3f}" for v in x[1:4]) + "; " + " ".join(f"{v:.3f}" for v in x[4:]) + " |")
+    return "\n".join(lines)
+
+
 def latest_rows(paths) -> tuple[list[dict], list[str]]:
     """``targets_rows`` of the files in order, a shape (D, N, G) of a later file replacing an earlier
     file's; and one line per replaced shape (its file, the file that replaced it)."""
@@ -124,7 +162,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.prefill_report", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="files of `python -m sparsecal.bench.prefill_gluon --sections targets`; "
                                              "a shape in a later file replaces an earlier file's")
+    ap.add_argument("--ab", nargs=2, metavar=("BASE", "FORMS"),
+                    help="instead of the targets table: BASE's time over each of FORMS' (comma-separated variants)")
     args = ap.parse_args(argv)
+    if args.ab:
+        base, forms = args.ab[0], [f for f in args.ab[1].split(",") if f]
+        for p in args.files:
+            print(f"{p}:\n" + ab_markdown(ab_rows(read(p), base, forms, p), base))
+        return
     rows, notes = latest_rows(args.files)
     print(targets_markdown(rows) + "".join(f"\n{x}" for x in notes))
 
