@@ -56,8 +56,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from sparsecal.kernels.jit import LAST_COMPILED
@@ -177,7 +175,7 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
-        entry.slice(WG * HALF, HALF).store(flags.to(entry.dtype))
+        entry.slice(WG * HALF, HALF).store(flags)
         _cta_barrier()  # this warpgroup's 4 warps wrote their votes before its thread 0 arrives
         mbarrier.arrive(dec_bar.index(e % 2))
         mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
@@ -236,93 +234,6 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
 
 
 @gluon.jit
-def _soften(s, m_i, m_new, l_i, qk_scale, MASKED: gl.constexpr, dtype: gl.constexpr):
-    """``prefill_gluon._attend``'s online-softmax step without its P.V and before its accumulator rescale:
-    (P [HALF, BN] in ``dtype``, alpha [HALF] the rescale to m_new, l_i)."""
-    if MASKED:
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_ref[:, None])
-    else:
-        m_ref = m_new
-        p = gl.exp2(s * qk_scale - m_ref[:, None])
-    alpha = gl.exp2(m_i - m_ref)
-    return p.to(dtype), alpha, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
-def _lag_pv(acc, p_smem, v_ring, v_ready, v_empty, c):
-    """The last kept tile's P.V (kept ordinal c, its V in slot c % VBUF), then its slot released."""
-    VBUF: gl.constexpr = v_ring.shape[0]
-    mbarrier.wait(v_ready.index(c % VBUF), (c // VBUF) & 1)
-    acc = warpgroup_mma(p_smem, v_ring.index(c % VBUF).reshape([v_ring.shape[2], v_ring.shape[3]]), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(c % VBUF))
-    return acc
-
-
-@gluon.jit
-def _lag_tile(carry, q_smem, p_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
-              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
-              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-              NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """LAG form of ``_ws_tile`` (timing A/B, no producer warp): Q.K^T of tile t and the P.V of the previous
-    kept tile (P in p_smem [HALF, BN], V copied after its decision) in flight together; then tile t's decision;
-    the ISSUER copies tile t's V only when it is kept (V slot c % VBUF of its kept ordinal c); then tile t's
-    softmax step, its P stored for the next tile. carry = (acc, l_i, m_i, n_skip, keep_prev)."""
-    acc, l_i, m_i, n_skip, keep_prev = carry
-    k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
-    d: gl.constexpr = q_smem.shape[1]
-    VBUF: gl.constexpr = v_ring.shape[0]
-    if ISSUER:
-        _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
-    kept = t + src[5] - n_skip  # tiles kept before this one (n_skip counts from j_lo)
-    mbarrier.wait(k_ready.index(t % NBUF), (t // NBUF) & 1)
-    s = warpgroup_mma(q_smem, k_ring.index(t % NBUF).reshape([BN, d]).permute((1, 0)),
-                      gl.zeros([BM // 2, BN], gl.float32, s_layout), use_acc=False, is_async=True)
-    if keep_prev:
-        c = kept - 1
-        mbarrier.wait(v_ready.index(c % VBUF), (c // VBUF) & 1)
-        acc = warpgroup_mma(p_smem, v_ring.index(c % VBUF).reshape([BN, d]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))  # both products done (the wait counts every wgmma in flight)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(t % NBUF))
-    if keep_prev:
-        mbarrier.arrive(v_empty.index((kept - 1) % VBUF))
-    s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
-    m_new = gl.maximum(m_i, m_ij)
-    keep = t >= 0
-    if DECIDE != 0:
-        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if ISSUER:
-        if keep:
-            _load(src[1], v_ring, v_ready, v_empty, kept, _coords(src[2], src[3], j * BN, KV_ROWS, src[4], d), VBUF)
-    if keep:
-        p, alpha, l_i = _soften(s, m_i, m_new, l_i, qk_scale, MASKED, p_smem.dtype)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        if DECIDE == 0:  # no meeting since the previous P.V: every warp past it before P is overwritten
-            _cta_barrier()
-        p_smem.store(p)
-        fence_async_shared()
-        _cta_barrier()  # every warp of the warpgroup stored its rows before the next tile's wgmma reads them
-        m_i = m_new
-    else:
-        n_skip += 1
-    return acc, l_i, m_i, n_skip, keep
-
-
-@gluon.jit
-def _lag_segment(carry, q_smem, p_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
-                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
-                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                 MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """``_ws_segment`` of LAG tiles."""
-    for u in range(count):
-        carry = _lag_tile(carry, q_smem, p_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                          thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout)
-    return carry
-
-
-@gluon.jit
 def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, n_ctx, CHUNK: gl.constexpr,
               WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, o_layout: gl.constexpr):
     """acc / l_i [HALF, D] into this warpgroup's rows of O [B, H, N, D] (by strides), through its own
@@ -342,11 +253,10 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 
 
 @gluon.jit
-def _consumer(q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
+def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
-              LAG: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -359,7 +269,7 @@ def _consumer(q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
-            _issue(ring, src, t, True, not LAG, KV_ROWS, HEAD_DIM, BN, NBUF)
+            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -368,26 +278,12 @@ def _consumer(q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_
     carry = (acc, l_i, m_i, i * 0 + j_lo)
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
-    if LAG:
-        p_smem = p_buf.index(WG)
-        carry = (acc, l_i, m_i, i * 0 + j_lo, i < 0)
-        carry = _lag_segment(carry, q_half, p_smem, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                             qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
-                             o_layout)
-        carry = _lag_segment(carry, q_half, p_smem, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
-                             row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                             s_layout, o_layout)
-        acc, l_i, m_i, n_skip, keep_prev = carry
-        if keep_prev:
-            acc = _lag_pv(acc, p_smem, ring[1], ring[4], ring[5], n_reach - n_skip - 1)
-        carry = (acc, l_i, m_i, n_skip)
-    else:
-        carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                            qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
-                            o_layout)
-        carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
-                            row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                            s_layout, o_layout)
+    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
+                        o_layout)
+    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
+                        row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
+                        s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -430,7 +326,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, LAG: gl.constexpr, num_warps: gl.constexpr):
+                   MEET: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -444,15 +340,8 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
     # the warps' votes of exchange e: row e % 2
-    if LAG:  # int8 votes: the P buffers below leave two programs an SM no room for f32 ones
-        red = gl.allocate_shared_memory(gl.int8, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
-    p_buf = q_buf  # unused unless LAG: each warpgroup's P [HALF, BN] waiting for its P.V
-    if LAG:
-        p_buf = gl.allocate_shared_memory(dtype, [2, BM // 2, BN], gl.NVMMASharedLayout.get_default_for([BM // 2, BN],
-                                                                                                       dtype))
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
@@ -473,28 +362,28 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     NOT_ISSUER: gl.constexpr = 0
     if PRODUCER:
         gl.warp_specialize([
-            (_consumer, (q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LAG)),
-            (_consumer, (q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LAG)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LAG)),
-            (_consumer, (q_desc, q_buf, q_bar, p_buf, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+            (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LAG)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, lag: bool = False) -> dict:
+              meet: int | None = None) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
@@ -503,10 +392,8 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
-    if lag and producer:
-        raise ValueError("lag (P.V a tile behind, V copied only for kept tiles) takes no producer warp")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "LAG": bool(lag), "num_warps": CONSUMER_WARPS}
+          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -515,8 +402,7 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              lag: bool = False):
+                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
@@ -525,6 +411,6 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, lag)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)

@@ -69,8 +69,7 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_pair_two_c1": functools.partial(sparse_attention_gluon_pair, two=True, chunk=1),
                   "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
                   "gluon_ws_vote": functools.partial(sparse_attention_gluon_ws, meet=0),
-                  "gluon_ws_redbar": functools.partial(sparse_attention_gluon_ws, meet=2),
-                  "gluon_ws_lag": functools.partial(sparse_attention_gluon_ws, producer=False, lag=True)}
+                  "gluon_ws_redbar": functools.partial(sparse_attention_gluon_ws, meet=2)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
                 "gluon_pair_two_c1": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
