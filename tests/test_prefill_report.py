@@ -93,6 +93,9 @@ def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tm
     with pytest.raises(UserError, match=r"gluon_ws_x_off was not timed; pass variants the run timed \(it has gluon, "
                                         r"gluon_ws, "):
         report.ab_rows(report.read(S48["vbytes"]), "gluon_ws", ["gluon_ws_x"], "vbytes")
+    with pytest.raises(SystemExit) as stop:  # no form to compare: refused before any file is read
+        report.main(["--ab", "gluon_ws", ",", str(tmp_path / "absent.json")])
+    assert stop.value.code == 2
     doc = report.read(D128[0])
     doc["targets"][0]["rows"][-1]["of_ideal_best"] = float("nan")  # gluon_ws_blasst_s75, picked at 75 %
     with pytest.raises(UserError, match="not a finite number"):

@@ -167,6 +167,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.ab:
         base, forms = args.ab[0], [f for f in args.ab[1].split(",") if f]
+        if not forms:
+            ap.error("--ab takes BASE and FORMS, the variants to compare with it, comma-separated (e.g. gluon_ws_nov)")
         for p in args.files:
             print(f"{p}:\n" + ab_markdown(ab_rows(read(p), base, forms, p), base))
         return
