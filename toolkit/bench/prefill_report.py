@@ -117,31 +117,39 @@ def targets_markdown(rows: list[dict]) -> str:
 AB_CELLS = ("off", *(f"{m}_s{s}" for m in METHODS for s in SPARSITIES))  # the A/B table's cells, in order
 
 
+def _timed(rows: dict) -> str:
+    """The variants a shape's rows timed (those with a skipping-off row), comma-separated."""
+    return ", ".join(sorted(k.removesuffix("_off") for k in rows if k.endswith("_off")))
+
+
 def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> list[dict]:
     """Per shape and form: d, n, group, form, ratios (BASE ms / form ms per AB_CELLS cell)."""
     out = []
     for shape in doc["targets"]:
         rows = {r["variant"]: r for r in shape["rows"]}
         for form in forms:
-            ratios = []
-            for cell in AB_CELLS:
-                a, b = f"{base}_{cell}", f"{form}_{cell}"
-                if a not in rows or b not in rows:
-                    raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: "
-                                    f"{a if a not in rows else b} was not timed; pass variants the run timed "
-                                    f"(it has {', '.join(sorted({k.rsplit('_', 1)[0] for k in rows if k.endswith('_off')}))}).")
-                ratios.append(number(rows[a], "ms", path) / number(rows[b], "ms", path))
+            missing = [f"{v}_{c}" for v in (base, form) for c in AB_CELLS if f"{v}_{c}" not in rows]
+            if missing:
+                raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: {missing[0]} was not "
+                                f"timed; pass variants the run timed (it has {_timed(rows)}).")
+            ratios = [number(rows[f"{base}_{c}"], "ms", path) / number(rows[f"{form}_{c}"], "ms", path)
+                      for c in AB_CELLS]
             out.append({"d": shape["d"], "n": shape["n"], "group": shape["group"], "form": form, "ratios": ratios})
     return out
 
 
+def _groups(cells) -> str:
+    """AB_CELLS-ordered cells as the table writes them: skipping off; then one group a method."""
+    k = len(SPARSITIES)
+    return "; ".join([cells[0]] + [" ".join(cells[i:i + k]) for i in range(1, len(cells), k)])
+
+
 def ab_markdown(rows: list[dict], base: str) -> str:
     """The A/B table: one line per shape and form, BASE's time over the form's per cell."""
-    lines = [f"| form | D | N | G | {base} ms / form ms: " + "; ".join(AB_CELLS) + " |", "|---|---|---|---|---|"]
+    lines = [f"| form | D | N | G | {base} ms / form ms: {_groups(AB_CELLS)} |", "|---|---|---|---|---|"]
     for r in rows:
-        x = r["ratios"]
-        lines.append(f"| {r['form']} | {r['d']} | {r['n'] // 1024}K | {r['group']} | {x[0]:.3f}; "
-                     + " ".join(f"{v:.3f}" for v in x[1:4]) + "; " + " ".join(f"{v:.3f}" for v in x[4:]) + " |")
+        lines.append(f"| {r['form']} | {r['d']} | {r['n'] // 1024}K | {r['group']} | "
+                     f"{_groups([f'{v:.3f}' for v in r['ratios']])} |")
     return "\n".join(lines)
 
 
