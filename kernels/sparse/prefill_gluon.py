@@ -258,7 +258,7 @@ def _vote_decide(xch, v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr
 
 @gluon.jit
 def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
-            o_layout: gl.constexpr):
+            o_layout: gl.constexpr, WAIT_V: gl.constexpr = True):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
     m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
     shared memory, barrier v_ready at ``phase``) has landed."""
@@ -272,7 +272,8 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(v_tile.dtype), gl.DotOperandLayout(0, o_layout, 2))
-    mbarrier.wait(v_ready, phase)
+    if WAIT_V:  # false only in a timing form that copies no V
+        mbarrier.wait(v_ready, phase)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     return acc, l_i

@@ -64,6 +64,7 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _bar_any,
     _coords,
     _cta_barrier,
+    _descriptor,
     _decided_vals,
     _qk,
     _scores,
@@ -113,32 +114,42 @@ def chunked_grid(grid: tuple[int, int], q: torch.Tensor, chunk: int | None, up_t
 
 
 @gluon.jit
-def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr):
+def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr, PARTS: gl.constexpr = 0):
     """TMA copy of one tile (ordinal tn) into slot tn % NBUF once the slot's previous use (tn - NBUF) was
-    released by both warpgroups and its copy landed (a skipped tile does not wait for its V)."""
+    released by both warpgroups and its copy landed (a skipped tile does not wait for its V). PARTS 0: one
+    copy of desc's box; timing forms (desc's box half a slot's rows): 2 copies filling the slot, 1 copy
+    filling its first half only."""
     slot = tn % NBUF
     if tn >= NBUF:
         prev = ((tn // NBUF) + 1) & 1  # parity of use tn // NBUF - 1 of this slot
         mbarrier.wait(empty.index(slot), prev)
         mbarrier.wait(ready.index(slot), prev)
-    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-    _tma_load(desc, c, ready.index(slot), bufs.index(slot))
+    if PARTS == 0:
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+        _tma_load(desc, c, ready.index(slot), bufs.index(slot))
+    else:
+        rows: gl.constexpr = desc.block_type.shape[1]
+        mbarrier.expect(ready.index(slot), PARTS * desc.block_type.nbytes)
+        for p in gl.static_range(PARTS):
+            _tma_load(desc, [c[0], c[1] + p * rows, c[2]], ready.index(slot),
+                      bufs.index(slot).slice(p * rows, rows, dim=1))
 
 
 @gluon.jit
 def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-           BN: gl.constexpr, NBUF: gl.constexpr):
+           BN: gl.constexpr, NBUF: gl.constexpr, VLOAD: gl.constexpr = 0):
     """K and/or V of tile ordinal tn (key tile j_lo + tn); nothing past the program's last tile.
     ring = (k_ring, v_ring [NBUF, 1, BN, D], k_ready, k_empty, v_ready, v_empty [NBUF, 1] mbarriers),
-    src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end)."""
+    src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end). VLOAD (timing forms, ``ws_config``): 0 V in one
+    copy, 2 no V, 4 V in two copies of half its rows, 5 V's first half only."""
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     k_desc, v_desc, b, hk, num_kv, j_lo, t_end = src
     if tn < t_end:
         c = _coords(b, hk, (j_lo + tn) * BN, KV_ROWS, num_kv, HEAD_DIM)
         if DO_K:
             _load(k_desc, k_ring, k_ready, k_empty, tn, c, NBUF)
-        if DO_V:
-            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF)
+        if DO_V and VLOAD != 2:
+            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF, 2 if VLOAD == 4 else (1 if VLOAD == 5 else 0))
 
 
 @gluon.jit
@@ -187,7 +198,8 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-             NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+             NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             VLOAD: gl.constexpr = 0):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
@@ -209,10 +221,10 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
     if ISSUER:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
     if keep:
         acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           v_ready.index(slot), phase, MASKED, o_layout)
+                           v_ready.index(slot), phase, MASKED, o_layout, VLOAD != 2)
         m_i = m_new
     else:
         n_skip += 1
@@ -224,12 +236,13 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, VLOAD: gl.constexpr = 0):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout)
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout,
+                         VLOAD)
     return carry
 
 
@@ -256,7 +269,8 @@ def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, 
 def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh, num_heads,
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr):
+              BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
+              VLOAD: gl.constexpr = 0):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -269,7 +283,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
-            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
+            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF, VLOAD)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -280,10 +294,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
                         qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
-                        o_layout)
+                        o_layout, VLOAD)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                        s_layout, o_layout)
+                        s_layout, o_layout, VLOAD)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -326,7 +340,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, num_warps: gl.constexpr):
+                   MEET: gl.constexpr, num_warps: gl.constexpr, VLOAD: gl.constexpr = 0):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -375,25 +389,31 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None) -> dict:
+              meet: int | None = None, vload: int = 0) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
-    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR)."""
+    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR); ``vload`` (timing forms, without a
+    producer warp only): 0 V in one copy a tile, 2 none (output wrong), 4 two copies of half its rows, 5 its
+    first half only (output wrong)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
+    if vload not in (0, 2, 4, 5) or (vload and producer):
+        raise ValueError(f"vload is 0, or 2 / 4 / 5 without a producer warp, got {vload!r} (producer {producer})")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
+    if vload:
+        kw["VLOAD"] = int(vload)
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -402,7 +422,8 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
 def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int, *, thresholds=None,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
-                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None):
+                              producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
+                              vload: int = 0):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
@@ -411,6 +432,8 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload)
+    if vload in (4, 5):  # V read in boxes of half a tile's rows
+        args = (*args[:2], _descriptor(v, block_n // 2)[0], *args[3:])
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)
