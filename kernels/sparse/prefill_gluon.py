@@ -132,9 +132,14 @@ def _scores(s, j, rows, n_ctx, qk_scale, MASKED: gl.constexpr, BN: gl.constexpr,
 @gluon.jit
 def _qk(q_smem, k_tile, ROWS: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
     """S [ROWS, BN] f32 = Q.K^T of q_smem [ROWS, D] and k_tile [BN, D] (shared memory) by wgmma, waited for."""
+    return warpgroup_mma_wait(0, deps=(_qk_start(q_smem, k_tile, ROWS, BN, s_layout),))
+
+
+@gluon.jit
+def _qk_start(q_smem, k_tile, ROWS: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
+    """``_qk`` without the wait: S of the wgmma still in flight (the caller waits before it reads S)."""
     zero = gl.zeros([ROWS, BN], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return warpgroup_mma_wait(0, deps=(s,))
+    return warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -261,7 +266,17 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
             o_layout: gl.constexpr, WAIT_V: gl.constexpr = True):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
     m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
-    shared memory, barrier v_ready at ``phase``) has landed."""
+    shared memory, barrier v_ready at ``phase``) has landed; waited for."""
+    acc, l_i = _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED, o_layout, WAIT_V)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return acc, l_i
+
+
+@gluon.jit
+def _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
+                  o_layout: gl.constexpr, WAIT_V: gl.constexpr = True):
+    """``_attend`` without the final wait: (acc of the P.V wgmma still in flight, l_i); the caller waits
+    (``warpgroup_mma_wait``) before it reads acc."""
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_ref[:, None])
@@ -275,7 +290,6 @@ def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: g
     if WAIT_V:  # false only in a timing form that copies no V
         mbarrier.wait(v_ready, phase)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
     return acc, l_i
 
 

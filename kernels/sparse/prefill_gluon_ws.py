@@ -56,17 +56,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    warpgroup_mma_wait,
 )
 
 from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill_gluon import (
-    _attend,
+    _attend_start,
     _bar_any,
     _coords,
     _cta_barrier,
     _descriptor,
     _decided_vals,
-    _qk,
+    _qk_start,
     _scores,
     _tma_load,
     _warp_any,
@@ -199,34 +200,43 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
              NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             VLOAD: gl.constexpr = 0):
+             VLOAD: gl.constexpr = 0, LATE: gl.constexpr = False):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
-    and its V after the decision. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
+    the Q.K^T and its V after the decision; LATE: K while the Q.K^T wgmma runs, V while the P.V wgmma
+    runs (a skipped tile: after its decision). carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
     units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
-    if ISSUER:
+    if ISSUER and not LATE:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
-    s = _qk(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
+    s = _qk_start(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
+    if ISSUER and LATE:
+        _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
+    s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot))
     s, m_ij = _scores(s, j, rows, n_ctx, qk_scale, MASKED, BN, s_layout)
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if ISSUER:
+    if ISSUER and not LATE:
         _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
     if keep:
-        acc, l_i = _attend(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                           v_ready.index(slot), phase, MASKED, o_layout, VLOAD != 2)
+        acc, l_i = _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
+                                 v_ready.index(slot), phase, MASKED, o_layout, VLOAD != 2)
+        if ISSUER and LATE:
+            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
         m_i = m_new
     else:
+        if ISSUER and LATE:
+            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
         n_skip += 1
     mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
@@ -236,13 +246,14 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, VLOAD: gl.constexpr = 0):
+                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, VLOAD: gl.constexpr = 0,
+                LATE: gl.constexpr = False):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
                          thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout,
-                         VLOAD)
+                         VLOAD, LATE)
     return carry
 
 
@@ -270,7 +281,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
-              VLOAD: gl.constexpr = 0):
+              VLOAD: gl.constexpr = 0, LATE: gl.constexpr = False):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -294,10 +305,10 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
                         qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
-                        o_layout, VLOAD)
+                        o_layout, VLOAD, LATE)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                        s_layout, o_layout, VLOAD)
+                        s_layout, o_layout, VLOAD, LATE)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -340,7 +351,8 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, num_warps: gl.constexpr, VLOAD: gl.constexpr = 0):
+                   MEET: gl.constexpr, VLOAD: gl.constexpr, LATE: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -389,31 +401,33 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD, LATE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD, LATE)),
         ], [num_warps], [WORKER_REGS])
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, vload: int = 0) -> dict:
+              meet: int | None = None, vload: int = 0, late: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
     None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR); ``vload`` (timing forms, without a
     producer warp only): 0 V in one copy a tile, 2 none (output wrong), 4 two copies of half its rows, 5 its
-    first half only (output wrong)."""
+    first half only (output wrong); ``late``: warpgroup 0 issues the copies while its wgmma run (``_ws_tile``'s
+    LATE; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     if vload not in (0, 2, 4, 5) or (vload and producer):
         raise ValueError(f"vload is 0, or 2 / 4 / 5 without a producer warp, got {vload!r} (producer {producer})")
+    if late and producer:
+        raise ValueError("late copies are warpgroup 0's (no producer warp)")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "num_warps": CONSUMER_WARPS}
-    if vload:
-        kw["VLOAD"] = int(vload)
+          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
+          "LATE": bool(late), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -423,7 +437,7 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              vload: int = 0):
+                              vload: int = 0, late: bool = False):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
@@ -432,7 +446,7 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload)
+    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload, late)
     if vload in (4, 5):  # V read in boxes of half a tile's rows
         args = (*args[:2], _descriptor(v, block_n // 2)[0], *args[3:])
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
