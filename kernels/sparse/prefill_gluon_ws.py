@@ -200,23 +200,25 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
              NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             VLOAD: gl.constexpr = 0, LATE: gl.constexpr = False):
+             VLOAD: gl.constexpr = 0, LATE: gl.constexpr = 0):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
-    the Q.K^T and its V after the decision; LATE: K while the Q.K^T wgmma runs, V while the P.V wgmma
-    runs (a skipped tile: after its decision). carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
+    the Q.K^T and its V after the decision; LATE 1: K while the Q.K^T wgmma runs, V while the P.V wgmma
+    runs (a skipped tile: after its decision); 2: only K so; 3: only V so. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
     units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
-    if ISSUER and not LATE:
+    LATE_K: gl.constexpr = LATE == 1 or LATE == 2
+    LATE_V: gl.constexpr = LATE == 1 or LATE == 3
+    if ISSUER and not LATE_K:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
     s = _qk_start(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
-    if ISSUER and LATE:
+    if ISSUER and LATE_K:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot))
@@ -225,17 +227,17 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if ISSUER and not LATE:
+    if ISSUER and not LATE_V:
         _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
     if keep:
         acc, l_i = _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
                                  v_ready.index(slot), phase, MASKED, o_layout, VLOAD != 2)
-        if ISSUER and LATE:
+        if ISSUER and LATE_V:
             _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         m_i = m_new
     else:
-        if ISSUER and LATE:
+        if ISSUER and LATE_V:
             _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
         n_skip += 1
     mbarrier.arrive(v_empty.index(slot))
@@ -247,7 +249,7 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
                 MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, VLOAD: gl.constexpr = 0,
-                LATE: gl.constexpr = False):
+                LATE: gl.constexpr = 0):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
@@ -281,7 +283,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
-              VLOAD: gl.constexpr = 0, LATE: gl.constexpr = False):
+              VLOAD: gl.constexpr = 0, LATE: gl.constexpr = 0):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -409,25 +411,27 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, vload: int = 0, late: bool = False) -> dict:
+              meet: int | None = None, vload: int = 0, late: int = 0) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
     None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR); ``vload`` (timing forms, without a
     producer warp only): 0 V in one copy a tile, 2 none (output wrong), 4 two copies of half its rows, 5 its
     first half only (output wrong); ``late``: warpgroup 0 issues the copies while its wgmma run (``_ws_tile``'s
-    LATE; without a producer warp only)."""
+    LATE: 1 K and V, 2 K, 3 V; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     if vload not in (0, 2, 4, 5) or (vload and producer):
         raise ValueError(f"vload is 0, or 2 / 4 / 5 without a producer warp, got {vload!r} (producer {producer})")
+    if late not in (0, 1, 2, 3):
+        raise ValueError(f"late is 0, 1 (K and V), 2 (K) or 3 (V), got {late!r}")
     if late and producer:
         raise ValueError("late copies are warpgroup 0's (no producer warp)")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
-          "LATE": bool(late), "num_warps": CONSUMER_WARPS}
+          "LATE": int(late), "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -437,7 +441,7 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              vload: int = 0, late: bool = False):
+                              vload: int = 0, late: int = 0):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,

@@ -73,10 +73,13 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_nov": functools.partial(sparse_attention_gluon_ws, vload=2),
                   "gluon_ws_vsplit": functools.partial(sparse_attention_gluon_ws, vload=4),
                   "gluon_ws_vhalf": functools.partial(sparse_attention_gluon_ws, vload=5),
-                  "gluon_ws_late": functools.partial(sparse_attention_gluon_ws, late=True)}
+                  "gluon_ws_late": functools.partial(sparse_attention_gluon_ws, late=1),
+                  "gluon_ws_late_k": functools.partial(sparse_attention_gluon_ws, late=2),
+                  "gluon_ws_late_v": functools.partial(sparse_attention_gluon_ws, late=3)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
                 "gluon_pair_two_c1": (64,), "gluon_ws_nov": (128,), "gluon_ws_vsplit": (128,),
-                "gluon_ws_vhalf": (128,), "gluon_ws_late": (128,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                "gluon_ws_vhalf": (128,), "gluon_ws_late": (128,), "gluon_ws_late_k": (128,),
+                "gluon_ws_late_v": (128,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
