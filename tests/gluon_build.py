@@ -22,6 +22,18 @@ def desc(rows, d):
     layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
     return f"tensordesc<bf16[1,{rows},{d}],{layout!r}>"
 
+def under_mma(ptx):
+    # TMA copies issued between a wgmma.commit_group and the next wgmma.wait_group (in PTX text order)
+    n, open_ = 0, False
+    for line in ptx.splitlines():
+        if "wgmma.commit_group" in line:
+            open_ = True
+        elif "wgmma.wait_group" in line:
+            open_ = False
+        elif "cp.async.bulk.tensor" in line and open_:
+            n += 1
+    return n
+
 def ptxas_v(ptx):
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -53,7 +65,7 @@ for case in json.loads(sys.argv[1]):
     out[case["key"]] = {
         "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
         "cubin": bool(k.asm.get("cubin")), "shared": k.metadata.shared, "warps": k.metadata.num_warps,
-        "bar_red": "bar.red.or.pred" in ptx, "vote": "vote.sync" in ptx,
+        "bar_red": "bar.red.or.pred" in ptx, "vote": "vote.sync" in ptx, "copies_under_mma": under_mma(ptx),
         "regs": int(regs.group(1)) if regs else None,
         "spills": int(spill.group(1)) + int(spill.group(2)) if spill else None,
         "warnings": [x for x in log.splitlines() if "warning" in x.lower()]}

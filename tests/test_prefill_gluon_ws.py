@@ -30,7 +30,7 @@ def programs_per_sm(d: int, producer: bool) -> int:
 @pytest.fixture(scope="module")
 def builds():
     return build([{"key": f"{d}-{m}-{int(p)}", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": d, "method": m,
-                   "q_rows": 64, "launch": pw.ws_config(d, p)} for d, m, p in CASES])
+                   "q_rows": 64, "launch": pw.ws_config(d, p, late=pw.late_for(d, m, p))} for d, m, p in CASES])
 
 
 @pytest.mark.parametrize("d,method,producer", CASES, ids=[f"d{d}-{m}-{'prod' if p else 'inline'}" for d, m, p in CASES])
@@ -79,10 +79,26 @@ def test_the_default_decides_as_its_head_dim_was_measured_fastest(builds, d, met
     assert got["vote"] == (decides and pw.MEET[d] != 2), got
 
 
+@pytest.mark.parametrize("d,method,producer", CASES, ids=[f"d{d}-{m}-{'prod' if p else 'inline'}" for d, m, p in CASES])
+def test_dense_d128_issues_its_copies_under_the_wgmma(builds, d, method, producer):
+    """Warpgroup 0 of the D = 128 form without a producer warp issues K and V while a wgmma of its own runs in a
+    dense call, and before or after them in a call that decides (or windows); a producer warp's form never does."""
+    got = builds[f"{d}-{method}-{int(producer)}"]
+    assert (got["copies_under_mma"] > 0) == (d == 128 and method == 0 and not producer), got["copies_under_mma"]
+
+
+def test_late_for_is_dense_d128_without_a_producer_only():
+    assert pw.late_for(128, 0) and not pw.late_for(128, 0, producer=True)
+    assert not any(pw.late_for(128, m) for m in (1, 2, 3)) and not any(pw.late_for(64, m) for m in (0, 1, 2, 3))
+    assert pw.ws_config(128, late=True)["LATE"] is True
+    with pytest.raises(ValueError, match="late copies"):
+        pw.ws_config(64, late=True)
+
+
 def test_config_is_the_one_each_head_dim_runs():
     """D = 64 gets a producer warp and 4 slots at 80 launch registers (104 + 112 + 24 after
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
-    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "num_warps": 4}
+    common = {"PRODUCER_REGS": 24, "CHUNK": 1, "LATE": False, "num_warps": 4}
     assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, "MEET": 2, **common}
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, "MEET": 0,
                                  **common}

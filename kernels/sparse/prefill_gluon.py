@@ -263,19 +263,18 @@ def _vote_decide(xch, v0, v1k, v1s, thr, DECIDE: gl.constexpr, TWO: gl.constexpr
 
 @gluon.jit
 def _attend(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
-            o_layout: gl.constexpr, WAIT_V: gl.constexpr = True):
+            o_layout: gl.constexpr):
     """A kept tile: the online-softmax update of (acc [rows, D] f32, l_i [rows]) to the new row max
     m_new, then P.V as async wgmma with P from registers, once the tile's V copy (v_tile [BN, D] in
     shared memory, barrier v_ready at ``phase``) has landed; waited for."""
-    acc, l_i = _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED, o_layout, WAIT_V)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    return acc, l_i
+    acc, l_i = _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED, o_layout)
+    return warpgroup_mma_wait(0, deps=(acc,)), l_i
 
 
 @gluon.jit
 def _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MASKED: gl.constexpr,
-                  o_layout: gl.constexpr, WAIT_V: gl.constexpr = True):
-    """``_attend`` without the final wait: (acc of the P.V wgmma still in flight, l_i); the caller waits
+                  o_layout: gl.constexpr):
+    """``_attend`` without its last wait: (acc of the P.V wgmma still in flight, l_i); the caller waits
     (``warpgroup_mma_wait``) before it reads acc."""
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -287,8 +286,7 @@ def _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_tile, v_ready, phase, MAS
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(v_tile.dtype), gl.DotOperandLayout(0, o_layout, 2))
-    if WAIT_V:  # false only in a timing form that copies no V
-        mbarrier.wait(v_ready, phase)
+    mbarrier.wait(v_ready, phase)
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
     return acc, l_i
 

@@ -24,6 +24,10 @@ in lockstep twice per tile, and the refill waited for it):
   syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals a phase), waits for the other
   warpgroup's arrival, and every thread reads the 8 votes. Either way both warpgroups take the same
   decision: the BM = 128 semantics are unchanged.
+- Without a producer warp (D = 128) warpgroup 0 issues the copies; in a dense call it issues K(t + 1) while
+  tile t's Q.K^T wgmma runs and V(t + 1) while its P.V wgmma runs (``late_for``), so the issue (warpgroup
+  barriers, ring waits, the copy) overlaps tensor-core work; a call that decides issues K before the Q.K^T and V
+  after the decision (there the late form measured level to slower).
 - A skipped tile only arrives on its V slot's empty barrier; the producer waits for that slot's
   previous V copy to land before refilling it (a skipped tile never waits for its V).
 - Grid order (``_program``, shared with the paired kernel): heaviest query block first within a head;
@@ -65,7 +69,6 @@ from sparsecal.kernels.sparse.prefill_gluon import (
     _bar_any,
     _coords,
     _cta_barrier,
-    _descriptor,
     _decided_vals,
     _qk_start,
     _scores,
@@ -87,6 +90,11 @@ CONFIG = {(64, True): (4, 80, 112), (64, False): (4, 128, 128),
           (128, True): (5, None, 240), (128, False): (2, 128, 128)}
 PRODUCER_REGS = 24
 PRODUCER = {64: True, 128: False}  # default per head dim
+# Where warpgroup 0 issues the copies when it is their issuer (D = 128), per head dim, for dense calls (``late_for``;
+# ``_ws_tile``'s LATE): under its wgmma. Dense at D = 128: 8-15 % faster than before the Q.K^T / after the decision
+# (16K-32K, G 1/8, two runs), faster than cuDNN at 16K-32K in one of them; calls that decide stay as they were (level
+# at 16K, 3-12 % slower at 32K with LATE); data/bench/NOTES.md "the copies issued under the wgmma", s49.
+LATE_DENSE = {64: False, 128: True}
 # How the two warpgroups agree on a decision, per head dim (``_agree``'s MEET): 2, at one barrier with an OR
 # (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %); 0, votes through shared memory
 # and an mbarrier (D = 128: the barrier with an OR read 2-8 % slower with nothing skipped at 16K, level elsewhere;
@@ -115,42 +123,32 @@ def chunked_grid(grid: tuple[int, int], q: torch.Tensor, chunk: int | None, up_t
 
 
 @gluon.jit
-def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr, PARTS: gl.constexpr = 0):
+def _load(desc, bufs, ready, empty, tn, c, NBUF: gl.constexpr):
     """TMA copy of one tile (ordinal tn) into slot tn % NBUF once the slot's previous use (tn - NBUF) was
-    released by both warpgroups and its copy landed (a skipped tile does not wait for its V). PARTS 0: one
-    copy of desc's box; timing forms (desc's box half a slot's rows): 2 copies filling the slot, 1 copy
-    filling its first half only."""
+    released by both warpgroups and its copy landed (a skipped tile does not wait for its V)."""
     slot = tn % NBUF
     if tn >= NBUF:
         prev = ((tn // NBUF) + 1) & 1  # parity of use tn // NBUF - 1 of this slot
         mbarrier.wait(empty.index(slot), prev)
         mbarrier.wait(ready.index(slot), prev)
-    if PARTS == 0:
-        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-        _tma_load(desc, c, ready.index(slot), bufs.index(slot))
-    else:
-        rows: gl.constexpr = desc.block_type.shape[1]
-        mbarrier.expect(ready.index(slot), PARTS * desc.block_type.nbytes)
-        for p in gl.static_range(PARTS):
-            _tma_load(desc, [c[0], c[1] + p * rows, c[2]], ready.index(slot),
-                      bufs.index(slot).slice(p * rows, rows, dim=1))
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+    _tma_load(desc, c, ready.index(slot), bufs.index(slot))
 
 
 @gluon.jit
 def _issue(ring, src, tn, DO_K: gl.constexpr, DO_V: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-           BN: gl.constexpr, NBUF: gl.constexpr, VLOAD: gl.constexpr = 0):
+           BN: gl.constexpr, NBUF: gl.constexpr):
     """K and/or V of tile ordinal tn (key tile j_lo + tn); nothing past the program's last tile.
     ring = (k_ring, v_ring [NBUF, 1, BN, D], k_ready, k_empty, v_ready, v_empty [NBUF, 1] mbarriers),
-    src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end). VLOAD (timing forms, ``ws_config``): 0 V in one
-    copy, 2 no V, 4 V in two copies of half its rows, 5 V's first half only."""
+    src = (k_desc, v_desc, b, hk, num_kv, j_lo, t_end)."""
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     k_desc, v_desc, b, hk, num_kv, j_lo, t_end = src
     if tn < t_end:
         c = _coords(b, hk, (j_lo + tn) * BN, KV_ROWS, num_kv, HEAD_DIM)
         if DO_K:
             _load(k_desc, k_ring, k_ready, k_empty, tn, c, NBUF)
-        if DO_V and VLOAD != 2:
-            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF, 2 if VLOAD == 4 else (1 if VLOAD == 5 else 0))
+        if DO_V:
+            _load(v_desc, v_ring, v_ready, v_empty, tn, c, NBUF)
 
 
 @gluon.jit
@@ -199,26 +197,24 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
 def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, qk_scale, thr,
              MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
              KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-             NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             VLOAD: gl.constexpr = 0, LATE: gl.constexpr = 0):
+             NW: gl.constexpr, MEET: gl.constexpr, LATE: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr):
     """One key tile j (ordinal t) for this warpgroup's HALF rows: S = Q.K^T, release K, decide
     (DECIDE 0 compute, 1 BSFA, 2 BLASST; at exchange t), online-softmax update and P.V when kept,
     release V. ISSUER (warpgroup 0 when there is no producer warp) copies tile t + NBUF - 1's K before
-    the Q.K^T and its V after the decision; LATE 1: K while the Q.K^T wgmma runs, V while the P.V wgmma
-    runs (a skipped tile: after its decision); 2: only K so; 3: only V so. carry = (acc [HALF, D] f32, l_i [HALF], m_i [HALF] (log2
-    units), n_skip)."""
+    the Q.K^T and its V after the decision, or, LATE, K while the Q.K^T wgmma runs and V while the P.V
+    wgmma runs (a skipped tile's V after its decision). carry = (acc [HALF, D] f32, l_i [HALF], m_i
+    [HALF] (log2 units), n_skip)."""
     acc, l_i, m_i, n_skip = carry
     k_ring, v_ring, k_ready, k_empty, v_ready, v_empty = ring
     d: gl.constexpr = q_smem.shape[1]
-    LATE_K: gl.constexpr = LATE == 1 or LATE == 2
-    LATE_V: gl.constexpr = LATE == 1 or LATE == 3
-    if ISSUER and not LATE_K:
+    if ISSUER and not LATE:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     slot = t % NBUF
     phase = (t // NBUF) & 1
     mbarrier.wait(k_ready.index(slot), phase)
     s = _qk_start(q_smem, k_ring.index(slot).reshape([BN, d]), BM // 2, BN, s_layout)
-    if ISSUER and LATE_K:
+    if ISSUER and LATE:
         _issue(ring, src, t + NBUF - 1, True, False, KV_ROWS, d, BN, NBUF)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot))
@@ -227,18 +223,18 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     keep = True
     if DECIDE != 0:
         keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
-    if ISSUER and not LATE_V:
-        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
+    if ISSUER and not LATE:
+        _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
         acc, l_i = _attend_start(s, m_i, m_new, l_i, acc, qk_scale, v_ring.index(slot).reshape([BN, d]),
-                                 v_ready.index(slot), phase, MASKED, o_layout, VLOAD != 2)
-        if ISSUER and LATE_V:
-            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
+                                 v_ready.index(slot), phase, MASKED, o_layout)
+        if ISSUER and LATE:
+            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         m_i = m_new
     else:
-        if ISSUER and LATE_V:
-            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF, VLOAD)
+        if ISSUER and LATE:
+            _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
         n_skip += 1
     mbarrier.arrive(v_empty.index(slot))
     return acc, l_i, m_i, n_skip
@@ -248,14 +244,13 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
 def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row_ok, n_ctx, qk_scale, thr,
                 MASKED: gl.constexpr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
                 KV_ROWS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
-                MEET: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, VLOAD: gl.constexpr = 0,
-                LATE: gl.constexpr = 0):
+                MEET: gl.constexpr, LATE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles j0 .. j0 + count - 1, ordinals t0 .. (one ring and one tile order across segments); the
     ISSUER copies NBUF - 1 tiles ahead."""
     for u in range(count):
         carry = _ws_tile(carry, q_smem, ring, src, red, dec_bar, t0 + u, j0 + u, rows, row_ok, n_ctx, qk_scale,
-                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout, o_layout,
-                         VLOAD, LATE)
+                         thr, MASKED, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, LATE, s_layout,
+                         o_layout)
     return carry
 
 
@@ -283,7 +278,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
-              VLOAD: gl.constexpr = 0, LATE: gl.constexpr = 0):
+              LATE: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -296,7 +291,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     if ISSUER:
         _load_q(q_desc, q_buf, q_bar, src[2], h, i, num_heads, Q_ROWS, HEAD_DIM, BM)
         for t in gl.static_range(NBUF - 1):
-            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF, VLOAD)
+            _issue(ring, src, t, True, True, KV_ROWS, HEAD_DIM, BN, NBUF)
     rows = i * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     row_ok = rows < n_ctx
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
@@ -306,11 +301,11 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, s_layout,
-                        o_layout, VLOAD, LATE)
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, LATE, s_layout,
+                        o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
-                        s_layout, o_layout, VLOAD, LATE)
+                        LATE, s_layout, o_layout)
     acc, l_i, m_i, n_skip = carry
     _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, src[2], h, bh, n_skip, n_ctx, CHUNK, WG, BM, NW,
               o_layout)
@@ -353,8 +348,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, VLOAD: gl.constexpr, LATE: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   MEET: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -392,10 +386,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -403,35 +397,36 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD, LATE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, VLOAD, LATE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
         ], [num_warps], [WORKER_REGS])
 
 
+def late_for(d: int, method: int, producer: bool | None = None) -> bool:
+    """Whether a call of head dim d and ``method`` (``prefill.method_code``) issues its copies under the wgmma by
+    default: LATE_DENSE[d] for a dense call (method 0) of the form without a producer warp, else not."""
+    producer = PRODUCER[d] if producer is None else bool(producer)
+    return method == 0 and not producer and LATE_DENSE[d]
+
+
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, vload: int = 0, late: int = 0) -> dict:
+              meet: int | None = None, late: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
-    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR); ``vload`` (timing forms, without a
-    producer warp only): 0 V in one copy a tile, 2 none (output wrong), 4 two copies of half its rows, 5 its
-    first half only (output wrong); ``late``: warpgroup 0 issues the copies while its wgmma run (``_ws_tile``'s
-    LATE: 1 K and V, 2 K, 3 V; without a producer warp only)."""
+    None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR); ``late``: warpgroup 0 issues each copy
+    while one of its wgmma runs (``_ws_tile``'s LATE; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
-    if vload not in (0, 2, 4, 5) or (vload and producer):
-        raise ValueError(f"vload is 0, or 2 / 4 / 5 without a producer warp, got {vload!r} (producer {producer})")
-    if late not in (0, 1, 2, 3):
-        raise ValueError(f"late is 0, 1 (K and V), 2 (K) or 3 (V), got {late!r}")
     if late and producer:
-        raise ValueError("late copies are warpgroup 0's (no producer warp)")
+        raise ValueError("late copies are warpgroup 0's: the form without a producer warp takes them")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
-          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "VLOAD": int(vload),
-          "LATE": int(late), "num_warps": CONSUMER_WARPS}
+          "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "LATE": bool(late),
+          "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -441,17 +436,17 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              vload: int = 0, late: int = 0):
+                              late: bool | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); meet: ``ws_config``'s."""
+    heads side by side in the grid (None: ``grid_chunk``); meet, late: ``ws_config``'s (late None:
+    ``late_for``)."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
-    kw = ws_config(q.shape[-1], producer, nbuf, chunk, meet, vload, late)
-    if vload in (4, 5):  # V read in boxes of half a tile's rows
-        args = (*args[:2], _descriptor(v, block_n // 2)[0], *args[3:])
+    d = q.shape[-1]
+    kw = ws_config(d, producer, nbuf, chunk, meet, late_for(d, consts["METHOD"], producer) if late is None else late)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)
