@@ -14,8 +14,12 @@ sparse cells at >= OF_IDEAL of the ideal, by the median and by the interval's up
 
 With ``--ab BASE FORM[,FORM...]`` it prints instead the A/B tables NOTES.md records after a comparison run: per
 shape and form, BASE's time over the form's (> 1: the form is faster) in every cell: skipping off, then BSFA and
-BLASST at 0 / 50 / 75 % (the medians of the run's rounds; no interval below 4 rounds, so read them against the run's
-own floor, the spread of cells that run identical code).
+BLASST at 0 / 50 / 75 % (the ratio of the medians of the run's rounds), each with its exact interval from the two
+forms' rounds (``evaluation.speed_stats.ratio_interval`` at alpha AB_ALPHA: level 0.90 with 3 rounds a form, the
+range of the 9 round-by-round ratios); a last line counts the cells whose interval lies above 1 (the form faster) and
+below 1 (slower). Rounds of one run share its machine and drift, so an interval is as good as the assumption that
+both forms' rounds differ by a scale factor only; cells that run identical code in both forms are the run's own
+check of that (s49: +-5 % at 64K).
 
     python -m sparsecal.bench.prefill_report --ab gluon_ws gluon_ws_nov data/bench/prefill-vbytes-h100-d128-s48.json.gz
 
@@ -30,6 +34,7 @@ import argparse
 
 from sparsecal.bench.decode_report import number
 from sparsecal.bench.harness import run_cli
+from sparsecal.evaluation.speed_stats import ratio_interval
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.json_values import finite_number, read_file
 from sparsecal.kernels.sparse.prefill_pick import pick
@@ -115,6 +120,9 @@ def targets_markdown(rows: list[dict]) -> str:
 
 
 AB_CELLS = ("off", *(f"{m}_s{s}" for m in METHODS for s in SPARSITIES))  # the A/B table's cells, in order
+# The A/B cells' intervals: alpha 0.11 gives the exact level 0.90 that 3 rounds a form allow (1 - 2/20; 95 % needs
+# 4 rounds), 0.905 at 5; the level each interval has is kept and the table prints the lowest.
+AB_ALPHA = 0.11
 
 
 def _timed(rows: dict) -> str:
@@ -122,8 +130,24 @@ def _timed(rows: dict) -> str:
     return ", ".join(sorted(k.removesuffix("_off") for k in rows if k.endswith("_off")))
 
 
+def _rounds(row: dict, path) -> list[float]:
+    """A row's ``rounds_ms``: positive finite times, or one UserError line."""
+    x = row.get("rounds_ms")
+    if not (isinstance(x, list) and x and all(finite_number(v) and v > 0 for v in x)):
+        raise UserError(f"{path}: row {row.get('variant')!r} has rounds_ms = {x!r}, not a list of positive times; "
+                        "the file is damaged or older than its rounds: run the benchmark again.")
+    return [float(v) for v in x]
+
+
+def _interval(base_row: dict, form_row: dict, path) -> tuple:
+    """(lo, hi, level) of BASE's time over the form's at AB_ALPHA, (None, None, None) where the rounds are too few."""
+    got = ratio_interval(_rounds(base_row, path), _rounds(form_row, path), AB_ALPHA)
+    return got["lo"], got["hi"], got["level"]
+
+
 def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> list[dict]:
-    """Per shape and form: d, n, group, form, ratios (BASE ms / form ms per AB_CELLS cell)."""
+    """Per shape and form: d, n, group, form, ratios (BASE ms / form ms per AB_CELLS cell) and intervals ((lo, hi,
+    level) per cell, ``_interval``)."""
     out = []
     for shape in doc["targets"]:
         rows = {r["variant"]: r for r in shape["rows"]}
@@ -134,7 +158,9 @@ def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> l
                                 f"timed; pass variants the run timed (it has {_timed(rows)}).")
             ratios = [number(rows[f"{base}_{c}"], "ms", path) / number(rows[f"{form}_{c}"], "ms", path)
                       for c in AB_CELLS]
-            out.append({"d": shape["d"], "n": shape["n"], "group": shape["group"], "form": form, "ratios": ratios})
+            intervals = [_interval(rows[f"{base}_{c}"], rows[f"{form}_{c}"], path) for c in AB_CELLS]
+            out.append({"d": shape["d"], "n": shape["n"], "group": shape["group"], "form": form, "ratios": ratios,
+                        "intervals": intervals})
     return out
 
 
@@ -144,12 +170,31 @@ def _groups(cells) -> str:
     return "; ".join([cells[0]] + [" ".join(cells[i:i + k]) for i in range(1, len(cells), k)])
 
 
+def _ab_cell(ratio: float, interval: tuple) -> str:
+    lo, hi, _ = interval
+    return f"{ratio:.3f}" if lo is None else f"{ratio:.3f} ({lo:.2f}-{hi:.2f})"
+
+
+def ab_counts(rows: list[dict]) -> dict:
+    """Cells of the A/B rows whose interval lies above 1 (``faster``), below 1 (``slower``), of ``with_interval``
+    (``cells`` in all), and the lowest ``level`` of those intervals (None without one)."""
+    ivs = [iv for r in rows for iv in r["intervals"] if iv[0] is not None]
+    return {"faster": sum(iv[0] > 1 for iv in ivs), "slower": sum(iv[1] < 1 for iv in ivs),
+            "cells": sum(len(r["intervals"]) for r in rows), "with_interval": len(ivs),
+            "level": min((iv[2] for iv in ivs), default=None)}
+
+
 def ab_markdown(rows: list[dict], base: str) -> str:
-    """The A/B table: one line per shape and form, BASE's time over the form's per cell."""
-    lines = [f"| form | D | N | G | {base} ms / form ms: {_groups(AB_CELLS)} |", "|---|---|---|---|---|"]
+    """The A/B table: one line per shape and form, BASE's time over the form's per cell with its exact interval,
+    and the count of cells the intervals place above and below 1 (``ab_counts``)."""
+    c = ab_counts(rows)
+    level = "no interval: too few rounds" if c["level"] is None else f"interval at level >= {c['level']:.2f}"
+    lines = [f"| form | D | N | G | {base} ms / form ms ({level}): {_groups(AB_CELLS)} |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['form']} | {r['d']} | {r['n'] // 1024}K | {r['group']} | "
-                     f"{_groups([f'{v:.3f}' for v in r['ratios']])} |")
+                     f"{_groups([_ab_cell(v, iv) for v, iv in zip(r['ratios'], r['intervals'])])} |")
+    lines.append(f"\nIntervals above 1 (the form faster): {c['faster']}, below 1 (slower): {c['slower']}, "
+                 f"of {c['with_interval']} cells with an interval ({c['cells']} in all).")
     return "\n".join(lines)
 
 
