@@ -115,3 +115,20 @@ def test_a_targets_row_carries_the_intervals_of_its_rounds():
     assert row["of_ideal_best"] == 3.88 / 3.0 / ideal(0.75)   # cuDNN the faster dense here
     assert row["of_ideal_best_lo"] < row["of_ideal_best"] < row["of_ideal_best_hi"]
     assert "of_ideal" not in target_row("sdpa_flash", times, None, {}, 16384, 128)
+
+
+def test_rounds_time_every_pair_once_each_way_round(monkeypatch):
+    """bench.sparse.round_robin_times (CPU: a timer that records the calls): round 0 times the variants in
+    their order, round 1 reversed, so over an even number of rounds no variant is always timed before
+    another (a fixed order read the second of two identical kernels 2-5 % slower on the GPU, s49)."""
+    from sparsecal.bench import sparse
+
+    calls = []
+    monkeypatch.setattr(sparse, "bench_ms", lambda fn: calls.append(fn()) or float(len(calls)))
+    variants = {name: (lambda name=name: name, None, {}) for name in ("a", "b", "c")}
+    times = sparse.round_robin_times(variants, 4)
+    assert calls == ["a", "b", "c", "c", "b", "a"] * 2
+    assert times == {"a": [1.0, 6.0, 7.0, 12.0], "b": [2.0, 5.0, 8.0, 11.0], "c": [3.0, 4.0, 9.0, 10.0]}
+    before = {(x, y): sum(calls[i:i + 3].index(x) < calls[i:i + 3].index(y) for i in range(0, 12, 3))
+              for x in "abc" for y in "abc" if x != y}
+    assert set(before.values()) == {2}

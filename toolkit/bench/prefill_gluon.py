@@ -13,7 +13,9 @@ kernel targets, in one run on one Hopper GPU.
    the fastest of the project's dense kernels in the run (dense Triton, every Gluon kernel with
    skipping off; ``dense_variant`` names it), and ``of_ideal_best`` against the faster of that and
    the best SDPA; every ratio with ``_lo``/``_hi``, the exact 95% interval of the two variants'
-   rounds (``rounds_ms``; evaluation/speed_stats.py, from 4 rounds: ``--rounds 5`` for the targets).
+   rounds (``rounds_ms``; evaluation/speed_stats.py, from 4 rounds). The variants are timed in
+   ``sparse.round_order``: reversed every other round, so an even ``--rounds`` (4 or 6) times every pair once
+   each way round (since s49; a fixed order read the second of two identical kernels 2-5 % slower at 64K).
 
 3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names
    (EXTRA_VARIANTS: ``gluon_ws``, the warp-specialized kernel of prefill_gluon_ws.py at its default
