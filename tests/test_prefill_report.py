@@ -80,7 +80,33 @@ def test_the_s48_ab_runs_read_as_the_notes_quote_them():
     assert [r["n"] for r in lag] == [16384, 32768] and all(0.98 < r["ratios"][0] < 1.03 for r in lag)
     assert all(r["ratios"][1] < 0.86 and r["ratios"][4] < 0.92 for r in lag)  # nothing skipped: 9-17 % slower
     text = report.ab_markdown(rows, "gluon_ws")
-    assert "| gluon_ws_nov | 128 | 32K | 1 | 1.151; " in text and text.count("\n| gluon_ws_") == 8
+    assert "| gluon_ws_nov | 128 | 32K | 1 | 1.151 (" in text and text.count("\n| gluon_ws_") == 8
+
+
+S49 = {name: BENCH / f"prefill-{name}-h100-d128-s49.json.gz" for name in ("late64k", "order64k")}
+
+
+def test_the_s49_order_runs_show_the_late_dense_gain_and_the_position_bias():
+    """NOTES "the copies issued under the wgmma" (s49): the late dense form is faster in either order (intervals above
+    1), and the decided cells, where both forms run the same kernel, favour the form timed first: gluon_ws in the
+    first run (8 of 12 intervals above 1), gluon_ws_early with the order reversed (4 of 6 below 1). A 3-round cell's
+    interval is the range of its 9 round-by-round ratios."""
+    first = report.ab_rows(report.read(S49["late64k"]), "gluon_ws_early", ["gluon_ws"])
+    second = report.ab_rows(report.read(S49["order64k"]), "gluon_ws_early", ["gluon_ws"])
+    assert [r["group"] for r in first] == [1, 8] and [r["group"] for r in second] == [1]
+    assert all(r["intervals"][0][0] > 1.04 for r in first + second)      # dense: late faster, 6.5-11 %
+
+    def decided(rows):
+        return [iv for r in rows for iv in r["intervals"][1:]]
+
+    assert sum(lo > 1 for lo, _, _ in decided(first)) == 8 and sum(hi < 1 for _, hi, _ in decided(first)) == 0
+    assert sum(hi < 1 for _, hi, _ in decided(second)) == 4 and sum(lo > 1 for lo, _, _ in decided(second)) == 0
+    rows = {r["variant"]: r["rounds_ms"] for r in report.read(S49["order64k"])["targets"][0]["rows"]}
+    pairs = [x / y for x in rows["gluon_ws_early_off"] for y in rows["gluon_ws_off"]]
+    lo, hi, level = second[0]["intervals"][0]
+    assert (lo, hi) == pytest.approx((min(pairs), max(pairs))) and level == pytest.approx(0.9)
+    text = report.ab_markdown(first, "gluon_ws_early")
+    assert "interval at level >= 0.90" in text and "Intervals above 1 (the form faster): 10, below 1 (slower): 0" in text
 
 
 def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tmp_path):
@@ -100,6 +126,10 @@ def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tm
     doc["targets"][0]["rows"][-1]["of_ideal_best"] = float("nan")  # gluon_ws_blasst_s75, picked at 75 %
     with pytest.raises(UserError, match="not a finite number"):
         report.targets_rows(doc, "d128")
+    doc = report.read(S49["order64k"])
+    next(r for r in doc["targets"][0]["rows"] if r["variant"] == "gluon_ws_off")["rounds_ms"] = [58.1, -1.0]
+    with pytest.raises(UserError, match=r"'gluon_ws_off' has rounds_ms = \[58.1, -1.0\], not a list of positive"):
+        report.ab_rows(doc, "gluon_ws_early", ["gluon_ws"], "order64k")
 
 
 def test_other_files_are_refused_with_one_line_and_exit_code_2(tmp_path):
