@@ -92,8 +92,10 @@ PRODUCER_REGS = 24
 PRODUCER = {64: True, 128: False}  # default per head dim
 # Where warpgroup 0 issues the copies when it is their issuer (D = 128), per head dim, for dense calls (``late_for``;
 # ``_ws_tile``'s LATE): under its wgmma. Dense at D = 128: 8-15 % faster than before the Q.K^T / after the decision
-# (16K-32K, G 1/8, two runs), faster than cuDNN at 16K-32K in one of them; calls that decide stay as they were (level
-# at 16K, 3-12 % slower at 32K with LATE); data/bench/NOTES.md "the copies issued under the wgmma", s49.
+# (16K-32K, G 1/8, two runs), 6.5-11 % at 64K (timed first and second), ahead of cuDNN in some runs; calls that
+# decide stay as they were (with LATE: level at 16K, 3-12 % slower at 32K timed second, up to 5 points of which the
+# bench's fixed order may hold, ``bench.sparse.round_order``); data/bench/NOTES.md "the copies issued under the wgmma",
+# s49.
 LATE_DENSE = {64: False, 128: True}
 # How the two warpgroups agree on a decision, per head dim (``_agree``'s MEET): 2, at one barrier with an OR
 # (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %); 0, votes through shared memory

@@ -10,7 +10,7 @@ The Gluon Hopper kernels measured fastest per head dim, method and sparsity (dat
              the 18 cells of s47's 5-round runs, 16K-64K, G 1/4/8), where the paired kernel had been
              picked from s44 to s46 (PAIR_FROM); NOTES.md "the prefill targets, s47".
     D = 128  prefill_gluon_ws with skipping off (1.03-1.06x; since s49 with its copies issued under the
-             wgmma, ``prefill_gluon_ws.late_for``: 7-15 % faster again, 16K-64K) and where the call is expected to skip
+             wgmma, ``prefill_gluon_ws.late_for``: 6-15 % faster again, 16K-64K) and where the call is expected to skip
              at least WS_FROM = 0.25 of its tiles (ahead by 0-6% at 50% in 17 of 18 cells, 4-10% at
              75%); prefill_gluon (one partition) otherwise, which is ahead by 0-9% when nothing is
              skipped, and for the window baseline (not timed against the other)
