@@ -50,6 +50,15 @@ def test_quick_sweep(tmp_path):
     assert all(0.0 < r["v_skip"] <= r["sparsity"] <= 1.0 for r in shape["rows"] if r["kind"] == "sparse")
 
 
+def test_rounds_alternate_the_order_of_the_variants():
+    """timed_rounds (CPU, quick: no graphs) times the variants in harness.round_order: given order, then reversed."""
+    calls = []
+    variants = {name: ((lambda name=name: calls.append(name)), {}) for name in ("sdpa", "group_dense", "old_dense")}
+    eager, graph = bench_decode.timed_rounds(variants, 4, quick=True)
+    assert calls == ["sdpa", "group_dense", "old_dense", "old_dense", "group_dense", "sdpa"] * 2
+    assert all(len(t) == 4 for t in eager.values()) and graph == {}
+
+
 def test_speedups_carry_the_interval_of_their_rounds():
     """bench.decode.speedups: ratios of medians against the best SDPA, each with speed_stats'
     interval from exactly the rounds given; graph speedups only where both have graph rounds."""

@@ -130,7 +130,7 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int, timings=
     import torch
 
     from sparsecal.bench.decode import graph_ms
-    from sparsecal.bench.harness import PREFILL_SDPA, bench_ms, log, sdpa_fns
+    from sparsecal.bench.harness import PREFILL_SDPA, bench_ms, log, round_order, sdpa_fns
     from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
     from sparsecal.kernels.sparse.prefill import candidate_tiles
     from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
@@ -157,9 +157,9 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int, timings=
     by_timing = {}
     if "eager" in timings:
         times = {key: [] for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                times[key].append(bench_ms(fn))
+        for r in range(rounds):
+            for key in round_order(fns, r):
+                times[key].append(bench_ms(fns[key]))
         by_timing["eager"] = {key: statistics.median(t) for key, t in times.items()}
     if "graph" in timings:
         got = {key: graph_ms(fn) for key, fn in fns.items()}

@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from sparsecal.bench.decode import bisect, bsfa_at, graph_ms, time_ms
-from sparsecal.bench.harness import log
+from sparsecal.bench.harness import log, round_order
 
 DECODE_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 QUICK_SDPA = ("FLASH_ATTENTION", "MATH")  # what runs on a CPU
@@ -142,9 +142,9 @@ def measure_decode_length(n: int, geo: dict, methods, decisions, sparsities, rou
     ms = {}
     if "eager" in timings:
         times = {key: [] for key in fns}
-        for _ in range(rounds):
-            for key, fn in fns.items():
-                times[key].append(time_ms(fn, quick))
+        for r in range(rounds):
+            for key in round_order(fns, r):
+                times[key].append(time_ms(fns[key], quick))
         ms["eager"] = {key: statistics.median(t) for key, t in times.items()}
     if "graph" in timings and not quick:
         got = {key: graph_ms(fn) for key, fn in fns.items()}

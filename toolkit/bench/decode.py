@@ -52,7 +52,7 @@ from sparsecal.bench.decode_inputs import (
     sdpa_variants,
 )
 from sparsecal.bench.decode_sweep import run as run_sweep
-from sparsecal.bench.harness import compiled_info, graph_replay, log, run_cli
+from sparsecal.bench.harness import compiled_info, graph_replay, log, round_order, run_cli
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -152,14 +152,15 @@ def describe(name: str, fn, info: dict, q, k, v) -> dict:
 
 
 def timed_rounds(variants: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
-    """(eager, graph): name -> ms per round, round-robin over the variants, each round timing every
-    variant's call and (on a GPU) its call captured in a CUDA graph and replayed (graph_ms: captured
-    anew each round and freed after, so no two variants' graph memory is held at once; where the
-    capture fails, its reason in place of the list)."""
+    """(eager, graph): name -> ms per round, round-robin over the variants (``harness.round_order``), each
+    round timing every variant's call and (on a GPU) its call captured in a CUDA graph and replayed
+    (graph_ms: captured anew each round and freed after, so no two variants' graph memory is held at
+    once; where the capture fails, its reason in place of the list)."""
     eager = {name: [] for name in variants}
     graph = {} if quick else {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (fn, _) in variants.items():
+    for r in range(rounds):
+        for name in round_order(variants, r):
+            fn = variants[name][0]
             eager[name].append(time_ms(fn, quick))
             if isinstance(graph.get(name), list):
                 got = graph_ms(fn)

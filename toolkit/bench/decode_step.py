@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.harness import log
+from sparsecal.bench.harness import log, round_order
 
 TOP = 12   # kernels listed per configuration in the printed summary
 
@@ -160,7 +160,8 @@ def run(args) -> dict:
     table = _variants(model, args, ms.model_id)
     got = {label: {"rounds_ms": [], "eager_rounds_ms": []} for label in table}
     for r in range(args.rounds):
-        for label, (enter, leave) in table.items():
+        for label in round_order(table, r):
+            enter, leave = table[label]
             enter()
             try:
                 c, x = _before_steps(model, ids, (cache, nxt), args)

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsfa_at, counted, decode_qkv, sdpa_variants
-from sparsecal.bench.harness import graph_replay, log
+from sparsecal.bench.harness import graph_replay, log, round_order
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
 from sparsecal.kernels.sparse.decode_group import (
@@ -154,7 +154,8 @@ def check_dense_configs(device, configs: dict, quick: bool, dims: tuple = (64, 1
 
 
 def _time_round_robin(fns: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
-    """({name: [ms per round]}, {name: error}) of CUDA-graph replays (wall clock of a call in quick)."""
+    """({name: [ms per round]}, {name: error}) of CUDA-graph replays (wall clock of a call in quick), the
+    candidates in ``harness.round_order``."""
     runners, errors = {}, {}
     for name, fn in fns.items():
         try:
@@ -166,8 +167,9 @@ def _time_round_robin(fns: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
         except Exception as e:  # noqa: BLE001  (recorded; the candidate never wins)
             errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
     times = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
+    for r in range(rounds):
+        for name in round_order(runners, r):
+            run = runners[name]
             if quick:
                 t = time.perf_counter()
                 run()

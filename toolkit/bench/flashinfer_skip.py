@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from sparsecal.bench import flashinfer_build as fb
+from sparsecal.bench.harness import round_order
 from sparsecal.kernels.sparse.flashinfer_reference import factor_for_share, simulate
 
 WORKSPACE_BYTES = 128 << 20
@@ -123,8 +124,9 @@ def time_case(mods, q, k, v, scale, factors, rounds: int) -> dict:
         fns[name] = sdpa
     times: dict[str, list[float]] = {name: [] for name in fns}
     how = {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in round_order(fns, r):
+            fn = fns[name]
             try:
                 times[name].append(tt.do_bench_cudagraph(fn, rep=200, return_mode="median"))
                 how[name] = "cudagraph"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.harness import bench_ms, log, sdpa_fns
+from sparsecal.bench.harness import bench_ms, log, round_order, sdpa_fns
 from sparsecal.bench.kernel_profile import bandwidth, device_us, pick
 from sparsecal.bench.sparse_inputs import (
     blasst_log_lambda_for,
@@ -133,16 +133,9 @@ def prefill_variants(q, k, v, d: int, n: int, launch) -> dict:
     return variants
 
 
-def round_order(names: list, r: int) -> list:
-    """The order round r (0, 1, ..) times the variants in: as given in even rounds, reversed in odd ones, so over an
-    even number of rounds every pair of variants is timed once each way round (the variant timed second of two
-    identical kernels read 2-5 % slower at D = 128 64K when the order never changed; data/bench/NOTES.md, s49)."""
-    return list(names) if r % 2 == 0 else list(reversed(names))
-
-
 def round_robin_times(variants: dict, rounds: int) -> dict:
-    """name -> its bench_ms of each round (in round order), the variants timed in turn in ``round_order``,
-    ``rounds`` times."""
+    """name -> its bench_ms of each round (in round order), the variants timed in turn in
+    ``harness.round_order``, ``rounds`` times."""
     times = {name: [] for name in variants}
     for r in range(rounds):
         for name in round_order(list(variants), r):

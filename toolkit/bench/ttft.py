@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.harness import log, result_file
+from sparsecal.bench.harness import log, result_file, round_order
 from sparsecal.evaluation.timing import BASELINES, forward_ms, graph_ms, ideal_speedup
 
 PROMPT_SEED = 20261123
@@ -99,12 +99,13 @@ def _counts(model, ids) -> dict:
 
 
 def timed(model, ids, export, args) -> dict:
-    """key -> {"ms", "graph_ms" (medians over ``--rounds`` round-robin rounds, each the median of
-    ``--reps``), "rounds_ms", and the kernel counts of sparse variants}."""
+    """key -> {"ms", "graph_ms" (medians over ``--rounds`` round-robin rounds in ``harness.round_order``,
+    each the median of ``--reps``), "rounds_ms", and the kernel counts of sparse variants}."""
     table = variants(model, export, args, ids.device.type == "cuda")
     got = {key: {"rounds": []} for key in table}
-    for _ in range(args.rounds):
-        for key, (enter, leave) in table.items():
+    for r in range(args.rounds):
+        for key in round_order(table, r):
+            enter, leave = table[key]
             enter()
             try:
                 got[key]["rounds"].append(_time(model, ids, args))
