@@ -51,7 +51,7 @@ def test_quick_sweep(tmp_path):
 
 
 def test_rounds_alternate_the_order_of_the_variants():
-    """timed_rounds (CPU, quick: no graphs) times the variants in harness.round_order: given order, then reversed."""
+    """timed_rounds (CPU, quick: no graphs) times the variants in speed_stats.round_order: given order, then reversed."""
     calls = []
     variants = {name: ((lambda name=name: calls.append(name)), {}) for name in ("sdpa", "group_dense", "old_dense")}
     eager, graph = bench_decode.timed_rounds(variants, 4, quick=True)

@@ -118,7 +118,7 @@ def test_a_targets_row_carries_the_intervals_of_its_rounds():
 
 
 def test_rounds_time_every_pair_once_each_way_round(monkeypatch):
-    """bench.sparse.round_robin_times (CPU: a timer that records the calls) in harness.round_order: round 0
+    """bench.sparse.round_robin_times (CPU: a timer that records the calls) in speed_stats.round_order: round 0
     times the variants in their order, round 1 reversed, so over an even number of rounds no variant is always
     timed before another (a fixed order read the second of two identical kernels 2-5 % slower on the GPU, s49)."""
     from sparsecal.bench import sparse

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sparsecal.evaluation.speed_stats import mann_whitney_cdf, ratio_interval
+from sparsecal.evaluation.speed_stats import mann_whitney_cdf, ratio_interval, round_order
 
 
 @pytest.mark.parametrize("n,m", [(1, 1), (2, 3), (3, 4), (4, 4), (5, 3)])
@@ -47,3 +47,14 @@ def test_an_interval_needs_four_rounds_each_and_bad_times_are_refused():
     for bad in ([], [1.0, float("nan")], [1.0, 0.0], [[1.0]]):
         with pytest.raises(ValueError, match="positive, finite times"):
             ratio_interval(bad, [1.0])
+
+
+def test_rounds_alternate_so_every_pair_is_timed_each_way_round():
+    """round_order: the given order in even rounds, reversed in odd ones; over 2k rounds each ordered pair of
+    variants has the first timed before the second in exactly k of them."""
+    names = ["sdpa", "cudnn", "own", "sparse"]
+    orders = [round_order(names, r) for r in range(6)]
+    assert orders[0] == names and orders[1] == names[::-1] and orders[4] == names
+    for x, y in itertools.permutations(names, 2):
+        assert sum(o.index(x) < o.index(y) for o in orders) == 3
+    assert round_order({"a": 1, "b": 2}, 1) == ["b", "a"]   # a dict's keys, as the benchmarks pass them

@@ -28,7 +28,8 @@ import warnings
 import torch
 
 from sparsecal.bench.decode import bisect, bsfa_at, graph_ms, time_ms
-from sparsecal.bench.harness import log, round_order
+from sparsecal.bench.harness import log
+from sparsecal.evaluation.speed_stats import round_order
 
 DECODE_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 QUICK_SDPA = ("FLASH_ATTENTION", "MATH")  # what runs on a CPU

@@ -52,7 +52,8 @@ from sparsecal.bench.decode_inputs import (
     sdpa_variants,
 )
 from sparsecal.bench.decode_sweep import run as run_sweep
-from sparsecal.bench.harness import compiled_info, graph_replay, log, round_order, run_cli
+from sparsecal.bench.harness import compiled_info, graph_replay, log, run_cli
+from sparsecal.evaluation.speed_stats import round_order
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -152,7 +153,7 @@ def describe(name: str, fn, info: dict, q, k, v) -> dict:
 
 
 def timed_rounds(variants: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
-    """(eager, graph): name -> ms per round, round-robin over the variants (``harness.round_order``), each
+    """(eager, graph): name -> ms per round, round-robin over the variants (``speed_stats.round_order``), each
     round timing every variant's call and (on a GPU) its call captured in a CUDA graph and replayed
     (graph_ms: captured anew each round and freed after, so no two variants' graph memory is held at
     once; where the capture fails, its reason in place of the list)."""

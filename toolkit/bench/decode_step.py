@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.harness import log, round_order
+from sparsecal.bench.harness import log
+from sparsecal.evaluation.speed_stats import round_order
 
 TOP = 12   # kernels listed per configuration in the printed summary
 

@@ -31,7 +31,8 @@ import torch
 import triton
 
 from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsfa_at, counted, decode_qkv, sdpa_variants
-from sparsecal.bench.harness import graph_replay, log, round_order
+from sparsecal.bench.harness import graph_replay, log
+from sparsecal.evaluation.speed_stats import round_order
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
 from sparsecal.kernels.sparse.decode_group import (
@@ -155,7 +156,7 @@ def check_dense_configs(device, configs: dict, quick: bool, dims: tuple = (64, 1
 
 def _time_round_robin(fns: dict, rounds: int, quick: bool) -> tuple[dict, dict]:
     """({name: [ms per round]}, {name: error}) of CUDA-graph replays (wall clock of a call in quick), the
-    candidates in ``harness.round_order``."""
+    candidates in ``speed_stats.round_order``."""
     runners, errors = {}, {}
     for name, fn in fns.items():
         try:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from sparsecal.bench import flashinfer_build as fb
-from sparsecal.bench.harness import round_order
+from sparsecal.evaluation.speed_stats import round_order
 from sparsecal.kernels.sparse.flashinfer_reference import factor_for_share, simulate
 
 WORKSPACE_BYTES = 128 << 20

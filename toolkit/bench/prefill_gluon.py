@@ -14,7 +14,7 @@ kernel targets, in one run on one Hopper GPU.
    skipping off; ``dense_variant`` names it), and ``of_ideal_best`` against the faster of that and
    the best SDPA; every ratio with ``_lo``/``_hi``, the exact 95% interval of the two variants'
    rounds (``rounds_ms``; evaluation/speed_stats.py, from 4 rounds). The variants are timed in
-   ``sparse.round_order``: reversed every other round, so an even ``--rounds`` (4 or 6) times every pair once
+   ``speed_stats.round_order``: reversed every other round, so an even ``--rounds`` (4 or 6) times every pair once
    each way round (since s49; a fixed order read the second of two identical kernels 2-5 % slower at 64K).
 
 3. --variants: extra Gluon kernels, checked and timed beside ``gluon`` under their own names

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.harness import bench_ms, log, round_order, sdpa_fns
+from sparsecal.bench.harness import bench_ms, log, sdpa_fns
 from sparsecal.bench.kernel_profile import bandwidth, device_us, pick
 from sparsecal.bench.sparse_inputs import (
     blasst_log_lambda_for,
@@ -41,6 +41,7 @@ from sparsecal.bench.sparse_inputs import (
     structured_qkv,
     tile_stats,
 )
+from sparsecal.evaluation.speed_stats import round_order
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
 from sparsecal.kernels.dense import attention_dense, flops_causal
@@ -135,7 +136,7 @@ def prefill_variants(q, k, v, d: int, n: int, launch) -> dict:
 
 def round_robin_times(variants: dict, rounds: int) -> dict:
     """name -> its bench_ms of each round (in round order), the variants timed in turn in
-    ``harness.round_order``, ``rounds`` times."""
+    ``speed_stats.round_order``, ``rounds`` times."""
     times = {name: [] for name in variants}
     for r in range(rounds):
         for name in round_order(list(variants), r):

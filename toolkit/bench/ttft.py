@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from sparsecal.bench.harness import log, result_file, round_order
+from sparsecal.bench.harness import log, result_file
+from sparsecal.evaluation.speed_stats import round_order
 from sparsecal.evaluation.timing import BASELINES, forward_ms, graph_ms, ideal_speedup
 
 PROMPT_SEED = 20261123
@@ -99,7 +100,7 @@ def _counts(model, ids) -> dict:
 
 
 def timed(model, ids, export, args) -> dict:
-    """key -> {"ms", "graph_ms" (medians over ``--rounds`` round-robin rounds in ``harness.round_order``,
+    """key -> {"ms", "graph_ms" (medians over ``--rounds`` round-robin rounds in ``speed_stats.round_order``,
     each the median of ``--reps``), "rounds_ms", and the kernel counts of sparse variants}."""
     table = variants(model, export, args, ids.device.type == "cuda")
     got = {key: {"rounds": []} for key in table}

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsecal.evaluation.kv_append import in_place
+from sparsecal.evaluation.speed_stats import round_order
 from sparsecal.formats.results import SPEED_INTERVALS, SPEEDS
 
 SPARSITY_TOL = 0.02
@@ -350,14 +351,15 @@ def _variants(model, methods, ids_of: dict, base_ids, export_dir, model_id: str,
 def time_length(model, methods, ids_of: dict, base_ids, export_dir, model_id: str, opts: TimingOptions,
                 extrapolate: bool = False) -> dict:
     """key -> {measure: [one value per round]} for every variant of one length, in round-robin
-    rounds (each round enters every variant once, in the same order)."""
+    rounds (each round enters every variant once, in ``speed_stats.round_order``: reversed every other round)."""
     from sparsecal.integrations.sparsify import densify
 
     table = _variants(model, methods, ids_of, base_ids, export_dir, model_id, extrapolate)
     got = {key: {} for key in table}
     densify(model)
-    for _ in range(opts.rounds):
-        for key, (ids, enter, leave, sparse) in table.items():
+    for r in range(opts.rounds):
+        for key in round_order(table, r):
+            ids, enter, leave, sparse = table[key]
             enter()
             try:
                 for name, v in _measure(model, ids, opts, sparse).items():
