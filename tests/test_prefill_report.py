@@ -107,6 +107,9 @@ def test_the_s49_order_runs_show_the_late_dense_gain_and_the_position_bias():
     assert (lo, hi) == pytest.approx((min(pairs), max(pairs))) and level == pytest.approx(0.9)
     text = report.ab_markdown(first, "gluon_ws_early")
     assert "interval at level >= 0.90" in text and "Intervals above 1 (the form faster): 10, below 1 (slower): 0" in text
+    doc = report.read(S49["order64k"])
+    assert "one fixed order every round" in report.order_note(doc)   # run before the rounds alternated
+    assert report.order_note(dict(doc, round_order="alternating")) == ""
 
 
 def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tmp_path):

@@ -48,6 +48,7 @@ import torch
 from sparsecal.bench.harness import log, result_file, run_section
 from sparsecal.bench.sparse import BM, BN, HEADS, SPARSITIES, ideal, round_robin_times
 from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
+from sparsecal.evaluation.speed_stats import ROUND_ORDER
 from sparsecal.kernels.dense import attention_dense, flops_causal
 from sparsecal.kernels.jit import LAST_COMPILED
 from sparsecal.kernels.sparse.prefill import candidate_tiles, sparse_attention_triton
@@ -283,6 +284,7 @@ def main(argv=None) -> None:
         ap.error(f"unknown --variants {', '.join(unknown)} (known: {', '.join(EXTRA_VARIANTS)})")
     result, save = result_file("prefill_gluon", args.out, args.commit)
     result["variants"] = names
+    result["round_order"] = ROUND_ORDER  # files without it (before s49) timed every round in one fixed order
     if "check" in sections:
         run_section(result, "check", lambda: check_gluon(tuple(names)), save)
         log(f"gluon check ok: {result.get('check', {}).get('ok')}; "

@@ -34,7 +34,7 @@ import argparse
 
 from sparsecal.bench.decode_report import number
 from sparsecal.bench.harness import run_cli
-from sparsecal.evaluation.speed_stats import ratio_interval
+from sparsecal.evaluation.speed_stats import ROUND_ORDER, ratio_interval
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.json_values import finite_number, read_file
 from sparsecal.kernels.sparse.prefill_pick import pick
@@ -198,6 +198,16 @@ def ab_markdown(rows: list[dict], base: str) -> str:
     return "\n".join(lines)
 
 
+def order_note(doc: dict) -> str:
+    """A line for a run whose rounds all timed the variants in one order (no ``round_order``: files before s49),
+    else nothing."""
+    if doc.get("round_order") == ROUND_ORDER:
+        return ""
+    return ("\nThis run timed its variants in one fixed order every round: a form timed right after another read "
+            "2-5 % slower than the same kernel timed first (data/bench/NOTES.md, s49), so cells within that of 1 "
+            "do not tell the forms apart.")
+
+
 def latest_rows(paths) -> tuple[list[dict], list[str]]:
     """``targets_rows`` of the files in order, a shape (D, N, G) of a later file replacing an earlier
     file's; and one line per replaced shape (its file, the file that replaced it)."""
@@ -223,7 +233,8 @@ def main(argv=None) -> None:
         if not forms:
             ap.error("--ab takes BASE and FORMS, the variants to compare with it, comma-separated (e.g. gluon_ws_nov)")
         for p in args.files:
-            print(f"{p}:\n" + ab_markdown(ab_rows(read(p), base, forms, p), base))
+            doc = read(p)
+            print(f"{p}:\n" + ab_markdown(ab_rows(doc, base, forms, p), base) + order_note(doc))
         return
     rows, notes = latest_rows(args.files)
     print(targets_markdown(rows) + "".join(f"\n{x}" for x in notes))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 ALPHA = 0.05
+ROUND_ORDER = "alternating"  # what a result file records when its rounds were timed in ``round_order``
 
 
 def round_order(names, r: int) -> list:
