@@ -59,6 +59,16 @@ def test_rounds_alternate_the_order_of_the_variants():
     assert all(len(t) == 4 for t in eager.values()) and graph == {}
 
 
+def test_reports_say_when_a_runs_rounds_kept_one_order(capsys):
+    """decode_report names the committed (pre-s49) targets files as timed in one fixed order; a run that records
+    round_order (every bench run since) gets no such line."""
+    files = [str(ROOT / "data" / "bench" / "decode-targets-s42-b16-h100-d128.json.gz")]
+    report.main(["--targets", *files])
+    out = capsys.readouterr().out
+    assert f"{files[0]}: Timed in one fixed order every round" in out
+    assert report.order_note({"round_order": "alternating"}) == "" and report.order_note({}).startswith("\nTimed")
+
+
 def test_speedups_carry_the_interval_of_their_rounds():
     """bench.decode.speedups: ratios of medians against the best SDPA, each with speed_stats'
     interval from exactly the rounds given; graph speedups only where both have graph rounds."""

@@ -53,7 +53,7 @@ from sparsecal.bench.decode_inputs import (
 )
 from sparsecal.bench.decode_sweep import run as run_sweep
 from sparsecal.bench.harness import compiled_info, graph_replay, log, run_cli
-from sparsecal.evaluation.speed_stats import round_order
+from sparsecal.evaluation.speed_stats import ROUND_ORDER, round_order
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
@@ -341,7 +341,7 @@ def main(argv=None) -> None:
         batch, rounds = args.batch, args.rounds
     out = args.out or Path("data/bench/decode-cpu-quick.json" if quick else "data/bench/decode-h100.json")
     result = {"benchmark": "decode", "provenance": provenance(), "args": vars(args) | {"out": str(out)},
-              "geometry": {"block_m": BM, "block_n": BN, "heads": HEADS}}
+              "geometry": {"block_m": BM, "block_n": BN, "heads": HEADS}, "round_order": ROUND_ORDER}
 
     def save():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from sparsecal.bench.harness import run_cli
+from sparsecal.evaluation.speed_stats import ROUND_ORDER
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.json_values import finite_number, read_file
 from sparsecal.kernels.sparse.decode_group import sparse_launch_for
@@ -48,6 +49,16 @@ def number(row: dict, key: str, path) -> float:
         raise UserError(f"{path}: row {row.get('variant')!r} has {key} = {x!r}, not a finite number; the file is "
                         "damaged: run the benchmark again.")
     return float(x)
+
+
+def order_note(doc: dict) -> str:
+    """A line for a run whose rounds all timed the variants in one order (no ``round_order``: files before s49),
+    else nothing."""
+    if doc.get("round_order") == ROUND_ORDER:
+        return ""
+    return ("\nTimed in one fixed order every round: in a prefill run so timed, a form timed right after another "
+            "read 2-5 % slower than the same kernel timed first (data/bench/NOTES.md, s49), so ratios within that of "
+            "1 do not tell the forms apart.")
 
 
 def sweep_rows(doc: dict, path="the sweep") -> list[dict]:
@@ -140,9 +151,17 @@ def main(argv=None) -> None:
     if not (args.sweep or args.targets):
         raise UserError("nothing to report: pass --sweep FILE ... and / or --targets FILE ...")
     if args.sweep:
-        print(sweep_markdown([r for p in args.sweep for r in sweep_rows(read(p, "decode-sweep"), p)]))
+        docs = {p: read(p, "decode-sweep") for p in args.sweep}
+        print(sweep_markdown([r for p, d in docs.items() for r in sweep_rows(d, p)]) + _order_notes(docs))
     if args.targets:
-        print(targets_markdown([r for p in args.targets for r in targets_rows(read(p, "decode"), p)]))
+        docs = {p: read(p, "decode") for p in args.targets}
+        print(targets_markdown([r for p, d in docs.items() for r in targets_rows(d, p)]) + _order_notes(docs))
+
+
+def _order_notes(docs: dict) -> str:
+    """``order_note`` once for the files (named) whose rounds kept one order."""
+    fixed = [p for p, d in docs.items() if order_note(d)]
+    return f"\n{', '.join(map(str, fixed))}: " + order_note({}).lstrip("\n") if fixed else ""
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import triton
 
 from sparsecal.bench.decode_inputs import BM, BN, HEADS, SPARSITIES, bisect, bsfa_at, counted, decode_qkv, sdpa_variants
 from sparsecal.bench.harness import graph_replay, log
-from sparsecal.evaluation.speed_stats import round_order
+from sparsecal.evaluation.speed_stats import ROUND_ORDER, round_order
 from sparsecal.formats.files import atomic_write_text
 from sparsecal.formats.provenance import provenance
 from sparsecal.kernels.sparse.decode_group import (
@@ -298,7 +298,7 @@ def run(args, device: str, quick: bool, out) -> dict:
         dims, groups, lengths = ([int(x) for x in a.split(",")] for a in (args.dims, args.groups, args.lengths))
         batch, rounds = args.batch, args.rounds
     result = {"benchmark": "decode-sweep", "provenance": provenance(), "args": vars(args) | {"out": str(out)},
-              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "round_order": ROUND_ORDER}
 
     def save():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import argparse
 
-from sparsecal.bench.decode_report import number
+from sparsecal.bench.decode_report import number, order_note
 from sparsecal.bench.harness import run_cli
-from sparsecal.evaluation.speed_stats import ROUND_ORDER, ratio_interval
+from sparsecal.evaluation.speed_stats import ratio_interval
 from sparsecal.formats.errors import UserError
 from sparsecal.formats.json_values import finite_number, read_file
 from sparsecal.kernels.sparse.prefill_pick import pick
@@ -196,16 +196,6 @@ def ab_markdown(rows: list[dict], base: str) -> str:
     lines.append(f"\nIntervals above 1 (the form faster): {c['faster']}, below 1 (slower): {c['slower']}, "
                  f"of {c['with_interval']} cells with an interval ({c['cells']} in all).")
     return "\n".join(lines)
-
-
-def order_note(doc: dict) -> str:
-    """A line for a run whose rounds all timed the variants in one order (no ``round_order``: files before s49),
-    else nothing."""
-    if doc.get("round_order") == ROUND_ORDER:
-        return ""
-    return ("\nThis run timed its variants in one fixed order every round: a form timed right after another read "
-            "2-5 % slower than the same kernel timed first (data/bench/NOTES.md, s49), so cells within that of 1 "
-            "do not tell the forms apart.")
 
 
 def latest_rows(paths) -> tuple[list[dict], list[str]]:
