@@ -19,7 +19,7 @@ forms' rounds (``evaluation.speed_stats.ratio_interval`` at alpha AB_ALPHA: leve
 range of the 9 round-by-round ratios); a last line counts the cells whose interval lies above 1 (the form faster) and
 below 1 (slower). Rounds of one run share its machine and drift, so an interval is as good as the assumption that
 both forms' rounds differ by a scale factor only; cells that run identical code in both forms are the run's own
-check of that (s49: +-5 % at 64K).
+check of that (s49, 64K: in a fixed order the form timed first read 2-5 % faster, ``order_note``).
 
     python -m sparsecal.bench.prefill_report --ab gluon_ws gluon_ws_nov data/bench/prefill-vbytes-h100-d128-s48.json.gz
 

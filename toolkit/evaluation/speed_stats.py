@@ -31,8 +31,8 @@ def round_order(names, r: int) -> list:
     """The order round r (0, 1, ..) of a round-robin times its variants in: as given in even rounds, reversed in
     odd ones, so over an even number of rounds every pair is timed once each way round. In a fixed order the second
     of two identical kernels timed back to back read 2-5 % slower (prefill, D = 128 64K, an H100;
-    data/bench/NOTES.md, s49): a bias of the position that no interval from the rounds can see, since the
-    intervals above assume rounds that differ by a scale factor only."""
+    data/bench/NOTES.md, s49): a bias of the position that no interval from the rounds can see, since
+    ``ratio_interval`` assumes rounds that differ by a scale factor only."""
     return list(names) if r % 2 == 0 else list(reversed(list(names)))
 
 
