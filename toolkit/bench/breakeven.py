@@ -131,8 +131,8 @@ def measure_length(n: int, geo: dict, methods, sparsities, rounds: int, timings=
 
     from sparsecal.bench.decode import graph_ms
     from sparsecal.bench.harness import PREFILL_SDPA, bench_ms, log, sdpa_fns
-    from sparsecal.evaluation.speed_stats import round_order
     from sparsecal.bench.sparse_inputs import blasst_log_lambda_for, bsfa_thresholds_for, structured_qkv, tile_stats
+    from sparsecal.evaluation.speed_stats import round_order
     from sparsecal.kernels.sparse.prefill import candidate_tiles
     from sparsecal.kernels.sparse.prefill_pick import sparse_prefill
 
