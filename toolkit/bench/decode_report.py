@@ -51,14 +51,15 @@ def number(row: dict, key: str, path) -> float:
     return float(x)
 
 
+FIXED_ORDER = ("Timed in one fixed order every round: in a prefill run so timed, a form timed right after another "
+               "read 2-5 % slower than the same kernel timed first (data/bench/NOTES.md, s49), so ratios within that "
+               "of 1 do not tell the forms apart.")
+
+
 def order_note(doc: dict) -> str:
-    """A line for a run whose rounds all timed the variants in one order (no ``round_order``: files before s49),
-    else nothing."""
-    if doc.get("round_order") == ROUND_ORDER:
-        return ""
-    return ("\nTimed in one fixed order every round: in a prefill run so timed, a form timed right after another "
-            "read 2-5 % slower than the same kernel timed first (data/bench/NOTES.md, s49), so ratios within that of "
-            "1 do not tell the forms apart.")
+    """A line (FIXED_ORDER) for a run whose rounds all timed the variants in one order (no ``round_order``: files
+    before s49), else nothing."""
+    return "" if doc.get("round_order") == ROUND_ORDER else f"\n{FIXED_ORDER}"
 
 
 def sweep_rows(doc: dict, path="the sweep") -> list[dict]:
@@ -161,7 +162,7 @@ def main(argv=None) -> None:
 def _order_notes(docs: dict) -> str:
     """``order_note`` once for the files (named) whose rounds kept one order."""
     fixed = [p for p, d in docs.items() if order_note(d)]
-    return f"\n{', '.join(map(str, fixed))}: " + order_note({}).lstrip("\n") if fixed else ""
+    return f"\n{', '.join(map(str, fixed))}: {FIXED_ORDER}" if fixed else ""
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def round_robin_times(variants: dict, rounds: int) -> dict:
     ``speed_stats.round_order``, ``rounds`` times."""
     times = {name: [] for name in variants}
     for r in range(rounds):
-        for name in round_order(list(variants), r):
+        for name in round_order(variants, r):
             times[name].append(bench_ms(variants[name][0]))
     return times
 
