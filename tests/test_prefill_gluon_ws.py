@@ -100,9 +100,9 @@ def test_config_is_the_one_each_head_dim_runs():
     setmaxnreg: two programs per SM); D = 128 runs without one (128 registers, 2 slots)."""
     common = {"PRODUCER_REGS": 24, "CHUNK": 1, "LATE": False, "num_warps": 4}
     assert pw.ws_config(64) == {"NBUF": 4, "PRODUCER": True, "WORKER_REGS": 112, "maxnreg": 80, "MEET": 2, **common}
-    assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, "MEET": 0,
+    assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, "MEET": 2,
                                  **common}
-    assert pw.ws_config(64, meet=0)["MEET"] == 0 and pw.ws_config(128, meet=2)["MEET"] == 2
+    assert pw.ws_config(64, meet=0)["MEET"] == 0 and pw.ws_config(128, meet=0)["MEET"] == 0
     with pytest.raises(ValueError, match="meet is 0"):
         pw.ws_config(64, meet=1)
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3

@@ -17,13 +17,13 @@ in lockstep twice per tile, and the refill waited for it):
 - Each consumer warpgroup (``_consumer``, 4 warps, 64 of the block's 128 query rows) is its own
   partition with its own Q half, accumulator and softmax state; it runs Q.K^T, softmax and P.V for
   its rows at its own pace.
-- The decision (``_agree``) needs all 128 rows. At D = 64 (MEET 2) the 8 consumer warps meet at one
-  barrier that ORs each thread's "one of my rows keeps the tile" (``prefill_gluon._bar_any``, one
-  ``bar.red.or.pred``; no shared memory). At D = 128 (MEET 0) each warp of each warpgroup votes once
-  (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry shared-memory exchange, the warpgroup
-  syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals a phase), waits for the other
-  warpgroup's arrival, and every thread reads the 8 votes. Either way both warpgroups take the same
-  decision: the BM = 128 semantics are unchanged.
+- The decision (``_agree``) needs all 128 rows. By default (MEET 2, both head dims) the 8 consumer warps
+  meet at one barrier that ORs each thread's "one of my rows keeps the tile" (``prefill_gluon._bar_any``,
+  one ``bar.red.or.pred``; no shared memory). The other form (MEET 0, the D = 128 default until s50):
+  each warp of each warpgroup votes once (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry
+  shared-memory exchange, the warpgroup syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals
+  a phase), waits for the other warpgroup's arrival, and every thread reads the 8 votes. Either way both
+  warpgroups take the same decision: the BM = 128 semantics are unchanged.
 - Without a producer warp (D = 128) warpgroup 0 issues the copies; in a dense call it issues K(t + 1) while
   tile t's Q.K^T wgmma runs and V(t + 1) while its P.V wgmma runs (``late_for``), so the issue (warpgroup
   barriers, ring waits, the copy) overlaps tensor-core work; a call that decides issues K before the Q.K^T and V
@@ -98,11 +98,13 @@ PRODUCER = {64: True, 128: False}  # default per head dim
 # s49.
 LATE_DENSE = {64: False, 128: True}
 # How the two warpgroups agree on a decision, per head dim (``_agree``'s MEET): 2, at one barrier with an OR
-# (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %); 0, votes through shared memory
-# and an mbarrier (D = 128: the barrier with an OR read 2-8 % slower with nothing skipped at 16K, level elsewhere;
-# votes at a named barrier, MEET 1 until s47, level with both and removed); data/bench/NOTES.md "the decision at a
-# barrier with an OR", s47.
-MEET = {64: 2, 128: 0}
+# (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %, s47; D = 128: 1-6 % faster at
+# 50 / 75 % in 10 of 12 cells, 16K-64K, 4 rounds in alternating order, s50, where s47's fixed order had timed it
+# second and read it slower); 0, votes through shared memory and an mbarrier (the D = 128 default until s50; with
+# nothing skipped it is 1-5 % ahead there, but those calls run ``prefill_gluon``, prefill_pick's WS_FROM). Votes
+# at a named barrier (MEET 1 until s47) were level with both and are removed. data/bench/NOTES.md "the decision at
+# a barrier with an OR" (s47) and "the D = 128 meeting again with alternating rounds" (s50).
+MEET = {64: 2, 128: 2}
 # The grid's order (``_program``): CHUNK_HEADS heads side by side where N x D is at most CHUNK_UP_TO (measured
 # ahead at D = 64 16K-32K and D = 128 16K, behind at D = 64 64K BLASST and D = 128 32K, where the chunk's K/V
 # tiles no longer stay in L2; data/bench/NOTES.md "heads side by side in chunks", s45), one head after the other

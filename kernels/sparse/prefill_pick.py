@@ -15,9 +15,9 @@ The Gluon Hopper kernels measured fastest per head dim, method and sparsity (dat
              75%); prefill_gluon (one partition) otherwise, which is ahead by 0-9% when nothing is
              skipped, and for the window baseline (not timed against the other)
 
-WS_FROM lies between measured points (0 and 0.5): interpolated, not measured. The D = 128 kernels
-decide by warp votes (``prefill_gluon._warp_any``, NOTES.md "the decision by warp votes", s46), the
-D = 64 ws kernel at a barrier with an OR (``prefill_gluon._bar_any``, s47).
+WS_FROM lies between measured points (0 and 0.5): interpolated, not measured. The one-partition kernel
+decides by warp votes (``prefill_gluon._warp_any``, NOTES.md "the decision by warp votes", s46), the ws
+kernel at a barrier with an OR (``prefill_gluon._bar_any``; D = 64 since s47, D = 128 since s50).
 
 The expected sparsity is a hint: sparsify passes the layer's calibrated sparsity at the length
 bucket from the export's dispatch record (None without one), the break-even bench its operating
