@@ -69,6 +69,22 @@ def test_reports_say_when_a_runs_rounds_kept_one_order(capsys):
     assert report.order_note({"round_order": "alternating"}) == "" and report.order_note({}).startswith("\nTimed")
 
 
+def test_the_s50_targets_read_as_the_notes_quote_them(capsys):
+    """NOTES "the decode targets with alternating rounds" (s50): timed each way round, the counts of s43's fixed-order
+    run again: the own dense interval reaches 1.0 at 9 of 18 shapes, the group decision reaches 0.90 of its ideal in
+    29 of 36 cells by the median (30 by the upper end), and the dispatched floor is below 0.99 at the same two
+    shapes (D=128 G=4 16K, D=64 G=8 64K); the report prints no fixed-order line for these files."""
+    files = [str(ROOT / "data" / "bench" / f"decode-targets-s50-b16-h100-d{d}.json.gz") for d in (128, 64)]
+    rows = [r for f in files for r in report.targets_rows(report.read(f, "decode"), f)]
+    c = report.counts(rows)
+    assert (c["shapes"], c["dense_reaching_1"], c["cells"], c["of_ideal_median"], c["of_ideal_hi"]) == (
+        18, 9, 36, 29, 30)
+    assert c["floor_below"] == [(128, 4, 16384, 0.987), (64, 8, 65536, 0.988)]
+    assert all(0.985 < r["own"][0] < 1.01 for r in rows)
+    report.main(["--targets", *files])
+    assert "fixed order" not in capsys.readouterr().out
+
+
 def test_speedups_carry_the_interval_of_their_rounds():
     """bench.decode.speedups: ratios of medians against the best SDPA, each with speed_stats'
     interval from exactly the rounds given; graph speedups only where both have graph rounds."""

@@ -14,18 +14,19 @@ from helpers import ROOT
 
 BENCH = ROOT / "data" / "bench"
 # In order: a later file's shapes replace an earlier file's. Every shape is of the kernels as they run now: D=64 from
-# s47 (the ws kernel deciding at a barrier with an OR), D=128 16K from s46 and 32K-64K from s47 (the same D=128 PTX).
+# s47 (the ws kernel deciding at a barrier with an OR), D=128 from s50's second run (the late dense form of s49 and the
+# ws warpgroups meeting at a barrier with an OR, MEET[128] = 2).
 D64 = (BENCH / "prefill-gluon-h100-d64-s47-16k32k.json.gz", BENCH / "prefill-gluon-h100-d64-s47-64k.json.gz")
-D128 = (BENCH / "prefill-gluon-h100-d128-s46-16k.json.gz", BENCH / "prefill-gluon-h100-d128-s47-32k.json.gz",
-        BENCH / "prefill-gluon-h100-d128-s47-64k.json.gz")
+D128 = (BENCH / "prefill-gluon-h100-d128-s50b.json.gz",)
 RUNS = (*D64, *D128)
 
 
 def test_the_committed_runs_read_as_the_notes_count_them():
     """9 shapes a head dim, no shape replaced. The picked kernel per cell (at D=64 the ws kernel; at D=128
     the one-partition kernel with nothing skipped, the ws kernel at 50 / 75 %) and the counts NOTES "issue
-    28 after s47" quotes: nothing skipped at its goal 10 of 36 (D=128 only), at 0.90 of the ideal by the
-    median 38 of 72 (35 of D=64's 36, the other at 0.8997; 3 of D=128's, BSFA 50 % at 32K)."""
+    28 after s50" quotes: nothing skipped at its goal 0 of 36 (D=128 0.85-0.97 against the late dense form), at
+    0.90 of the ideal by the median 38 of 72 (35 of D=64's 36, the other at 0.8997; 3 of D=128's, BSFA 75 % at
+    32K), 55 of 72 by the interval's upper end."""
     rows, notes = report.latest_rows(RUNS)
     assert len(rows) == 18 and {(r["d"], r["n"]) for r in rows} == {(d, n) for d in (64, 128)
                                                                       for n in (16384, 32768, 65536)}
@@ -34,27 +35,28 @@ def test_the_committed_runs_read_as_the_notes_count_them():
     assert {r[f"{m}_s{s}"][0] for r in rows if r["d"] == 64 for m in report.METHODS for s in (0, 50, 75)} == {
         "gluon_ws"}
     assert by[(128, 32768, 4)]["bsfa_s0"][0] == "gluon" and by[(128, 32768, 4)]["bsfa_s75"][0] == "gluon_ws"
-    assert {r["run"] for r in rows if r["d"] == 64 or r["n"] > 16384} == {"9e52418 93eeb135653a"}
-    assert {r["run"] for r in rows if r["d"] == 128 and r["n"] == 16384} == {"95fe9ee f90b5a145cf9"}
-    at_goal = sorted((r["d"], r["n"], r["group"], m) for r in rows for m in report.METHODS
-                     if r[f"{m}_s0"][1][0] >= report.NOTHING_SKIPPED[r["d"]])
-    assert at_goal == [(128, 16384, 1, "blasst")] + [(128, 32768, g, m) for g in (1, 4, 8) for m in ("blasst", "bsfa")
-                                                      if (g, m) != (8, "bsfa")] + [
-        (128, 65536, 1, "blasst")] + [(128, 65536, g, "bsfa") for g in (1, 4, 8)], at_goal
+    assert {r["run"] for r in rows if r["d"] == 64} == {"9e52418 93eeb135653a"}
+    assert {r["run"] for r in rows if r["d"] == 128} == {"dabd4c0 0feb2c4a7a73"}
+    assert not [(r["d"], r["n"], r["group"], m) for r in rows for m in report.METHODS
+                if r[f"{m}_s0"][1][0] >= report.NOTHING_SKIPPED[r["d"]]]
+    zero128 = [r[f"{m}_s0"][1][0] for r in rows for m in report.METHODS if r["d"] == 128]
+    assert 0.85 < min(zero128) and max(zero128) < 0.97
     below = sorted((r["n"], s, r["group"], m) for r in rows for m in report.METHODS for s in (50, 75)
                    if r["d"] == 64 and r[f"{m}_s{s}"][1][0] < report.OF_IDEAL)
     assert below == [(16384, 50, 1, "blasst")], below
     assert min(r[f"{m}_s{s}"][1][0] for r in rows for m in report.METHODS for s in (50, 75) if r["d"] == 64) > 0.899
     at128 = sorted((r["n"], s, r["group"], m) for r in rows for m in report.METHODS for s in (50, 75)
                    if r["d"] == 128 and r[f"{m}_s{s}"][1][0] >= report.OF_IDEAL)
-    assert at128 == [(32768, 50, g, "bsfa") for g in (1, 4, 8)], at128
+    assert at128 == [(32768, 75, g, "bsfa") for g in (1, 4, 8)], at128
+    sparse128 = [r[f"{m}_s{s}"][1][0] for r in rows for m in report.METHODS for s in (50, 75) if r["d"] == 128]
+    assert 0.85 < min(sparse128) and max(sparse128) < 0.92
     c = report.counts(rows)
-    assert c == {"shapes": 18, "zero_cells": 36, "zero_at_goal": 10, "sparse_cells": 72, "of_ideal_median": 38,
-                 "of_ideal_hi": 53}
+    assert c == {"shapes": 18, "zero_cells": 36, "zero_at_goal": 0, "sparse_cells": 72, "of_ideal_median": 38,
+                 "of_ideal_hi": 55}
     zero64 = [r[f"{m}_s0"][1][0] for r in rows for m in report.METHODS if r["d"] == 64]
     assert 0.91 < min(zero64) and max(zero64) < 0.94
     text = report.targets_markdown(rows)
-    assert text.count("\n| ") == 18 and "10/36" in text and "38/72 by the median" in text and "| 9e52418" in text
+    assert text.count("\n| ") == 18 and "0/36" in text and "38/72 by the median" in text and "| dabd4c0" in text
 
 
 S48 = {name: BENCH / f"prefill-{name}-h100-d128-s48.json.gz" for name in ("vload", "v3", "vbytes", "pair128", "lag")}
@@ -110,6 +112,30 @@ def test_the_s49_order_runs_show_the_late_dense_gain_and_the_position_bias():
     doc = report.read(S49["order64k"])
     assert "one fixed order every round" in report.order_note(doc)   # run before the rounds alternated
     assert report.order_note(dict(doc, round_order="alternating")) == ""
+
+
+S50_MEET = BENCH / "prefill-meet-h100-d128-s50.json.gz"
+
+
+def test_the_s50_meeting_run_reads_as_the_notes_quote_it():
+    """NOTES "the D = 128 meeting again with alternating rounds" (s50): the dense cells, one kernel in all three
+    forms, hold 1 in every interval (the run's A/A control); the barrier with an OR (redbar) is faster than the votes
+    in all 12 cells at 50 / 75 %, its interval above 1 in 8, and slower in all 6 with nothing skipped (2 intervals
+    below 1). 4 rounds in alternating order: the file says so and the report adds no fixed-order line."""
+    doc = report.read(S50_MEET)
+    assert doc["round_order"] == "alternating" and report.order_note(doc) == ""
+    rows = report.ab_rows(doc, "gluon_ws_vote", ["gluon_ws_redbar", "gluon_ws_redbar_late"])
+    assert [(r["form"], r["n"]) for r in rows] == [(f, n) for n in (16384, 32768, 65536)
+                                                  for f in ("gluon_ws_redbar", "gluon_ws_redbar_late")]
+    assert all(lo <= 1.0 <= hi for r in rows for lo, hi, _ in r["intervals"][:1])
+    redbar = [r for r in rows if r["form"] == "gluon_ws_redbar"]
+    sparse = [i for i, cell in enumerate(report.AB_CELLS) if cell[-3:] in ("s50", "s75")]
+    zero = [i for i, cell in enumerate(report.AB_CELLS) if cell.endswith("_s0")]
+    assert len(sparse) == 4 and len(zero) == 2
+    assert all(r["ratios"][i] > 1.0 for r in redbar for i in sparse)
+    assert sum(r["intervals"][i][0] > 1.0 for r in redbar for i in sparse) == 8
+    assert all(r["ratios"][i] < 1.0 for r in redbar for i in zero)
+    assert sum(r["intervals"][i][1] < 1.0 for r in redbar for i in zero) == 2
 
 
 def test_a_file_without_the_picked_kernel_or_with_a_damaged_value_is_one_line(tmp_path):
