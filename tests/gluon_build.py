@@ -66,6 +66,7 @@ for case in json.loads(sys.argv[1]):
         "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
         "cubin": bool(k.asm.get("cubin")), "shared": k.metadata.shared, "warps": k.metadata.num_warps,
         "bar_red": "bar.red.or.pred" in ptx, "vote": "vote.sync" in ptx, "copies_under_mma": under_mma(ptx),
+        "bar_red_at": sorted({(int(b), int(n)) for b, n in re.findall(r"bar\\.red\\.or\\.pred %\\w+, (\\d+), (\\d+)", ptx)}),
         "regs": int(regs.group(1)) if regs else None,
         "spills": int(spill.group(1)) + int(spill.group(2)) if spill else None,
         "warnings": [x for x in log.splitlines() if "warning" in x.lower()]}

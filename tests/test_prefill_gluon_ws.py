@@ -49,7 +49,7 @@ def test_builds_for_hopper_warp_specialized(builds, d, method, producer):
     assert n * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
-MEETS = [(d, m, meet) for d in (64, 128) for m in (1, 2) for meet in (0, 2) if meet != pw.MEET[d]]
+MEETS = [(d, m, meet) for d in (64, 128) for m in (1, 2) for meet in (0, 2, 3) if meet != pw.MEET[d]]
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +60,22 @@ def meet_builds():
 
 @pytest.mark.parametrize("d,method,meet", MEETS, ids=[f"d{d}-{m}-meet{x}" for d, m, x in MEETS])
 def test_every_way_to_agree_builds_as_the_default(meet_builds, builds, d, method, meet):
-    """Votes and an mbarrier (0), one barrier with an OR (2): the same registers, no spills, the same
-    programs an SM as the default form of the head dim."""
+    """Votes and an mbarrier (0), one barrier with an OR (2), the own rows first (3): the same registers, no spills,
+    the same programs an SM as the default form of the head dim. The barriers with an OR are where each form
+    meets: both warpgroups' 256 threads at named barrier 15 (2); each warpgroup's own 128 at 13 and 14 (3), beside
+    its warps' votes for the other."""
     got, default = meet_builds[f"{d}-{method}-{meet}"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
     assert got["cubin"] and got["spills"] == 0, got
     assert got["regs"] == default["regs"] and got["warps"] == default["warps"], (got, default)
     assert programs_per_sm(d, pw.PRODUCER[d]) * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
-    assert got["bar_red"] == (meet == 2) and got["vote"] == (meet != 2), got
+    assert got["bar_red"] == (meet != 0) and got["vote"] == (meet != 2), got
+    assert got["bar_red_at"] == {0: [], 2: [[15, 256]], 3: [[13, 128], [14, 128]]}[meet], got
 
 
 @pytest.mark.parametrize("d,method", [(d, m) for d in (64, 128) for m in (0, 1, 2, 3)])
 def test_the_default_decides_as_its_head_dim_was_measured_fastest(builds, d, method):
-    """D = 64 decides at one barrier with an OR (``bar.red.or.pred``, no vote); D = 128 by warp votes;
-    the methods without a decision (dense, window) have neither."""
+    """Both head dims decide at one barrier with an OR (``bar.red.or.pred``, no vote; D = 128 since s50); the
+    methods without a decision (dense, window) have neither."""
     got = builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
     decides = method in (1, 2)
     assert got["bar_red"] == (decides and pw.MEET[d] == 2), got
@@ -103,6 +106,7 @@ def test_config_is_the_one_each_head_dim_runs():
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, "MEET": 2,
                                  **common}
     assert pw.ws_config(64, meet=0)["MEET"] == 0 and pw.ws_config(128, meet=0)["MEET"] == 0
+    assert pw.ws_config(128, meet=3)["MEET"] == 3
     with pytest.raises(ValueError, match="meet is 0"):
         pw.ws_config(64, meet=1)
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3

@@ -186,6 +186,8 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
+    elif MEET == 3:
+        keep = _own_first(red, dec_bar, e, vals >= thr, WG, HALF, NW)
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
@@ -194,6 +196,28 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
         mbarrier.arrive(dec_bar.index(e % 2))
         mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
         keep = _warps_any(entry, NW)
+    return keep
+
+
+@gluon.jit
+def _own_first(red, pub, e, hits, WG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr):
+    """MEET 3: the block's decision at exchange e without waiting for the other warpgroup when this one's own
+    64 rows keep the tile (some row of the block keeps it, so the block does). Each warp stores its vote
+    (``_warp_any``) into this warpgroup's half of red[e % NE] (red [NE, BM]); one barrier with an OR of this
+    warpgroup's 128 threads (named barrier 13 + WG: Triton's partitions use 0-2, MEET 2 uses 15) orders the
+    stores and gives the own answer; thread 0 then arrives on pub[WG * NE + e % NE] (one arrival a phase).
+    Only when the own rows skip does the warpgroup wait for the other's arrival of exchange e and read the
+    entry's votes. Reuse: the other warpgroup writes entry e % NE again at exchange e + NE, which needs the K copy of
+    tile e + NE, so both released K of tile e + NE - NBUF: with NE = NBUF + 2 this warpgroup has finished
+    exchange e by then (NOTES.md "the own rows first", s50)."""
+    NE: gl.constexpr = red.shape[0]
+    entry = red.index(e % NE)
+    entry.slice(WG * HALF, HALF).store(_warp_any(hits, HALF // (8 * NW)))
+    keep = _bar_any(hits, HALF // (8 * NW), 13 + WG, NW * 32, 2 + WG)
+    mbarrier.arrive(pub.index(WG * NE + e % NE))
+    if not keep:
+        mbarrier.wait(pub.index((1 - WG) * NE + e % NE), (e // NE) & 1)
+        keep = _warps_any(entry, NW)  # the 8 warps' votes; this warpgroup's own are all 0 here
     return keep
 
 
@@ -365,14 +389,18 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    # the warps' votes of exchange e: row e % 2
-    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # the warps' votes of exchange e: row e % NE (MEET 3: NBUF + 2 entries, ``_own_first``; else 2)
+    NE: gl.constexpr = NBUF + 2 if MEET == 3 else 2
+    red = gl.allocate_shared_memory(gl.float32, [NE, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
     v_empty = _barriers(NBUF, 2)
-    dec_bar = _barriers(2, 2)
+    if MEET == 3:
+        dec_bar = _barriers(2 * NE, 1)  # warpgroup w's arrival of exchange e: w * NE + e % NE
+    else:
+        dec_bar = _barriers(2, 2)
     fence_async_shared()
 
     j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
@@ -424,8 +452,9 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     while one of its wgmma runs (``_ws_tile``'s LATE; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2):
-        raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
+    if meet not in (None, 0, 2, 3):
+        raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 3 (the own rows first), "
+                         f"got {meet!r}")
     if late and producer:
         raise ValueError("late copies are warpgroup 0's: the form without a producer warp takes them")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
