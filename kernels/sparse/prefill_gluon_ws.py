@@ -22,8 +22,9 @@ in lockstep twice per tile, and the refill waited for it):
   one ``bar.red.or.pred``; no shared memory). The other form (MEET 0, the D = 128 default until s50):
   each warp of each warpgroup votes once (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry
   shared-memory exchange, the warpgroup syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals
-  a phase), waits for the other warpgroup's arrival, and every thread reads the 8 votes. Either way both
-  warpgroups take the same decision: the BM = 128 semantics are unchanged.
+  a phase), waits for the other warpgroup's arrival, and every thread reads the 8 votes. A third (MEET 3,
+  ``_own_first``, not yet timed) waits for the other warpgroup only when its own 64 rows skip the tile. Every
+  way, both warpgroups take the same decision: the BM = 128 semantics are unchanged.
 - Without a producer warp (D = 128) warpgroup 0 issues the copies; in a dense call it issues K(t + 1) while
   tile t's Q.K^T wgmma runs and V(t + 1) while its P.V wgmma runs (``late_for``), so the issue (warpgroup
   barriers, ring waits, the copy) overlaps tensor-core work; a call that decides issues K before the Q.K^T and V
@@ -182,7 +183,8 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     (``prefill_gluon._bar_any`` at named barrier 15, which Triton's partitions do not use; the producer
     warp never takes it; no shared memory). MEET 0: each warp votes once (``_warp_any``) into row e % 2
     of red [2, BM]; after both warpgroups arrived through the entry's mbarrier, every thread reads the 8
-    warps' votes (``_warps_any``)."""
+    warps' votes (``_warps_any``). MEET 3: ``_own_first`` (red [NE, BM], dec_bar one mbarrier a warpgroup and
+    entry)."""
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
