@@ -44,9 +44,11 @@ released its previous use, and a warpgroup writes exchange entry t % 2 again (ti
 the other warpgroup arrived for tile t + 1, which it does after reading tile t's values. An empty
 barrier (2 arrivals a use) never takes one warpgroup's release of use n for the other's of use n - 1:
 a release follows the wait for that use's copy, except a skipped tile's V release, and a skipped tile
-was decided at the meeting of both warpgroups, so the other one is past use n - 1 of the slot. A
-decision without that meeting (each warpgroup alone) breaks this; the paired kernel, whose warpgroups
-never meet, waits for a skipped tile's V copy instead (NOTES.md, s47 diagnostic forms: their call hung).
+was decided at the meeting of both warpgroups, so the other one is past use n - 1 of the slot (MEET 3 skips
+only after the other warpgroup's arrival of the same exchange: the same holds). A decision without that
+meeting (each warpgroup alone) breaks this; the paired kernel, whose warpgroups never meet, waits for a
+skipped tile's V copy instead (NOTES.md, s47 diagnostic forms: their call hung). MEET 3's entries and
+parities: ``_own_first``.
 
 Shape legend
     B batch   H query heads   Hkv KV heads   N tokens   D head dim   P = ceil(N/BM) query blocks
@@ -99,10 +101,11 @@ PRODUCER = {64: True, 128: False}  # default per head dim
 # s49.
 LATE_DENSE = {64: False, 128: True}
 # How the two warpgroups agree on a decision, per head dim (``_agree``'s MEET): 2, at one barrier with an OR
-# (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %, s47; D = 128: 1-6 % faster at
-# 50 / 75 % in 10 of 12 cells, 16K-64K, 4 rounds in alternating order, s50, where s47's fixed order had timed it
-# second and read it slower); 0, votes through shared memory and an mbarrier (the D = 128 default until s50; with
-# nothing skipped it is 1-5 % ahead there, but those calls run ``prefill_gluon``, prefill_pick's WS_FROM). Votes
+# (D = 64: 1-6 % faster than the votes with nothing skipped, 3-10 % at 50 / 75 %, s47; D = 128: 0.7-5.6 % faster
+# at 50 / 75 % in all 12 cells, the interval above 1 in 8, 16K-64K, 4 rounds in alternating order, s50, where s47's
+# fixed order had timed it second and read it slower); 0, votes through shared memory and an mbarrier (the D = 128
+# default until s50; with nothing skipped it is 1-5 % ahead there, but those calls run ``prefill_gluon``,
+# prefill_pick's WS_FROM); 3, each warpgroup's own rows first (``_own_first``, built in s50, not yet timed). Votes
 # at a named barrier (MEET 1 until s47) were level with both and are removed. data/bench/NOTES.md "the decision at
 # a barrier with an OR" (s47) and "the D = 128 meeting again with alternating rounds" (s50).
 MEET = {64: 2, 128: 2}
