@@ -366,6 +366,18 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
+def _exchange_barriers(NE: gl.constexpr, MEET: gl.constexpr):
+    """The mbarriers of ``_agree``'s NE exchange entries: MEET 3 one a warpgroup and entry, 1 arrival a phase
+    (warpgroup w's arrival of exchange e at w * NE + e % NE, ``_own_first``); else one an entry that both
+    warpgroups arrive on (MEET 0; unused by MEET 2)."""
+    if MEET == 3:
+        bars = _barriers(2 * NE, 1)
+    else:
+        bars = _barriers(NE, 2)
+    return bars
+
+
+@gluon.jit
 def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """(first key tile, first diagonal tile, end tile) of query block i."""
     n_cand = (i * BM) // BN
@@ -402,10 +414,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
     v_empty = _barriers(NBUF, 2)
-    if MEET == 3:
-        dec_bar = _barriers(2 * NE, 1)  # warpgroup w's arrival of exchange e: w * NE + e % NE
-    else:
-        dec_bar = _barriers(2, 2)
+    dec_bar = _exchange_barriers(NE, MEET)
     fence_async_shared()
 
     j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
