@@ -90,6 +90,17 @@ def test_dense_d128_issues_its_copies_under_the_wgmma(builds, d, method, produce
     assert (got["copies_under_mma"] > 0) == (d == 128 and method == 0 and not producer), got["copies_under_mma"]
 
 
+def test_the_own_rows_first_with_late_copies_builds_at_d128(builds):
+    """``gluon_ws_own_late``'s form (MEET 3 and LATE, D = 128, a BSFA call): the default form's registers, no
+    spills, two programs an SM, each warpgroup's own barrier with an OR, and the copies under the wgmma."""
+    got = build([{"key": "own-late", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": 128, "method": 1,
+                  "q_rows": 64, "launch": pw.ws_config(128, meet=3, late=True)}])["own-late"]
+    default = builds["128-1-0"]
+    assert got["cubin"] and got["spills"] == 0 and got["regs"] == default["regs"], (got, default)
+    assert programs_per_sm(128, False) * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
+    assert got["bar_red_at"] == [[13, 128], [14, 128]] and got["copies_under_mma"] > 0, got
+
+
 def test_late_for_is_dense_d128_without_a_producer_only():
     assert pw.late_for(128, 0) and not pw.late_for(128, 0, producer=True)
     assert not any(pw.late_for(128, m) for m in (1, 2, 3)) and not any(pw.late_for(64, m) for m in (0, 1, 2, 3))
