@@ -23,6 +23,13 @@ check of that (s49, 64K: in a fixed order the form timed first read 2-5 % faster
 
     python -m sparsecal.bench.prefill_report --ab gluon_ws gluon_ws_nov data/bench/prefill-vbytes-h100-d128-s48.json.gz
 
+With ``--cost KERNEL`` it splits the picked kernel's distance from the ideal into its two parts, per shape and
+method: the fixed cost of deciding (KERNEL with nothing skipped over the own dense kernel) and what a skipped tile
+saves (per skipped share of the candidate tiles, in own dense calls; the ideal counts half a tile and no fixed
+cost), ``cost_rows``.
+
+    python -m sparsecal.bench.prefill_report --cost gluon_ws data/bench/prefill-gluon-h100-d128-s50b.json.gz
+
 Shape legend: one row per (D, N, G) of the files' ``targets`` (a later file's shape replaces an earlier
 file's); cells per row: 2 methods x 3 sparsities; the last column names the tree that ran the row (its
 file's ``provenance``: commit, and the source digest where the file has one): a kernel name means the
@@ -198,6 +205,49 @@ def ab_markdown(rows: list[dict], base: str) -> str:
     return "\n".join(lines)
 
 
+def cost_rows(doc: dict, kernel: str, path="the prefill run") -> list[dict]:
+    """Per shape and method: d, n, group, method, ``fixed`` (KERNEL's time with nothing skipped over the own dense
+    kernel's, less 1: what deciding costs before any tile is skipped) and ``saved`` {50: x, 75: y}: the time KERNEL
+    saves from nothing skipped to s, per skipped share of the candidate tiles, in own-dense-call times
+    ((T0 - Ts) / (s T_dense), s the kernel's own counted sparsity). The ideal 1 / (1 - s/2) counts 0.5 (half a
+    tile) and no fixed cost."""
+    out = []
+    for shape in doc["targets"]:
+        rows = {r["variant"]: r for r in shape["rows"]}
+        dense = number(shape, "dense_ms", path)
+        for method in METHODS:
+            names = [f"{kernel}_{method}_s{s}" for s in SPARSITIES]
+            missing = [x for x in names if x not in rows]
+            if missing:
+                raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: {missing[0]} was not "
+                                f"timed; pass a kernel the run timed (it has {_timed(rows)}).")
+            t0 = number(rows[names[0]], "ms", path)
+            saved = {}
+            for s, name in zip(SPARSITIES[1:], names[1:]):
+                counted = number(rows[name], "sparsity", path)
+                if not 0 < counted <= 1:
+                    raise UserError(f"{path}: {name} counted sparsity {counted}, outside (0, 1]; the file is damaged.")
+                saved[s] = (t0 - number(rows[name], "ms", path)) / (counted * dense)
+            out.append({"d": shape["d"], "n": shape["n"], "group": shape["group"], "method": method,
+                        "fixed": t0 / dense - 1, "saved": saved})
+    return out
+
+
+def cost_markdown(rows: list[dict], kernel: str) -> str:
+    """The decision's cost table: one line per shape and method (``cost_rows``), and the ranges."""
+    head = (f"| D | N | G | method | {kernel} nothing skipped / own dense - 1 | saved per skipped share, "
+            "in own dense calls, at 50 / 75 % (ideal 0.50) |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['d']} | {r['n'] // 1024}K | {r['group']} | {r['method']} | {100 * r['fixed']:+.1f} % | "
+                     + " / ".join(f"{r['saved'][s]:.3f}" for s in SPARSITIES[1:]) + " |")
+    fixed = [r["fixed"] for r in rows]
+    saved = [x for r in rows for x in r["saved"].values()]
+    lines.append(f"\nFixed cost {100 * min(fixed):+.1f} to {100 * max(fixed):+.1f} %; saved per skipped share "
+                 f"{min(saved):.3f}-{max(saved):.3f} ({len(rows)} rows).")
+    return "\n".join(lines)
+
+
 def latest_rows(paths) -> tuple[list[dict], list[str]]:
     """``targets_rows`` of the files in order, a shape (D, N, G) of a later file replacing an earlier
     file's; and one line per replaced shape (its file, the file that replaced it)."""
@@ -217,7 +267,17 @@ def main(argv=None) -> None:
                                              "a shape in a later file replaces an earlier file's")
     ap.add_argument("--ab", nargs=2, metavar=("BASE", "FORMS"),
                     help="instead of the targets table: BASE's time over each of FORMS' (comma-separated variants)")
+    ap.add_argument("--cost", metavar="KERNEL",
+                    help="instead of the targets table: what deciding costs KERNEL (e.g. gluon_ws) with nothing "
+                         "skipped, and what each skipped tile saves")
     args = ap.parse_args(argv)
+    if args.ab and args.cost:
+        ap.error("--ab and --cost are two different tables: pass one")
+    if args.cost:
+        for p in args.files:
+            doc = read(p)
+            print(f"{p}:\n" + cost_markdown(cost_rows(doc, args.cost, p), args.cost) + order_note(doc))
+        return
     if args.ab:
         base, forms = args.ab[0], [f for f in args.ab[1].split(",") if f]
         if not forms:
