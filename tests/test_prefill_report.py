@@ -165,6 +165,9 @@ def test_the_decision_cost_splits_as_the_notes_quote_it(tmp_path):
     next(r for r in doc["targets"][0]["rows"] if r["variant"] == "gluon_ws_bsfa_s50")["sparsity"] = 0.0
     with pytest.raises(UserError, match="counted sparsity 0.0, outside"):
         report.cost_rows(doc, "gluon_ws")
+    doc["targets"][0]["dense_ms"] = 0.0
+    with pytest.raises(UserError, match="dense_ms 0.0, not a positive time"):
+        report.cost_rows(doc, "gluon_ws")
     r = subprocess.run([sys.executable, "-m", "sparsecal.bench.prefill_report", "--cost", "gluon_ws", "--ab", "a", "b",
                         str(D128[0])], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "two different tables" in r.stderr and "Traceback" not in r.stderr

@@ -23,7 +23,7 @@ check of that (s49, 64K: in a fixed order the form timed first read 2-5 % faster
 
     python -m sparsecal.bench.prefill_report --ab gluon_ws gluon_ws_nov data/bench/prefill-vbytes-h100-d128-s48.json.gz
 
-With ``--cost KERNEL`` it splits the picked kernel's distance from the ideal into its two parts, per shape and
+With ``--cost KERNEL`` it splits a timed kernel's distance from the ideal into its two parts, per shape and
 method: the fixed cost of deciding (KERNEL with nothing skipped over the own dense kernel) and what a skipped tile
 saves (per skipped share of the candidate tiles, in own dense calls; the ideal counts half a tile and no fixed
 cost), ``cost_rows``.
@@ -215,6 +215,9 @@ def cost_rows(doc: dict, kernel: str, path="the prefill run") -> list[dict]:
     for shape in doc["targets"]:
         rows = {r["variant"]: r for r in shape["rows"]}
         dense = number(shape, "dense_ms", path)
+        if dense <= 0:
+            raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: dense_ms {dense}, not a "
+                            "positive time; the file is damaged.")
         for method in METHODS:
             names = [f"{kernel}_{method}_s{s}" for s in SPARSITIES]
             missing = [x for x in names if x not in rows]
