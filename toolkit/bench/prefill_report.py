@@ -152,17 +152,23 @@ def _interval(base_row: dict, form_row: dict, path) -> tuple:
     return got["lo"], got["hi"], got["level"]
 
 
+def _shape_rows(shape: dict, names, path) -> dict:
+    """A shape's rows by variant name, or one UserError line naming the first of ``names`` the run did not time."""
+    rows = {r["variant"]: r for r in shape["rows"]}
+    missing = [x for x in names if x not in rows]
+    if missing:
+        raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: {missing[0]} was not timed; "
+                        f"pass variants the run timed (it has {_timed(rows)}).")
+    return rows
+
+
 def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> list[dict]:
     """Per shape and form: d, n, group, form, ratios (BASE ms / form ms per AB_CELLS cell) and intervals ((lo, hi,
     level) per cell, ``_interval``)."""
     out = []
     for shape in doc["targets"]:
-        rows = {r["variant"]: r for r in shape["rows"]}
         for form in forms:
-            missing = [f"{v}_{c}" for v in (base, form) for c in AB_CELLS if f"{v}_{c}" not in rows]
-            if missing:
-                raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: {missing[0]} was not "
-                                f"timed; pass variants the run timed (it has {_timed(rows)}).")
+            rows = _shape_rows(shape, [f"{v}_{c}" for v in (base, form) for c in AB_CELLS], path)
             ratios = [number(rows[f"{base}_{c}"], "ms", path) / number(rows[f"{form}_{c}"], "ms", path)
                       for c in AB_CELLS]
             intervals = [_interval(rows[f"{base}_{c}"], rows[f"{form}_{c}"], path) for c in AB_CELLS]
@@ -213,17 +219,13 @@ def cost_rows(doc: dict, kernel: str, path="the prefill run") -> list[dict]:
     tile) and no fixed cost."""
     out = []
     for shape in doc["targets"]:
-        rows = {r["variant"]: r for r in shape["rows"]}
         dense = number(shape, "dense_ms", path)
         if dense <= 0:
             raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: dense_ms {dense}, not a "
                             "positive time; the file is damaged.")
         for method in METHODS:
             names = [f"{kernel}_{method}_s{s}" for s in SPARSITIES]
-            missing = [x for x in names if x not in rows]
-            if missing:
-                raise UserError(f"{path}: D={shape['d']} N={shape['n']} G={shape['group']}: {missing[0]} was not "
-                                f"timed; pass a kernel the run timed (it has {_timed(rows)}).")
+            rows = _shape_rows(shape, names, path)
             t0 = number(rows[names[0]], "ms", path)
             saved = {}
             for s, name in zip(SPARSITIES[1:], names[1:]):
@@ -276,18 +278,16 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.ab and args.cost:
         ap.error("--ab and --cost are two different tables: pass one")
-    if args.cost:
-        for p in args.files:
-            doc = read(p)
-            print(f"{p}:\n" + cost_markdown(cost_rows(doc, args.cost, p), args.cost) + order_note(doc))
-        return
     if args.ab:
         base, forms = args.ab[0], [f for f in args.ab[1].split(",") if f]
         if not forms:
             ap.error("--ab takes BASE and FORMS, the variants to compare with it, comma-separated (e.g. gluon_ws_nov)")
+    if args.cost or args.ab:  # one table a file, each with its order note
         for p in args.files:
             doc = read(p)
-            print(f"{p}:\n" + ab_markdown(ab_rows(doc, base, forms, p), base) + order_note(doc))
+            text = (cost_markdown(cost_rows(doc, args.cost, p), args.cost) if args.cost
+                    else ab_markdown(ab_rows(doc, base, forms, p), base))
+            print(f"{p}:\n" + text + order_note(doc))
         return
     rows, notes = latest_rows(args.files)
     print(targets_markdown(rows) + "".join(f"\n{x}" for x in notes))
