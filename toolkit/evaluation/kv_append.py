@@ -8,7 +8,10 @@ TPOT timed with it measures a step that no deployment runs, with the attention's
 
 ``in_place(cache, capacity)`` moves each layer of a prefilled cache into buffers of ``capacity``
 tokens and makes the layer's ``update`` write the new tokens after the cached ones and return views
-of the first L tokens (strided [B, Hkv, L, D]: the same values the cat returns, no copy). Every
+of the first L tokens (strided [B, Hkv, L, D]: the same values the cat returns, no copy), by moving
+the layer to a subclass whose ``update`` does that: a bound method stored on the layer would make it
+refer to itself, and such a cache lives until the cyclic collector runs (s51: the 8B timing held
+8 GiB of such copies per decode timing at 128K and ran out of GPU memory). Every
 cache layout transformers' models update through ``cache.layers[i].update(keys, values, ...)``
 (transformers 4.56 onwards) and whose layers are all plain ``DynamicLayer`` (no sliding window: a
 sliding layer keeps only its last tokens) converts; any other cache is left as it is and
@@ -19,7 +22,7 @@ Shape legend
 """
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
@@ -42,8 +45,15 @@ def in_place(cache, capacity: int) -> bool:
         kb[:, :, :n], vb[:, :, :n] = k, v
         lay.kv_buffers = (kb, vb)
         lay.keys, lay.values = kb[:, :, :n], vb[:, :, :n]
-        lay.update = types.MethodType(_append, lay)
+        lay.__class__ = _appending(type(lay))
     return True
+
+
+@functools.cache
+def _appending(base: type) -> type:
+    """``base``'s subclass whose ``update`` is ``_append`` (named InPlace + base's name, so a converted
+    layer is not converted again)."""
+    return type(f"InPlace{base.__name__}", (base,), {"update": _append, "__module__": __name__})
 
 
 def _append(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
