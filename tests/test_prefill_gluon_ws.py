@@ -49,7 +49,7 @@ def test_builds_for_hopper_warp_specialized(builds, d, method, producer):
     assert n * got["regs"] * got["warps"] * 32 <= H100_REGS_PER_SM, got["regs"]
 
 
-MEETS = [(d, m, meet) for d in (64, 128) for m in (1, 2) for meet in (0, 2, 3) if meet != pw.MEET[d]]
+MEETS = [(d, m, meet) for d in (64, 128) for m in (1, 2) for meet in (0, 2) if meet != pw.MEET[d]]
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +60,15 @@ def meet_builds():
 
 @pytest.mark.parametrize("d,method,meet", MEETS, ids=[f"d{d}-{m}-meet{x}" for d, m, x in MEETS])
 def test_every_way_to_agree_builds_as_the_default(meet_builds, builds, d, method, meet):
-    """Votes and an mbarrier (0), one barrier with an OR (2), the own rows first (3): the same registers, no spills,
-    the same programs an SM as the default form of the head dim. The barriers with an OR are where each form
-    meets: both warpgroups' 256 threads at named barrier 15 (2); each warpgroup's own 128 at 13 and 14 (3), beside
-    its warps' votes for the other."""
+    """Votes and an mbarrier (0), one barrier with an OR (2): the same registers, no spills, the same programs an
+    SM as the default form of the head dim. The barrier with an OR is where form 2 meets: both warpgroups' 256
+    threads at named barrier 15."""
     got, default = meet_builds[f"{d}-{method}-{meet}"], builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
     assert got["cubin"] and got["spills"] == 0, got
     assert got["regs"] == default["regs"] and got["warps"] == default["warps"], (got, default)
     assert programs_per_sm(d, pw.PRODUCER[d]) * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
-    assert got["bar_red"] == (meet != 0) and got["vote"] == (meet != 2), got
-    assert got["bar_red_at"] == {0: [], 2: [[15, 256]], 3: [[13, 128], [14, 128]]}[meet], got
+    assert got["bar_red"] == (meet == 2) and got["vote"] == (meet != 2), got
+    assert got["bar_red_at"] == {0: [], 2: [[15, 256]]}[meet], got
 
 
 @pytest.mark.parametrize("d,method", [(d, m) for d in (64, 128) for m in (0, 1, 2, 3)])
@@ -90,17 +89,6 @@ def test_dense_d128_issues_its_copies_under_the_wgmma(builds, d, method, produce
     assert (got["copies_under_mma"] > 0) == (d == 128 and method == 0 and not producer), got["copies_under_mma"]
 
 
-def test_the_own_rows_first_with_late_copies_builds_at_d128(builds):
-    """``gluon_ws_own_late``'s form (MEET 3 and LATE, D = 128, a BSFA call): the default form's registers, no
-    spills, two programs an SM, each warpgroup's own barrier with an OR, and the copies under the wgmma."""
-    got = build([{"key": "own-late", "module": pw.__name__, "kernel": "_ws_fwd_kernel", "d": 128, "method": 1,
-                  "q_rows": 64, "launch": pw.ws_config(128, meet=3, late=True)}])["own-late"]
-    default = builds["128-1-0"]
-    assert got["cubin"] and got["spills"] == 0 and got["regs"] == default["regs"], (got, default)
-    assert programs_per_sm(128, False) * (got["shared"] + 1024) <= H100_SMEM_PER_SM, got["shared"]
-    assert got["bar_red_at"] == [[13, 128], [14, 128]] and got["copies_under_mma"] > 0, got
-
-
 def test_late_for_is_dense_d128_without_a_producer_only():
     assert pw.late_for(128, 0) and not pw.late_for(128, 0, producer=True)
     assert not any(pw.late_for(128, m) for m in (1, 2, 3)) and not any(pw.late_for(64, m) for m in (0, 1, 2, 3))
@@ -117,9 +105,9 @@ def test_config_is_the_one_each_head_dim_runs():
     assert pw.ws_config(128) == {"NBUF": 2, "PRODUCER": False, "WORKER_REGS": 128, "maxnreg": 128, "MEET": 2,
                                  **common}
     assert pw.ws_config(64, meet=0)["MEET"] == 0 and pw.ws_config(128, meet=0)["MEET"] == 0
-    assert pw.ws_config(128, meet=3)["MEET"] == 3
-    with pytest.raises(ValueError, match="meet is 0"):
-        pw.ws_config(64, meet=1)
+    for gone in (1, 3):  # removed: votes at a named barrier (s47), the own rows first (s51)
+        with pytest.raises(ValueError, match="meet is 0"):
+            pw.ws_config(64, meet=gone)
     assert "maxnreg" not in pw.ws_config(128, producer=True) and pw.ws_config(128, True, nbuf=3)["NBUF"] == 3
 
 

@@ -22,9 +22,8 @@ in lockstep twice per tile, and the refill waited for it):
   one ``bar.red.or.pred``; no shared memory). The other form (MEET 0, the D = 128 default until s50):
   each warp of each warpgroup votes once (``prefill_gluon._warp_any``, one ``vote.any``) into a 2-entry
   shared-memory exchange, the warpgroup syncs its own 4 warps, arrives on the entry's mbarrier (2 arrivals
-  a phase), waits for the other warpgroup's arrival, and every thread reads the 8 votes. A third (MEET 3,
-  ``_own_first``, not yet timed) waits for the other warpgroup only when its own 64 rows skip the tile. Every
-  way, both warpgroups take the same decision: the BM = 128 semantics are unchanged.
+  a phase), waits for the other warpgroup's arrival, and every thread reads the 8 votes. Either way, both
+  warpgroups take the same decision: the BM = 128 semantics are unchanged.
 - Without a producer warp (D = 128) warpgroup 0 issues the copies; in a dense call it issues K(t + 1) while
   tile t's Q.K^T wgmma runs and V(t + 1) while its P.V wgmma runs (``late_for``), so the issue (warpgroup
   barriers, ring waits, the copy) overlaps tensor-core work; a call that decides issues K before the Q.K^T and V
@@ -44,11 +43,9 @@ released its previous use, and a warpgroup writes exchange entry t % 2 again (ti
 the other warpgroup arrived for tile t + 1, which it does after reading tile t's values. An empty
 barrier (2 arrivals a use) never takes one warpgroup's release of use n for the other's of use n - 1:
 a release follows the wait for that use's copy, except a skipped tile's V release, and a skipped tile
-was decided at the meeting of both warpgroups, so the other one is past use n - 1 of the slot (MEET 3 skips
-only after the other warpgroup's arrival of the same exchange: the same holds). A decision without that
-meeting (each warpgroup alone) breaks this; the paired kernel, whose warpgroups never meet, waits for a
-skipped tile's V copy instead (NOTES.md, s47 diagnostic forms: their call hung). MEET 3's entries and
-parities: ``_own_first``.
+was decided at the meeting of both warpgroups, so the other one is past use n - 1 of the slot. A decision
+without that meeting (each warpgroup alone) breaks this; the paired kernel, whose warpgroups never meet, waits
+for a skipped tile's V copy instead (NOTES.md, s47 diagnostic forms: their call hung).
 
 Shape legend
     B batch   H query heads   Hkv KV heads   N tokens   D head dim   P = ceil(N/BM) query blocks
@@ -105,9 +102,10 @@ LATE_DENSE = {64: False, 128: True}
 # at 50 / 75 % in all 12 cells, the interval above 1 in 8, 16K-64K, 4 rounds in alternating order, s50, where s47's
 # fixed order had timed it second and read it slower); 0, votes through shared memory and an mbarrier (the D = 128
 # default until s50; with nothing skipped it is 1-5 % ahead there, but those calls run ``prefill_gluon``,
-# prefill_pick's WS_FROM); 3, each warpgroup's own rows first (``_own_first``, built in s50, not yet timed). Votes
-# at a named barrier (MEET 1 until s47) were level with both and are removed. data/bench/NOTES.md "the decision at
-# a barrier with an OR" (s47) and "the D = 128 meeting again with alternating rounds" (s50).
+# prefill_pick's WS_FROM). Removed: votes at a named barrier (MEET 1 until s47, level with both) and each
+# warpgroup's own rows first (MEET 3, s50-s51: slower than MEET 2 in every cell where tiles are skipped, its own
+# warpgroup's barriers costing more than the wait they saved). data/bench/NOTES.md "the decision at a barrier with
+# an OR" (s47), "the D = 128 meeting again with alternating rounds" (s50), "the own rows first, timed" (s51).
 MEET = {64: 2, 128: 2}
 # The grid's order (``_program``): CHUNK_HEADS heads side by side where N x D is at most CHUNK_UP_TO (measured
 # ahead at D = 64 16K-32K and D = 128 16K, behind at D = 64 64K BLASST and D = 128 32K, where the chunk's K/V
@@ -186,13 +184,10 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     (``prefill_gluon._bar_any`` at named barrier 15, which Triton's partitions do not use; the producer
     warp never takes it; no shared memory). MEET 0: each warp votes once (``_warp_any``) into row e % 2
     of red [2, BM]; after both warpgroups arrived through the entry's mbarrier, every thread reads the 8
-    warps' votes (``_warps_any``). MEET 3: ``_own_first`` (red [NE, BM], dec_bar one mbarrier a warpgroup and
-    entry)."""
+    warps' votes (``_warps_any``)."""
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
-    elif MEET == 3:
-        keep = _own_first(red, dec_bar, e, vals >= thr, WG, HALF, NW)
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
@@ -201,28 +196,6 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
         mbarrier.arrive(dec_bar.index(e % 2))
         mbarrier.wait(dec_bar.index(e % 2), (e // 2) & 1)
         keep = _warps_any(entry, NW)
-    return keep
-
-
-@gluon.jit
-def _own_first(red, pub, e, hits, WG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr):
-    """MEET 3: the block's decision at exchange e without waiting for the other warpgroup when this one's own
-    64 rows keep the tile (some row of the block keeps it, so the block does). Each warp stores its vote
-    (``_warp_any``) into this warpgroup's half of red[e % NE] (red [NE, BM]); one barrier with an OR of this
-    warpgroup's 128 threads (named barrier 13 + WG: Triton's partitions use 0-2, MEET 2 uses 15) orders the
-    stores and gives the own answer; thread 0 then arrives on pub[WG * NE + e % NE] (one arrival a phase).
-    Only when the own rows skip does the warpgroup wait for the other's arrival of exchange e and read the
-    entry's votes. Reuse: the other warpgroup writes entry e % NE again at exchange e + NE, which needs the K copy of
-    tile e + NE, so both released K of tile e + NE - NBUF: with NE = NBUF + 2 this warpgroup has finished
-    exchange e by then (NOTES.md "the own rows first", s50)."""
-    NE: gl.constexpr = red.shape[0]
-    entry = red.index(e % NE)
-    entry.slice(WG * HALF, HALF).store(_warp_any(hits, HALF // (8 * NW)))
-    keep = _bar_any(hits, HALF // (8 * NW), 13 + WG, NW * 32, 2 + WG)
-    mbarrier.arrive(pub.index(WG * NE + e % NE))
-    if not keep:
-        mbarrier.wait(pub.index((1 - WG) * NE + e % NE), (e // NE) & 1)
-        keep = _warps_any(entry, NW)  # the 8 warps' votes; this warpgroup's own are all 0 here
     return keep
 
 
@@ -366,18 +339,6 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _exchange_barriers(NE: gl.constexpr, MEET: gl.constexpr):
-    """The mbarriers of ``_agree``'s NE exchange entries: MEET 3 one a warpgroup and entry, 1 arrival a phase
-    (warpgroup w's arrival of exchange e at w * NE + e % NE, ``_own_first``); else one an entry that both
-    warpgroups arrive on (MEET 0; unused by MEET 2)."""
-    if MEET == 3:
-        bars = _barriers(2 * NE, 1)
-    else:
-        bars = _barriers(NE, 2)
-    return bars
-
-
-@gluon.jit
 def _block_range(i, n_ctx, window, METHOD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """(first key tile, first diagonal tile, end tile) of query block i."""
     n_cand = (i * BM) // BN
@@ -406,15 +367,13 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
     q_buf = gl.allocate_shared_memory(dtype, [2, 1, BM // 2, HEAD_DIM], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NBUF, 1, BN, HEAD_DIM], v_desc.layout)
-    # the warps' votes of exchange e: row e % NE (MEET 3: NBUF + 2 entries, ``_own_first``; else 2)
-    NE: gl.constexpr = NBUF + 2 if MEET == 3 else 2
-    red = gl.allocate_shared_memory(gl.float32, [NE, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    red = gl.allocate_shared_memory(gl.float32, [2, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # MEET 0's votes
     q_bar = _barriers(1, 1)
     k_ready = _barriers(NBUF, 1)
     v_ready = _barriers(NBUF, 1)
     k_empty = _barriers(NBUF, 2)  # one arrival (thread 0) per consumer warpgroup
     v_empty = _barriers(NBUF, 2)
-    dec_bar = _exchange_barriers(NE, MEET)
+    dec_bar = _barriers(2, 2)  # MEET 0: both warpgroups arrive on exchange e's entry e % 2
     fence_async_shared()
 
     j_lo, n_cand, n_reach = _block_range(i, n_ctx, window, METHOD, BM, BN)
@@ -466,9 +425,8 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     while one of its wgmma runs (``_ws_tile``'s LATE; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2, 3):
-        raise ValueError(f"meet is 0 (votes and an mbarrier), 2 (one barrier with an OR) or 3 (the own rows first), "
-                         f"got {meet!r}")
+    if meet not in (None, 0, 2):
+        raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     if late and producer:
         raise ValueError("late copies are warpgroup 0's: the form without a producer warp takes them")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
