@@ -49,6 +49,7 @@ Records: EVAL/data/timing.parquet, one row per (label, length) (TIMING_COLUMNS).
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -116,10 +117,19 @@ def forward_ms(model, ids, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+@functools.cache
+def _side_stream(index: int):
+    """The one side stream of CUDA device ``index`` for the warm-ups before a capture. With a new stream
+    a capture, s51's probe (scripts/gpu-timing-memory) saw live memory grow ~32 MiB with each captured
+    measure: the size of the cuBLAS workspace PyTorch keeps per stream on Hopper, for the process's life."""
+    return torch.cuda.Stream(device=index)
+
+
 def _replay_ms(warm, record, device, reps: int, warmup: int) -> float:
     """Median ms of replaying a CUDA graph of ``record()``, after ``warm()`` ran ``warmup`` times
     (at least once) on a side stream, as capture needs."""
-    side = torch.cuda.Stream()
+    dev = torch.device(device)
+    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(max(warmup, 1)):
