@@ -73,11 +73,12 @@ def test_every_way_to_agree_builds_as_the_default(meet_builds, builds, d, method
 
 @pytest.mark.parametrize("d,method", [(d, m) for d in (64, 128) for m in (0, 1, 2, 3)])
 def test_the_default_decides_as_its_head_dim_was_measured_fastest(builds, d, method):
-    """Both head dims decide at one barrier with an OR (``bar.red.or.pred``, no vote; D = 128 since s50); the
-    methods without a decision (dense, window) have neither."""
+    """Both head dims decide at one barrier with an OR (``bar.red.or.pred``, no vote; D = 128 since s50), both
+    warpgroups' 256 threads at named barrier 15; the methods without a decision (dense, window) have neither."""
     got = builds[f"{d}-{method}-{int(pw.PRODUCER[d])}"]
     decides = method in (1, 2)
     assert got["bar_red"] == (decides and pw.MEET[d] == 2), got
+    assert got["bar_red_at"] == ([[15, 256]] if decides and pw.MEET[d] == 2 else []), got
     assert got["vote"] == (decides and pw.MEET[d] != 2), got
 
 
