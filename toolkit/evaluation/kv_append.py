@@ -10,8 +10,9 @@ TPOT timed with it measures a step that no deployment runs, with the attention's
 tokens and makes the layer's ``update`` write the new tokens after the cached ones and return views
 of the first L tokens (strided [B, Hkv, L, D]: the same values the cat returns, no copy), by moving
 the layer to a subclass whose ``update`` does that: a bound method stored on the layer would make it
-refer to itself, and such a cache lives until the cyclic collector runs (s51: the 8B timing held
-8 GiB of such copies per decode timing at 128K and ran out of GPU memory). Every
+refer to itself, and such a cache lives until the cyclic collector runs (s51, the 8B timing at 128K:
+2 GiB left alive by each eager decode measure and 8 GiB by each graph one, until it ran out of GPU
+memory). Every
 cache layout transformers' models update through ``cache.layers[i].update(keys, values, ...)``
 (transformers 4.56 onwards) and whose layers are all plain ``DynamicLayer`` (no sliding window: a
 sliding layer keeps only its last tokens) converts; any other cache is left as it is and
