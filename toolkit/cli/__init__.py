@@ -24,15 +24,36 @@ DEMO_TARGETS = [0.3, 0.5]  # what 1K/2K prompts reach (SmolLM2 prefill skips at 
 COMMITTED_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calibration" / "smollm2-1k-8k"
 
 
+def _out_of_memory(e: BaseException) -> str | None:
+    """torch's first sentences of an allocation that failed (CUDA's OutOfMemoryError, the CPU allocator's
+    RuntimeError), None for any other error. torch is looked up, not imported: ``--help`` stays light."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(e, RuntimeError):
+        return None
+    text = str(e)
+    if isinstance(e, torch.OutOfMemoryError):
+        return ". ".join(text.split(". ")[:3])
+    cpu = text.find("DefaultCPUAllocator: can't allocate memory")
+    return None if cpu < 0 else text[cpu:].split(". ")[0]
+
+
 def _user_errors(fn):
-    """Turn UserError (and an OS error on a path) into one line on stderr and exit code 2;
-    Ctrl-C into a resume hint."""
+    """Turn UserError (and an OS error on a path, and memory the device does not have) into one line on
+    stderr and exit code 2; Ctrl-C into a resume hint."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except RuntimeError as e:
+            what = _out_of_memory(e)
+            if what is None:
+                raise
+            typer.echo(f"error: out of memory ({what}); use shorter prompts or --lengths, a smaller --batch where "
+                       "the command has one, or a device with more memory. Finished work is kept: run the same "
+                       "command again to resume.", err=True)
             raise typer.Exit(2)
         except OSError as e:  # permission, read-only or full file system on a path the user gave
             if e.filename is None:
