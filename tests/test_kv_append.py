@@ -96,3 +96,24 @@ def test_a_dropped_cache_frees_its_buffers_at_once(tiny_sdpa_model, rng):
         assert [r() is None for r in refs] == [True, True]
     finally:
         gc.enable()
+
+
+def test_a_converted_cache_converts_again_with_room(tiny_sdpa_model, rng):
+    """A cache converted before (or its deep copy) is converted again: new buffers of the new capacity, the same
+    keys, and it steps on where the full one would refuse (the eval scores an answer on a copy of a prompt's cache
+    that generation already converted)."""
+    ids = torch.randint(0, tiny_sdpa_model.config.vocab_size, (1, 9), generator=rng)
+    cache, nxt = _prefill(tiny_sdpa_model, ids)
+    want = _greedy(tiny_sdpa_model, copy.deepcopy(cache), nxt, 3)
+    assert in_place(cache, 10)
+    got = _greedy(tiny_sdpa_model, cache, nxt, 1)
+    twin = copy.deepcopy(cache)
+    old = twin.layers[0].kv_buffers[0].data_ptr()
+    assert in_place(twin, 12)
+    assert twin.layers[0].kv_buffers[0].shape[2] == 12 and twin.layers[0].kv_buffers[0].data_ptr() != old
+    assert torch.equal(twin.layers[0].keys, cache.layers[0].keys)
+    got += _greedy(tiny_sdpa_model, twin, want[0].argmax(-1)[:, None], 2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="in-place cache full"):
+        _greedy(tiny_sdpa_model, cache, nxt, 1)

@@ -30,10 +30,12 @@ import torch
 
 def in_place(cache, capacity: int) -> bool:
     """Make a prefilled cache append in place with room for ``capacity`` tokens per layer; True when
-    every layer converted (then the cache's tensors live in new buffers), False when the cache's
-    layout is not one this knows (nothing changed)."""
+    every layer converted (then the cache's tensors live in new buffers; a cache converted before, or a
+    deep copy of one, gets new buffers of the new capacity), False when the cache's layout is not one
+    this knows (nothing changed)."""
     layers = getattr(cache, "layers", None)
-    if not layers or not all(type(lay).__name__ == "DynamicLayer" and isinstance(getattr(lay, "keys", None), torch.Tensor)
+    if not layers or not all(_plain(type(lay)).__name__ == "DynamicLayer" and isinstance(getattr(lay, "keys", None),
+                                                                                          torch.Tensor)
                              and lay.keys.dim() == 4 for lay in layers):
         return False
     for lay in layers:
@@ -46,15 +48,19 @@ def in_place(cache, capacity: int) -> bool:
         kb[:, :, :n], vb[:, :, :n] = k, v
         lay.kv_buffers = (kb, vb)
         lay.keys, lay.values = kb[:, :, :n], vb[:, :, :n]
-        lay.__class__ = _appending(type(lay))
+        lay.__class__ = _appending(_plain(type(lay)))
     return True
 
 
 @functools.cache
 def _appending(base: type) -> type:
-    """``base``'s subclass whose ``update`` is ``_append`` (named InPlace + base's name, so a converted
-    layer is not converted again)."""
-    return type(f"InPlace{base.__name__}", (base,), {"update": _append, "__module__": __name__})
+    """``base``'s subclass whose ``update`` is ``_append`` (``_plain`` gives ``base`` back)."""
+    return type(f"InPlace{base.__name__}", (base,), {"update": _append, "__module__": __name__, "_plain": base})
+
+
+def _plain(cls: type) -> type:
+    """The layer class a converted layer's class was made from (``_appending``); any other class itself."""
+    return cls.__dict__.get("_plain", cls)
 
 
 def _append(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
