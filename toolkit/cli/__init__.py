@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -86,8 +85,8 @@ DEVICE_MAP_HELP = "'auto': spread one model over the GPUs (accelerate), for a mo
 MAX_MEMORY_HELP = "Budgets of --device-map auto per GPU (and cpu), e.g. 0=20GiB,1=20GiB,cpu=64GiB."
 
 
-def _launch_ranks(ctx: typer.Context, gpus: int, device: str, device_map: Optional[str],
-                  max_memory: Optional[str]) -> None:
+def _launch_ranks(ctx: typer.Context, gpus: int, device: str, device_map: str | None,
+                  max_memory: str | None) -> None:
     """--gpus N > 1: run this very command (less --gpus) on N torchrun ranks, and exit with their code."""
     if gpus < 2:
         return
@@ -126,11 +125,11 @@ def capture(
     ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Run directory (created, or resumed if it holds the same run)."),
     model: str = typer.Option("smollm2", help="'smollm2' (embedded default) or a local HF checkpoint directory."),
-    task: Optional[str] = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS},text_stdlib."),
+    task: str | None = typer.Option(None, help=f"Comma-separated tasks [default: niah_single]; from: {DEFAULT_TASKS},text_stdlib."),
     lengths: str = typer.Option(DEFAULT_LENGTHS, help="Prompt lengths in tokens of the model's tokenizer."),
     samples: int = typer.Option(1, min=1, help="Samples per task and length."),
     seed: int = typer.Option(0, help="Base seed; each sample's own seed is recorded."),
-    prompts_file: Optional[Path] = typer.Option(None, help='JSONL of {"text": ...} or {"input_ids": [...]} lines.'),
+    prompts_file: Path | None = typer.Option(None, help='JSONL of {"text": ...} or {"input_ids": [...]} lines.'),
     block_m: int = typer.Option(128, min=1, help="Query block size BM."),
     block_n: int = typer.Option(64, min=1, help="Key block size BN."),
     k: str = typer.Option("4,8,16,32,64", help="BSFA k values (top-k key blocks kept)."),
@@ -143,12 +142,12 @@ def capture(
     backend: str = typer.Option("auto", help="Attention backend: auto (triton on CUDA, else reference), triton, reference."),
     add: bool = typer.Option(False, "--add", help="Add prompts an existing run did not plan (another task, "
                              "more lengths); its fit and export are then stale."),
-    layers: Optional[str] = typer.Option(None, help="Capture only these layers, e.g. 0,3,8-11 (the rest run dense); "
+    layers: str | None = typer.Option(None, help="Capture only these layers, e.g. 0,3,8-11 (the rest run dense); "
                                          "default: every full-attention layer."),
     gpus: int = typer.Option(1, min=1, help=GPUS_HELP),
-    device_map: Optional[str] = typer.Option(None, help=DEVICE_MAP_HELP),
-    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
-    engine: Optional[str] = typer.Option(None, help="Capture at a serving engine's skip-softmax tiles (sets BM x BN): "
+    device_map: str | None = typer.Option(None, help=DEVICE_MAP_HELP),
+    max_memory: str | None = typer.Option(None, help=MAX_MEMORY_HELP),
+    engine: str | None = typer.Option(None, help="Capture at a serving engine's skip-softmax tiles (sets BM x BN): "
                                          "trtllm (trtllm-gen: TensorRT-LLM on Blackwell, SGLang, vLLM; 128x128), "
                                          "trtllm-hopper (fmha_v2: 64 x 256/128/64 by head_dim), modelopt (128x128), "
                                          "sparsecal (128x64)."),
@@ -181,7 +180,7 @@ def capture(
 @_user_errors
 def fit(
     run: Path = typer.Argument(..., help="Run directory made by `sparsecal capture`."),
-    k: Optional[str] = typer.Option(None, help="BSFA k values to fit [default: every k the run captured]."),
+    k: str | None = typer.Option(None, help="BSFA k values to fit [default: every k the run captured]."),
     targets: str = typer.Option("0.5,0.7", help="BLASST target sparsities."),
     holdout: float = typer.Option(0.25, help="Share of each length's samples held out for validation (0: none)."),
     seed: int = typer.Option(0, help="Seed of the hold-out split."),
@@ -189,7 +188,7 @@ def fit(
     order: str = typer.Option("forward", help="Scan order whose BLASST calibration is exported."),
     strict: bool = typer.Option(False, "--strict", help="Refuse a run with damaged samples (default: leave them "
                                 "out with a warning)."),
-    engine: Optional[str] = typer.Option(None, help="Fit for a serving engine (trtllm, trtllm-hopper, modelopt, "
+    engine: str | None = typer.Option(None, help="Fit for a serving engine (trtllm, trtllm-hopper, modelopt, "
                                          "sparsecal): refuses a run captured at other tiles; engines scan forward."),
 ):
     """Fit BSFA thresholds and the BLASST lambda law, validate them on held-out samples, and
@@ -212,18 +211,18 @@ def fit(
 def export(
     run: Path = typer.Argument(..., help="A fitted run directory."),
     out: Path = typer.Option(..., "--out", help="Export directory (created)."),
-    target: Optional[float] = typer.Option(None, help="BLASST target written at the top of blasst.json [default: the first fitted]."),
-    max_length: Optional[int] = typer.Option(None, help="Cover positions up to this many tokens (past the longest calibrated length, the last threshold is reused)."),
+    target: float | None = typer.Option(None, help="BLASST target written at the top of blasst.json [default: the first fitted]."),
+    max_length: int | None = typer.Option(None, help="Cover positions up to this many tokens (past the longest calibrated length, the last threshold is reused)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an export of another run in OUT."),
-    format: Optional[str] = typer.Option(None, "--format", help="Also write serving-engine files (comma-separated, "
+    format: str | None = typer.Option(None, "--format", help="Also write serving-engine files (comma-separated, "
                                          "or all): modelopt (config.json block), trtllm (YAML), sglang (env), vllm "
                                          "(flags); the run must be captured at that engine's tiles."),
-    patch_config: Optional[Path] = typer.Option(None, "--patch-config", help="Write the modelopt block into this "
+    patch_config: Path | None = typer.Option(None, "--patch-config", help="Write the modelopt block into this "
                                                 "checkpoint's config.json (backup kept; another model's is refused)."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Add each layer's own BLASST factor to blasst.json."),
     min_layer_sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Leave a layer dense when it skips less "
                                              "than this at every length at the exported factor (0: never)."),
-    break_even: Optional[list[Path]] = typer.Option(None, "--break-even", help="A break-even file of the serving GPU "
+    break_even: list[Path] | None = typer.Option(None, "--break-even", help="A break-even file of the serving GPU "
                                                     "(`sparsecal bench break-even --run RUN --out FILE`): blasst.json "
                                                     "gets a dispatch record, sparse only where a layer's calibrated "
                                                     "sparsity reaches the break-even, the best SDPA path elsewhere "
@@ -234,11 +233,11 @@ def export(
     dispatch_timing: str = typer.Option("graph", "--dispatch-timing", help="With --break-even: the break-even "
                                         "rows used, graph (CUDA-graph replays: device time, as serving engines "
                                         "replay decode) or eager (one launch per call, host cost included)."),
-    serve_lengths: Optional[str] = typer.Option(None, "--serve-lengths", help="MIN[-MAX]: the lengths the engines "
+    serve_lengths: str | None = typer.Option(None, "--serve-lengths", help="MIN[-MAX]: the lengths the engines "
                                                 "will serve (default: any); the export says where an engine file's "
                                                 "lambda = factor / L reaches 1 there, what each engine does, and the "
                                                 "remedies."),
-    length_weights: Optional[str] = typer.Option(None, "--length-weights", help="Fit the engine files' factors where "
+    length_weights: str | None = typer.Option(None, "--length-weights", help="Fit the engine files' factors where "
                                                  "the traffic is: LENGTH:WEIGHT,... (e.g. 1024:0.5,4096:0.5) or a "
                                                  "prompts file (JSONL, its prompts' lengths); within the calibrated "
                                                  "lengths."),
@@ -263,7 +262,7 @@ def dashboard(
     runs: list[Path] = typer.Argument(..., help="Run directories (or directories holding runs)."),
     port: int = typer.Option(8501, help="Local port to serve on (0: any free port)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for other machines)."),
-    results: Optional[list[Path]] = typer.Option(None, "--results", help="Directory of evaluation/benchmark result files for the Accuracy-speedup page (repeatable)."),
+    results: list[Path] | None = typer.Option(None, "--results", help="Directory of evaluation/benchmark result files for the Accuracy-speedup page (repeatable)."),
 ):
     """Serve the Streamlit dashboard over the runs (prints the URL; Ctrl-C stops it)."""
     from sparsecal.dashboard.serve import serve
@@ -326,34 +325,34 @@ def eval_(
     ctx: typer.Context,
     export: Path = typer.Argument(..., help="Export directory (thresholds.safetensors/.bsfa.pt, blasst.json)."),
     out: Path = typer.Option(..., "--out", help="Evaluation directory (created, or resumed if it holds the same request)."),
-    model: Optional[str] = typer.Option(None, help="'smollm2' or a local HF checkpoint directory (default: smollm2)."),
-    tasks: Optional[str] = typer.Option(None, help=f"Comma-separated tasks (default: {DEFAULT_TASKS})."),
-    lengths: Optional[str] = typer.Option(None, help=f"Prompt lengths in tokens (default: {DEFAULT_LENGTHS})."),
-    samples: Optional[int] = typer.Option(None, min=1, help="Samples per task and length (default: 1)."),
-    seed: Optional[int] = typer.Option(None, help="Base seed of the evaluation prompts, disjoint from calibration's (default: 1009)."),
-    methods: Optional[str] = typer.Option(None, help="dense | sdpa | bsfa:K[:dense|topk|thresholds][,K...] | blasst:T[:sparse|dense][,T...] | window:B[:sparse|dense][,B...], joined by commas (default: dense); dense (the kernels, skipping off) and dense:fp32 always run; the third field is the decode mode (bsfa decodes dense by default, :dense makes blasst/window prefill-only)."),
-    dtype: Optional[str] = typer.Option(None, help="Model dtype: float32, bfloat16 or float16 (default: float32)."),
-    device: Optional[str] = typer.Option(None, help="torch device for the model (default: cpu)."),
-    reuse_last_threshold: Optional[bool] = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) (default: no)."),
-    calibration: Optional[Path] = typer.Option(None, help="The calibration run (default: the one recorded in the export, or its parent directory)."),
-    extrapolate: Optional[bool] = typer.Option(None, "--extrapolate/--no-extrapolate", help="BLASST past its law's longest validated length applies a/L (default: no, it runs dense there); rows flag each phase's law as interpolated, extrapolated or below."),
+    model: str | None = typer.Option(None, help="'smollm2' or a local HF checkpoint directory (default: smollm2)."),
+    tasks: str | None = typer.Option(None, help=f"Comma-separated tasks (default: {DEFAULT_TASKS})."),
+    lengths: str | None = typer.Option(None, help=f"Prompt lengths in tokens (default: {DEFAULT_LENGTHS})."),
+    samples: int | None = typer.Option(None, min=1, help="Samples per task and length (default: 1)."),
+    seed: int | None = typer.Option(None, help="Base seed of the evaluation prompts, disjoint from calibration's (default: 1009)."),
+    methods: str | None = typer.Option(None, help="dense | sdpa | bsfa:K[:dense|topk|thresholds][,K...] | blasst:T[:sparse|dense][,T...] | window:B[:sparse|dense][,B...], joined by commas (default: dense); dense (the kernels, skipping off) and dense:fp32 always run; the third field is the decode mode (bsfa decodes dense by default, :dense makes blasst/window prefill-only)."),
+    dtype: str | None = typer.Option(None, help="Model dtype: float32, bfloat16 or float16 (default: float32)."),
+    device: str | None = typer.Option(None, help="torch device for the model (default: cpu)."),
+    reuse_last_threshold: bool | None = typer.Option(None, "--reuse-last-threshold/--no-reuse-last-threshold", help="Allow lengths past the BSFA export's Nmax (the last threshold is reused) (default: no)."),
+    calibration: Path | None = typer.Option(None, help="The calibration run (default: the one recorded in the export, or its parent directory)."),
+    extrapolate: bool | None = typer.Option(None, "--extrapolate/--no-extrapolate", help="BLASST past its law's longest validated length applies a/L (default: no, it runs dense there); rows flag each phase's law as interpolated, extrapolated or below."),
     held_out_tasks_only: bool = typer.Option(False, "--held-out-tasks-only", help="Refuse tasks the export was calibrated on."),
-    holdout_tasks: Optional[str] = typer.Option(None, "--holdout-tasks", help="Comma-separated task families that must be held out (e.g. vt,text_stdlib): added to --tasks, refused if the calibration captured them; rows get split seen|held-out from the calibration run, else from this list."),
-    bench: Optional[list[Path]] = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
+    holdout_tasks: str | None = typer.Option(None, "--holdout-tasks", help="Comma-separated task families that must be held out (e.g. vt,text_stdlib): added to --tasks, refused if the calibration captured them; rows get split seen|held-out from the calibration run, else from this list."),
+    bench: list[Path] | None = typer.Option(None, "--bench", help="`sparsecal bench` result files to join into OUT/curves.parquet (repeatable)."),
     gpus: int = typer.Option(1, min=1, help=GPUS_HELP),
-    device_map: Optional[str] = typer.Option(None, help=DEVICE_MAP_HELP),
-    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
-    dispatch: Optional[str] = typer.Option(None, help="off | on | both: BSFA and BLASST without and/or with the export's dispatch record (labels with it end in +dispatch) (default: off)."),
+    device_map: str | None = typer.Option(None, help=DEVICE_MAP_HELP),
+    max_memory: str | None = typer.Option(None, help=MAX_MEMORY_HELP),
+    dispatch: str | None = typer.Option(None, help="off | on | both: BSFA and BLASST without and/or with the export's dispatch record (labels with it end in +dispatch) (default: off)."),
     time_: bool = typer.Option(False, "--time", help="After the rows, the timing phase: TTFT and TPOT of every evaluated configuration against the best SDPA, one process with the GPU's lock held exclusively (OUT/data/timing.parquet)."),
     time_only: bool = typer.Option(False, "--time-only", help="Only the timing phase, on the rows OUT holds (after an evaluation run by several processes or torchrun)."),
-    speed_only: Optional[bool] = typer.Option(None, "--speed-only/--no-speed-only", help="No accuracy rows (a random-weight checkpoint: accuracy is meaningless, and labelled so): time random prompt ids of --lengths; with --time."),
+    speed_only: bool | None = typer.Option(None, "--speed-only/--no-speed-only", help="No accuracy rows (a random-weight checkpoint: accuracy is meaningless, and labelled so): time random prompt ids of --lengths; with --time."),
     rounds: int = typer.Option(5, min=1, help="Timing phase: round-robin rounds over a length's variants (median kept; "
                                "from 4, each speedup also gets its 95% interval)."),
     reps: int = typer.Option(5, min=1, help="Timing phase: timed prefill forwards per round (median)."),
     warmup: int = typer.Option(2, min=0, help="Timing phase: untimed forwards (and decode steps) before the timed ones."),
     decode_steps: int = typer.Option(16, min=1, help="Timing phase: timed decode steps per round, eager and CUDA-graph replays (median per step)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Timing phase: also CUDA-graph replays of the prefill (CUDA only)."),
-    time_lengths: Optional[str] = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
+    time_lengths: str | None = typer.Option(None, help="Timing phase: only these of the evaluated lengths (the other lengths' timings are kept), e.g. to split a long timing over several calls."),
     batch: int = typer.Option(1, min=1, help="Prompts of one length evaluated together as one batch (rows stay per prompt and independent; a GPU's host-bound decode steps are shared): 16-32 on a GPU, one process per GPU (processes sharing one are time-sliced)."),
 ):
     """Evaluate methods on held-out task prompts against dense: answers, next-token KL, top-1
@@ -385,11 +384,11 @@ def verify(
     export: Path = typer.Argument(..., help="An export directory written with --format modelopt."),
     engine: str = typer.Option("modelopt", help="The consumer whose own code runs the export: modelopt "
                                "(Model-Optimizer's loader and Hugging Face skip-softmax path)."),
-    run: Optional[Path] = typer.Option(None, help="The run the export was made from (default: EXPORT's parent)."),
-    targets: Optional[str] = typer.Option(None, help="Target sparsities S (factor = a exp(b S)) [default: the fitted ones]."),
-    lengths: Optional[str] = typer.Option(None, help="Only samples of these lengths [default: every captured one]."),
+    run: Path | None = typer.Option(None, help="The run the export was made from (default: EXPORT's parent)."),
+    targets: str | None = typer.Option(None, help="Target sparsities S (factor = a exp(b S)) [default: the fitted ones]."),
+    lengths: str | None = typer.Option(None, help="Only samples of these lengths [default: every captured one]."),
     samples: str = typer.Option("held-out", help="held-out (the fit's test split) or all finished samples."),
-    per_length: Optional[int] = typer.Option(None, "--per-length", help="At most this many samples per length."),
+    per_length: int | None = typer.Option(None, "--per-length", help="At most this many samples per length."),
     masks: bool = typer.Option(True, "--masks/--no-masks", help="Also run with each layer's mask applied (one run per target)."),
     device: str = typer.Option("cpu", help="torch device for the model."),
 ):
