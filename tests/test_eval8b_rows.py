@@ -58,3 +58,37 @@ def test_the_predicted_rows(rows):
     assert r["speedup_ttft"] / r["ideal_ttft"] == pytest.approx(0.94, abs=0.005)
     r = rows[(65536, "blasst:0.5+dispatch")]
     assert round(r["speedup_ttft"], 3) == 1.089 and round(r["sparsity"], 3) == 0.557
+
+
+S52 = ROOT / "data" / "calibration" / "llama8b-4l-random-h100-s52" / "eval8b"
+
+
+def _read(tmp_path, name):
+    (tmp_path / TIMING).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(S52 / name, tmp_path / TIMING)
+    return {r["label"]: r for r in read_timing(tmp_path).iter_rows(named=True)}
+
+
+def test_the_s52_128k_rows_with_dispatch_hold_the_line_with_intervals(tmp_path):
+    """128K, 4 rounds, the +dispatch rows and dense: TTFT eager 1.051 / 1.381 / 1.075, graph TPOT 0.997 / 0.992 /
+    0.992, each interval holding 1 and every point at >= 0.99; every decode dense (past the law's 131072 tokens)."""
+    rows = _read(tmp_path, "timing-128k.parquet")
+    assert set(rows) == {"dense", "bsfa:128+dispatch", "blasst:0.5+dispatch"}
+    assert {(r["length"], r["rounds"], r["speed_device"]) for r in rows.values()} == {
+        (131072, 4, "NVIDIA H100 80GB HBM3")}
+    got = {k: (round(r["speedup_ttft"], 3), round(r["speedup_tpot_graph"], 3)) for k, r in rows.items()}
+    assert got == {"dense": (1.051, 0.997), "bsfa:128+dispatch": (1.381, 0.992), "blasst:0.5+dispatch": (1.075, 0.992)}
+    for r in rows.values():
+        assert r["speedup_tpot_graph_lo"] < 1 < r["speedup_tpot_graph_hi"]
+        assert r["speedup_ttft_graph"] >= 0.99 and r["decode_sparsity"] == 0
+    r = rows["bsfa:128+dispatch"]
+    assert round(r["sparsity"], 3) == 0.876 and r["speedup_ttft"] / r["ideal_ttft"] == pytest.approx(0.968, abs=0.001)
+
+
+def test_the_s52_3_round_rows_have_points_and_no_intervals(tmp_path):
+    """3 rounds a side: no 95 % interval (ratio_interval needs 4); the points NOTES quotes."""
+    rows = _read(tmp_path, "timing-128k-3rounds.parquet")
+    assert len(rows) == 5 and {r["rounds"] for r in rows.values()} == {3}
+    assert all(r["speedup_ttft_lo"] is None and r["speedup_tpot_graph_lo"] is None for r in rows.values())
+    assert round(rows["bsfa:128+dispatch"]["speedup_ttft"], 3) == 1.376
+    assert sorted(round(r["speedup_tpot_graph"], 3) for r in rows.values()) == [0.984, 0.987, 0.991, 0.993, 0.996]
