@@ -188,10 +188,6 @@ def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: g
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
         keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
-    elif MEET == 4:  # diagnostic, timing only (s52): the meeting's barrier taken, its answer ignored (every tile kept)
-        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG) | True
-    elif MEET == 6:  # diagnostic, timing only (s52): a barrier of this warpgroup alone, its answer ignored
-        keep = _bar_any(vals >= thr, HALF // (8 * NW), 13 + WG, NW * 32, WG) | True
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
@@ -429,7 +425,7 @@ def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chu
     while one of its wgmma runs (``_ws_tile``'s LATE; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
     slots, maxnreg, worker = CONFIG[(d, producer)]
-    if meet not in (None, 0, 2, 4, 6):
+    if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     if late and producer:
         raise ValueError("late copies are warpgroup 0's: the form without a producer warp takes them")

@@ -75,8 +75,6 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_c4": functools.partial(sparse_attention_gluon_ws, chunk=4),
                   "gluon_ws_vote": functools.partial(sparse_attention_gluon_ws, meet=0),
                   "gluon_ws_redbar": functools.partial(sparse_attention_gluon_ws, meet=2),
-                  "gluon_ws_diag_keep": functools.partial(sparse_attention_gluon_ws, meet=4),
-                  "gluon_ws_diag_own_keep": functools.partial(sparse_attention_gluon_ws, meet=6),
                   "gluon_ws_late": functools.partial(sparse_attention_gluon_ws, late=True),
                   "gluon_ws_early": functools.partial(sparse_attention_gluon_ws, late=False),
                   "gluon_ws_redbar_late": functools.partial(sparse_attention_gluon_ws, meet=2, late=True)}
