@@ -94,7 +94,7 @@ def test_each_speedup_has_the_interval_of_its_rounds():
     from sparsecal.evaluation.methods import Method
     from sparsecal.evaluation.speed_stats import ratio_interval
     from sparsecal.evaluation.summary import own_speed
-    from sparsecal.evaluation.timing import method_record
+    from sparsecal.evaluation.timing import method_record, speed_line
 
     mine = {"ttft_ms": [10.0, 10.4, 9.9, 10.1, 10.2], "tpot_ms": [2.0, 2.1, 2.05, 1.95, 2.02],
             "ttft_graph_ms": [9.0, 9.1, 9.2, 8.9, 9.05], "tpot_graph_ms": [1.5, None, 1.52, 1.49, 1.5]}
@@ -107,6 +107,10 @@ def test_each_speedup_has_the_interval_of_its_rounds():
         assert (rec[f"{name}_lo"], rec[f"{name}_hi"]) == (want["lo"], want["hi"]) and want["lo"] < want["hi"]
     assert rec["speedup_ttft_lo"] > 1.0   # 10.1 against 12.1 ms in every round: faster, and the interval says so
     assert rec["speedup_tpot_graph_lo"] is None and rec["tpot_graph_rounds_ms"] == mine["tpot_graph_ms"]
+    line = speed_line(256, "bsfa:1", rec)   # the printed line: each interval it has, "-" / nothing where none
+    for name in ("speedup_ttft", "speedup_tpot"):
+        assert f"{rec[name]:.3f}x [{rec[name + '_lo']:.3f}, {rec[name + '_hi']:.3f}]" in line
+    assert "(graph -x )" in line
     frame = pl.DataFrame([rec, {**rec, "label": "other", "sparsity_match": False}]).with_columns(
         pl.lit("cpu").alias("speed_device"))
     kept = own_speed(frame).to_dicts()

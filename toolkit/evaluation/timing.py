@@ -500,13 +500,20 @@ def run_timing(model, methods, lengths, export_dir, model_id: str, rows: list[di
         for m in here:
             rec = method_record(m, n, got[("method", m.label)], base, prompt_of[m.label], rows)
             records.append(rec)
-            say(f"  {n} tokens {m.label}: TTFT {rec['speedup_ttft'] or 0:.3f}x, TPOT {rec['speedup_tpot'] or 0:.3f}x "
-                f"(graph {_fmt(rec['speedup_tpot_graph'])}x {_band(rec, 'speedup_tpot_graph')}) "
-                f"of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {rec['sparsity']:.3f} timed vs "
-                f"{_fmt(rec['point_sparsity'])} evaluated")
+            say(speed_line(n, m.label, rec))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return records
+
+
+def speed_line(n: int, label: str, rec: dict) -> str:
+    """The timing phase's line for one record: each speedup with its interval where it has one (an eager
+    TPOT's, host-bound, is often wide: the reader sees it), the ideal, and the timed and evaluated sparsity."""
+    return (f"  {n} tokens {label}: TTFT {rec['speedup_ttft'] or 0:.3f}x {_band(rec, 'speedup_ttft')}, "
+            f"TPOT {rec['speedup_tpot'] or 0:.3f}x {_band(rec, 'speedup_tpot')} "
+            f"(graph {_fmt(rec['speedup_tpot_graph'])}x {_band(rec, 'speedup_tpot_graph')}) "
+            f"of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {_fmt(rec['sparsity'])} timed vs "
+            f"{_fmt(rec['point_sparsity'])} evaluated")
 
 
 def _fmt(x) -> str:
