@@ -71,7 +71,8 @@ def _read(tmp_path, name):
 
 def test_the_s52_128k_rows_with_dispatch_hold_the_line_with_intervals(tmp_path):
     """128K, 4 rounds, the +dispatch rows and dense: TTFT eager 1.051 / 1.381 / 1.075, graph TPOT 0.997 / 0.992 /
-    0.992, each interval holding 1 and every point at >= 0.99; every decode dense (past the law's 131072 tokens)."""
+    0.992, each interval holding 1 and every point at >= 0.99; every decode dense (BSFA by default, BLASST past its
+    law's 131072 tokens)."""
     rows = _read(tmp_path, "timing-128k.parquet")
     assert set(rows) == {"dense", "bsfa:128+dispatch", "blasst:0.5+dispatch"}
     assert {(r["length"], r["rounds"], r["speed_device"]) for r in rows.values()} == {
