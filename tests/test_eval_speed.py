@@ -86,7 +86,7 @@ def test_every_speed_point_is_the_evaluated_configuration(evaluated):
     assert all(rec["speedup_ttft_lo"] is None for rec in timing.to_dicts())   # one round: no interval
 
 
-def test_each_speedup_has_the_interval_of_its_rounds():
+def test_each_speedup_has_the_interval_of_its_rounds(capsys):
     """method_record: with 5 rounds of the configuration and of the best SDPA, each speedup gets the
     exact interval of speed_stats.ratio_interval from exactly those rounds; the graph rounds are kept;
     a measure with a missing round (a graph that did not capture) has none; own_speed keeps an
@@ -94,7 +94,7 @@ def test_each_speedup_has_the_interval_of_its_rounds():
     from sparsecal.evaluation.methods import Method
     from sparsecal.evaluation.speed_stats import ratio_interval
     from sparsecal.evaluation.summary import own_speed
-    from sparsecal.evaluation.timing import method_record, speed_line
+    from sparsecal.evaluation.timing import method_record, print_speed, speed_line
 
     mine = {"ttft_ms": [10.0, 10.4, 9.9, 10.1, 10.2], "tpot_ms": [2.0, 2.1, 2.05, 1.95, 2.02],
             "ttft_graph_ms": [9.0, 9.1, 9.2, 8.9, 9.05], "tpot_graph_ms": [1.5, None, 1.52, 1.49, 1.5]}
@@ -116,6 +116,13 @@ def test_each_speedup_has_the_interval_of_its_rounds():
     kept = own_speed(frame).to_dicts()
     assert kept[0]["speedup_ttft_lo"] == rec["speedup_ttft_lo"] and kept[1]["speedup_ttft_lo"] is None
     assert kept[1]["speedup_tpot_lo"] == rec["speedup_tpot_lo"]   # its decode still matched
+    # the summary lines: the intervals each point keeps
+    print_speed(own_speed(frame).with_columns(pl.lit(0.5).alias("sparsity"), pl.lit(0.5).alias("timed_sparsity")), True)
+    got = capsys.readouterr().out.splitlines()
+    lo, hi = rec["speedup_ttft_lo"], rec["speedup_ttft_hi"]
+    tpot = f"TPOT {rec['speedup_tpot']:.3f}x [{rec['speedup_tpot_lo']:.3f}, {rec['speedup_tpot_hi']:.3f}]"
+    assert len(got) == 2 and all(tpot in line and "(graph -x )" in line for line in got)
+    assert f"TTFT {rec['speedup_ttft']:.3f}x [{lo:.3f}, {hi:.3f}]" in got[0] and "TTFT -x  (graph -x " in got[1]
 
 
 def _bench(path, rows):

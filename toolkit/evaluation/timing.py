@@ -548,16 +548,17 @@ def with_speed(rows: list[dict], cur) -> list[dict]:
 
 
 def print_speed(cur, meaningful: bool) -> None:
-    """One line per timed point: its own TTFT and TPOT speedups against best SDPA, the ideal, and
-    whether the timed sparsity matched the evaluated one."""
+    """One line per timed point: its own TTFT and TPOT speedups against best SDPA, each with its interval
+    where it has one, the ideal, and whether the timed sparsity matched the evaluated one."""
     from rich.console import Console
 
     out = Console(width=max(170, Console().width))
     if not meaningful:
         out.print("accuracy: meaningless (--speed-only: random weights or no accuracy rows); speed only")
     for r in cur.filter(cur["speedup_ttft"].is_not_null() | cur["timed_sparsity"].is_not_null()).iter_rows(named=True):
-        out.print(f"speed {r['label']} @ {r['length']}: TTFT {_fmt(r['speedup_ttft'])}x (graph "
-                  f"{_fmt(r.get('speedup_ttft_graph'))}x, ideal {_fmt(r.get('ideal_ttft'))}x), TPOT "
-                  f"{_fmt(r['speedup_tpot'])}x (graph {_fmt(r.get('speedup_tpot_graph'))}x) of best SDPA; sparsity timed {_fmt(r.get('timed_sparsity'))}"
+        out.print(f"speed {r['label']} @ {r['length']}: TTFT {_fmt(r['speedup_ttft'])}x {_band(r, 'speedup_ttft')} (graph "
+                  f"{_fmt(r.get('speedup_ttft_graph'))}x {_band(r, 'speedup_ttft_graph')}, ideal {_fmt(r.get('ideal_ttft'))}x), "
+                  f"TPOT {_fmt(r['speedup_tpot'])}x {_band(r, 'speedup_tpot')} (graph {_fmt(r.get('speedup_tpot_graph'))}x "
+                  f"{_band(r, 'speedup_tpot_graph')}) of best SDPA; sparsity timed {_fmt(r.get('timed_sparsity'))}"
                   f" / evaluated {_fmt(r['sparsity'])} (match {r.get('sparsity_match')}) on "
                   f"{r.get('speed_device')}", soft_wrap=True)
