@@ -1,6 +1,6 @@
-"""The committed 8B speed rows (data/calibration/llama8b-4l-random-h100-s51) read, checked by
+"""The committed 8B speed rows (data/calibration/llama8b-4l-random-h100-s51 and -s52) read, checked by
 evaluation.store.read_timing, as data/bench/NOTES.md "the 8B rows with the kernels as they run after
-s50" quotes them (issue 28's end-to-end line)."""
+s50" and "the 8B rows at 128K, s52" quote them (issue 28's end-to-end line)."""
 import shutil
 
 import pytest
@@ -10,14 +10,19 @@ from sparsecal.evaluation.store import TIMING, read_timing
 from helpers import ROOT
 
 S51 = ROOT / "data" / "calibration" / "llama8b-4l-random-h100-s51" / "eval8b" / "timing.parquet"
+S52 = ROOT / "data" / "calibration" / "llama8b-4l-random-h100-s52" / "eval8b"
+
+
+def _read(tmp_path, src) -> list[dict]:
+    """The rows of the committed timing table ``src``, read as an eval directory's through read_timing."""
+    (tmp_path / TIMING).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, tmp_path / TIMING)
+    return list(read_timing(tmp_path).iter_rows(named=True))
 
 
 @pytest.fixture
 def rows(tmp_path):
-    (tmp_path / TIMING).parent.mkdir(parents=True)
-    shutil.copy(S51, tmp_path / TIMING)
-    df = read_timing(tmp_path)
-    return {(r["length"], r["label"]): r for r in df.iter_rows(named=True)}
+    return {(r["length"], r["label"]): r for r in _read(tmp_path, S51)}
 
 
 def test_the_s51_rows_are_the_run_the_notes_describe(rows):
@@ -60,20 +65,11 @@ def test_the_predicted_rows(rows):
     assert round(r["speedup_ttft"], 3) == 1.089 and round(r["sparsity"], 3) == 0.557
 
 
-S52 = ROOT / "data" / "calibration" / "llama8b-4l-random-h100-s52" / "eval8b"
-
-
-def _read(tmp_path, name):
-    (tmp_path / TIMING).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(S52 / name, tmp_path / TIMING)
-    return {r["label"]: r for r in read_timing(tmp_path).iter_rows(named=True)}
-
-
 def test_the_s52_128k_rows_with_dispatch_hold_the_line_with_intervals(tmp_path):
     """128K, 4 rounds, the +dispatch rows and dense: TTFT eager 1.051 / 1.381 / 1.075, graph TPOT 0.997 / 0.992 /
     0.992, each interval holding 1 and every point at >= 0.99; every decode dense (BSFA by default, BLASST past its
     law's 131072 tokens)."""
-    rows = _read(tmp_path, "timing-128k.parquet")
+    rows = {r["label"]: r for r in _read(tmp_path, S52 / "timing-128k.parquet")}
     assert set(rows) == {"dense", "bsfa:128+dispatch", "blasst:0.5+dispatch"}
     assert {(r["length"], r["rounds"], r["speed_device"]) for r in rows.values()} == {
         (131072, 4, "NVIDIA H100 80GB HBM3")}
@@ -88,7 +84,7 @@ def test_the_s52_128k_rows_with_dispatch_hold_the_line_with_intervals(tmp_path):
 
 def test_the_s52_3_round_rows_have_points_and_no_intervals(tmp_path):
     """3 rounds a side: no 95 % interval (ratio_interval needs 4); the points NOTES quotes."""
-    rows = _read(tmp_path, "timing-128k-3rounds.parquet")
+    rows = {r["label"]: r for r in _read(tmp_path, S52 / "timing-128k-3rounds.parquet")}
     assert len(rows) == 5 and {r["rounds"] for r in rows.values()} == {3}
     assert all(r["speedup_ttft_lo"] is None and r["speedup_tpot_graph_lo"] is None for r in rows.values())
     assert round(rows["bsfa:128+dispatch"]["speedup_ttft"], 3) == 1.376

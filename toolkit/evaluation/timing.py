@@ -511,13 +511,17 @@ def speed_line(n: int, label: str, rec: dict) -> str:
     TPOT's, host-bound, is often wide: the reader sees it), the ideal, and the timed and evaluated sparsity."""
     return (f"  {n} tokens {label}: TTFT {rec['speedup_ttft'] or 0:.3f}x {_band(rec, 'speedup_ttft')}, "
             f"TPOT {rec['speedup_tpot'] or 0:.3f}x {_band(rec, 'speedup_tpot')} "
-            f"(graph {_fmt(rec['speedup_tpot_graph'])}x {_band(rec, 'speedup_tpot_graph')}) "
-            f"of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {_fmt(rec['sparsity'])} timed vs "
+            f"(graph {_speed(rec, 'speedup_tpot_graph')}) of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {_fmt(rec['sparsity'])} timed vs "
             f"{_fmt(rec['point_sparsity'])} evaluated")
 
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _speed(rec: dict, name: str) -> str:
+    """A speedup as "1.234x [lo, hi]" ("-x " without a value, no interval where it has none)."""
+    return f"{_fmt(rec.get(name))}x {_band(rec, name)}"
 
 
 def _band(rec: dict, name: str) -> str:
@@ -556,9 +560,9 @@ def print_speed(cur, meaningful: bool) -> None:
     if not meaningful:
         out.print("accuracy: meaningless (--speed-only: random weights or no accuracy rows); speed only")
     for r in cur.filter(cur["speedup_ttft"].is_not_null() | cur["timed_sparsity"].is_not_null()).iter_rows(named=True):
-        out.print(f"speed {r['label']} @ {r['length']}: TTFT {_fmt(r['speedup_ttft'])}x {_band(r, 'speedup_ttft')} (graph "
-                  f"{_fmt(r.get('speedup_ttft_graph'))}x {_band(r, 'speedup_ttft_graph')}, ideal {_fmt(r.get('ideal_ttft'))}x), "
-                  f"TPOT {_fmt(r['speedup_tpot'])}x {_band(r, 'speedup_tpot')} (graph {_fmt(r.get('speedup_tpot_graph'))}x "
-                  f"{_band(r, 'speedup_tpot_graph')}) of best SDPA; sparsity timed {_fmt(r.get('timed_sparsity'))}"
+        out.print(f"speed {r['label']} @ {r['length']}: TTFT {_speed(r, 'speedup_ttft')} (graph "
+                  f"{_speed(r, 'speedup_ttft_graph')}, ideal {_fmt(r.get('ideal_ttft'))}x), TPOT "
+                  f"{_speed(r, 'speedup_tpot')} (graph {_speed(r, 'speedup_tpot_graph')}) of best SDPA; "
+                  f"sparsity timed {_fmt(r.get('timed_sparsity'))}"
                   f" / evaluated {_fmt(r['sparsity'])} (match {r.get('sparsity_match')}) on "
                   f"{r.get('speed_device')}", soft_wrap=True)
