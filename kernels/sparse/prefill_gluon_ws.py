@@ -60,8 +60,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -91,9 +89,6 @@ PRODUCER_WARPS = gl.constexpr(1)
 CONFIG = {(64, True): (4, 80, 112), (64, False): (4, 128, 128),
           (128, True): (5, None, 240), (128, False): (2, 128, 128)}
 PRODUCER_REGS = 24
-# The FA3-order form (``_ws_segment_pipe``): a second score tile and P live across the decision, so one program
-# per SM with room (as the D = 128 producer form).
-PIPE_CONFIG = {64: (4, None, 240), 128: (5, None, 240)}
 PRODUCER = {64: True, 128: False}  # default per head dim
 # Where warpgroup 0 issues the copies when it is their issuer (D = 128), per head dim, for dense calls (``late_for``;
 # ``_ws_tile``'s LATE): under its wgmma. Dense at D = 128: 8-15 % faster than before the Q.K^T / after the decision
@@ -183,17 +178,16 @@ def _producer(q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS: gl.const
 
 
 @gluon.jit
-def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, MEET: gl.constexpr,
-           AT: gl.constexpr):
+def _agree(red, dec_bar, e, vals, thr, WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, MEET: gl.constexpr):
     """The block's decision at exchange e: does some row of its 128 reach thr (vals: this warpgroup's
     64 rows [HALF], -inf where a row is past N)? MEET 2: one barrier with an OR of the 8 consumer warps
     (``prefill_gluon._bar_any`` at named barrier 15, which Triton's partitions do not use; the producer
-    warp never takes it; no shared memory; AT numbers the call site within a warpgroup). MEET 0: each warp votes once (``_warp_any``) into row e % 2
+    warp never takes it; no shared memory). MEET 0: each warp votes once (``_warp_any``) into row e % 2
     of red [2, BM]; after both warpgroups arrived through the entry's mbarrier, every thread reads the 8
     warps' votes (``_warps_any``)."""
     HALF: gl.constexpr = BM // 2
     if MEET == 2:
-        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG + 2 * AT)
+        keep = _bar_any(vals >= thr, HALF // (8 * NW), 15, 2 * NW * 32, WG)
     else:
         entry = red.index(e % 2)
         flags = _warp_any(vals >= thr, HALF // (8 * NW))
@@ -234,7 +228,7 @@ def _ws_tile(carry, q_smem, ring, src, red, dec_bar, t, j, rows, row_ok, n_ctx, 
     m_new = gl.maximum(m_i, m_ij)
     keep = True
     if DECIDE != 0:
-        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET, 0)
+        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET)
     if ISSUER and not LATE:
         _issue(ring, src, t + NBUF - 1, False, True, KV_ROWS, d, BN, NBUF)
     if keep:
@@ -267,114 +261,6 @@ def _ws_segment(carry, q_smem, ring, src, red, dec_bar, t0, j0, count, rows, row
 
 
 @gluon.jit
-def _pipe_qk(q_smem, ring, t, BN: gl.constexpr, NBUF: gl.constexpr, s_layout: gl.constexpr):
-    """PIPE: S of tile ordinal t = Q.K^T, its wgmma started once the K copy landed (in flight)."""
-    k_ring = ring[0]
-    k_ready = ring[2]
-    mbarrier.wait(k_ready.index(t % NBUF), (t // NBUF) & 1)
-    return _qk_start(q_smem, k_ring.index(t % NBUF).reshape([BN, q_smem.shape[1]]), q_smem.shape[0], BN, s_layout)
-
-
-@gluon.jit
-def _pipe_pv(acc, s, p_op, keep, ring, t, DECIDE: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
-    """PIPE: P.V of tile t (when kept) started behind the Q.K^T of tile t + 1 already in flight (s), then
-    wait for s only: (acc, its P.V still in flight, s [HALF, BN] f32)."""
-    v_ring = ring[1]
-    v_ready = ring[4]
-    slot = t % NBUF
-    v_tile = v_ring.index(slot).reshape([BN, v_ring.shape[3]])
-    acc = warpgroup_mma_init(acc)  # one type on both sides of the branch
-    if DECIDE == 0:
-        mbarrier.wait(v_ready.index(slot), (t // NBUF) & 1)
-        acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-        got = warpgroup_mma_wait(1, deps=(s,))
-    else:
-        if keep:
-            mbarrier.wait(v_ready.index(slot), (t // NBUF) & 1)
-            acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-            got = warpgroup_mma_wait(1, deps=(s,))
-        else:
-            got = warpgroup_mma_wait(0, deps=(s,))
-    return acc, got
-
-
-@gluon.jit
-def _pipe_decide(s, m_i, l_i, p_op, n_skip, ring, red, dec_bar, t, row_ok, qk_scale, thr, DECIDE: gl.constexpr,
-                 WG: gl.constexpr, BM: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, MEET: gl.constexpr,
-                 AT: gl.constexpr, o_layout: gl.constexpr):
-    """PIPE: tile t's S [HALF, BN] (waited; unmasked): release its K slot, decide (exchange t) and, when
-    kept, P (the P.V operand) and the row sums: (keep, p_op, l_i, alpha, m_new); the caller scales acc
-    by alpha and takes m_new once the previous tile's P.V is done (``_pipe_apply``)."""
-    mbarrier.arrive(ring[3].index(t % NBUF))
-    m_ij = gl.max(s, 1) * qk_scale
-    m_new = gl.maximum(m_i, m_ij)
-    alpha = gl.exp2(m_i - m_new)
-    keep = n_skip >= 0  # DECIDE 0: every tile kept (a scalar tensor, so that the loop carries one type)
-    if DECIDE != 0:
-        keep = _agree(red, dec_bar, t, _decided_vals(m_ij, m_new, row_ok, DECIDE), thr, WG, BM, NW, MEET, AT)
-        if keep:
-            p = gl.exp2(s * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            p_op = gl.convert_layout(p.to(p_op.dtype), gl.DotOperandLayout(0, o_layout, 2))
-    else:
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        p_op = gl.convert_layout(p.to(p_op.dtype), gl.DotOperandLayout(0, o_layout, 2))
-    return keep, p_op, l_i, alpha, m_new
-
-
-@gluon.jit
-def _pipe_apply(acc, m_i, n_skip, keep, alpha, m_new, DECIDE: gl.constexpr, o_layout: gl.constexpr):
-    """PIPE: a decided tile's state once the P.V before it is done: kept, acc scaled by alpha and m_i = m_new;
-    skipped, one more skip."""
-    if DECIDE == 0:
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        m_i = m_new
-    else:
-        if keep:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            m_i = m_new
-        else:
-            n_skip += 1
-    return acc, m_i, n_skip
-
-
-@gluon.jit
-def _ws_segment_pipe(carry, q_smem, ring, red, dec_bar, t0, j0, count, row_ok, qk_scale, thr,
-                     DECIDE: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     NBUF: gl.constexpr, NW: gl.constexpr, MEET: gl.constexpr, s_layout: gl.constexpr,
-                     o_layout: gl.constexpr):
-    """``_ws_segment`` of unmasked tiles in FA3's intra-warpgroup order (PIPE, producer warp only): tile
-    t + 1's Q.K^T is issued before tile t's P.V, so tile t + 1's decision (its barrier) and softmax run
-    while tile t's P.V is on the tensor cores; nothing is in flight across the loop's back edge.
-    Same decisions, counts and ring releases as ``_ws_tile`` (a tile's V slot is released after its P.V,
-    or after the next tile's decision when skipped: both after the meeting that decided it)."""
-    acc, l_i, m_i, n_skip = carry
-    v_empty = ring[5]
-    if count > 0:
-        p_op = gl.zeros([BM // 2, BN], q_smem.dtype, gl.DotOperandLayout(0, o_layout, 2))
-        s = warpgroup_mma_wait(0, deps=(_pipe_qk(q_smem, ring, t0, BN, NBUF, s_layout),))
-        keep, p_op, l_i, alpha, m_new = _pipe_decide(s, m_i, l_i, p_op, n_skip, ring, red, dec_bar, t0, row_ok,
-                                                     qk_scale, thr, DECIDE, WG, BM, NBUF, NW, MEET, 1, o_layout)
-        acc, m_i, n_skip = _pipe_apply(acc, m_i, n_skip, keep, alpha, m_new, DECIDE, o_layout)
-        for u in range(count - 1):
-            t = t0 + u
-            s = _pipe_qk(q_smem, ring, t + 1, BN, NBUF, s_layout)
-            acc, s = _pipe_pv(acc, s, p_op, keep, ring, t, DECIDE, BN, NBUF)
-            keep, p_op, l_i, alpha, m_new = _pipe_decide(s, m_i, l_i, p_op, n_skip, ring, red, dec_bar, t + 1,
-                                                         row_ok, qk_scale, thr, DECIDE, WG, BM, NBUF, NW, MEET, 2,
-                                                         o_layout)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(t % NBUF))
-            acc, m_i, n_skip = _pipe_apply(acc, m_i, n_skip, keep, alpha, m_new, DECIDE, o_layout)
-        t = t0 + count - 1
-        acc, s = _pipe_pv(acc, s, p_op, keep, ring, t, DECIDE, BN, NBUF)  # s: already waited, no copy of it
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(t % NBUF))
-    return acc, l_i, m_i, n_skip
-
-
-@gluon.jit
 def _epilogue(acc, l_i, q_half, O, SKIP, so_b, so_h, so_n, i, b, h, bh, n_skip, n_ctx, CHUNK: gl.constexpr,
               WG: gl.constexpr, BM: gl.constexpr, NW: gl.constexpr, o_layout: gl.constexpr):
     """acc / l_i [HALF, D] into this warpgroup's rows of O [B, H, N, D] (by strides), through its own
@@ -398,7 +284,7 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
               n_ctx, n_cand, qk_scale, thr, DECIDE: gl.constexpr, WG: gl.constexpr, ISSUER: gl.constexpr,
               Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, CHUNK: gl.constexpr, MEET: gl.constexpr,
-              LATE: gl.constexpr, PIPE: gl.constexpr):
+              LATE: gl.constexpr):
     """One warpgroup (NW = 4 warps): rows i * BM + WG * HALF .. + HALF - 1 over every tile of the block
     (the ISSUER also loads Q and the first NBUF - 1 tiles), then its rows of O."""
     HALF: gl.constexpr = BM // 2
@@ -420,13 +306,9 @@ def _consumer(q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h
     carry = (acc, l_i, m_i, i * 0 + j_lo)
     mbarrier.wait(q_bar.index(0), 0)
     q_half = q_buf.index(WG).reshape([HALF, HEAD_DIM])
-    if PIPE:
-        carry = _ws_segment_pipe(carry, q_half, ring, red, dec_bar, 0, j_lo, n_cand - j_lo, row_ok, qk_scale, thr,
-                                 DECIDE, WG, BM, BN, NBUF, NW, MEET, s_layout, o_layout)
-    else:
-        carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
-                            qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, LATE, s_layout,
-                            o_layout)
+    carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, 0, j_lo, n_cand - j_lo, rows, row_ok, n_ctx,
+                        qk_scale, thr, False, DECIDE, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET, LATE, s_layout,
+                        o_layout)
     carry = _ws_segment(carry, q_half, ring, src, red, dec_bar, n_cand - j_lo, n_cand, n_reach - n_cand, rows,
                         row_ok, n_ctx, qk_scale, thr, True, 0, WG, ISSUER, KV_ROWS, BM, BN, NBUF, NW, MEET,
                         LATE, s_layout, o_layout)
@@ -472,7 +354,7 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
                    METHOD: gl.constexpr, Q_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, PRODUCER: gl.constexpr,
                    WORKER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CHUNK: gl.constexpr,
-                   MEET: gl.constexpr, LATE: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr):
+                   MEET: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
     """Grid (P * CHUNK, B * H / CHUNK), heaviest query blocks first, CHUNK heads side by side
     (``_program``); num_warps = 4: consumer warpgroup 0 (the default
     partition), consumer warpgroup 1 (a worker, WORKER_REGS registers) and, when PRODUCER, a 1-warp
@@ -509,10 +391,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE, PIPE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE, PIPE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
             (_producer, (q_desc, q_buf, q_bar, ring, src, i, h, num_heads, Q_ROWS, KV_ROWS, HEAD_DIM, BM, BN,
                          NBUF)),
         ], [num_warps, PRODUCER_WARPS], [WORKER_REGS, PRODUCER_REGS])
@@ -520,10 +402,10 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, O, THR, SKIP, so_b, so_h, so_n,
         gl.warp_specialize([
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG0, ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE, PIPE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
             (_consumer, (q_desc, q_buf, q_bar, ring, src, red, dec_bar, O, SKIP, so_b, so_h, so_n, i, h, bh,
                          num_heads, n_ctx, n_cand, qk_scale, thr, DECIDE, WG1, NOT_ISSUER, Q_ROWS, KV_ROWS,
-                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE, PIPE)),
+                         HEAD_DIM, BM, BN, NBUF, num_warps, CHUNK, MEET, LATE)),
         ], [num_warps], [WORKER_REGS])
 
 
@@ -535,24 +417,21 @@ def late_for(d: int, method: int, producer: bool | None = None) -> bool:
 
 
 def ws_config(d: int, producer: bool | None = None, nbuf: int | None = None, chunk: int = 1,
-              meet: int | None = None, late: bool = False, pipe: bool = False) -> dict:
+              meet: int | None = None, late: bool = False) -> dict:
     """Launch constants of the kernel for head dim d: the CONFIG row (producer warp or not), as
     keyword arguments of ``_ws_fwd_kernel[grid](...)`` (maxnreg None: Triton's choice); ``chunk``: heads
     side by side in the grid (``_program``); ``meet``: how the two warpgroups agree on a decision (``_agree``;
     None: MEET[d]; 0 votes and an mbarrier, 2 one barrier with an OR); ``late``: warpgroup 0 issues each copy
-    while one of its wgmma runs (``_ws_tile``'s LATE; without a producer warp only); ``pipe``: the unmasked
-    tiles in FA3's order (``_ws_segment_pipe``; with a producer warp only, PIPE_CONFIG's registers)."""
+    while one of its wgmma runs (``_ws_tile``'s LATE; without a producer warp only)."""
     producer = PRODUCER[d] if producer is None else bool(producer)
-    slots, maxnreg, worker = PIPE_CONFIG[d] if pipe else CONFIG[(d, producer)]
-    if pipe and not producer:
-        raise ValueError("the FA3-order form (pipe) takes a producer warp")
+    slots, maxnreg, worker = CONFIG[(d, producer)]
     if meet not in (None, 0, 2):
         raise ValueError(f"meet is 0 (votes and an mbarrier) or 2 (one barrier with an OR), got {meet!r}")
     if late and producer:
         raise ValueError("late copies are warpgroup 0's: the form without a producer warp takes them")
     kw = {"NBUF": nbuf or slots, "PRODUCER": producer, "WORKER_REGS": worker, "PRODUCER_REGS": PRODUCER_REGS,
           "CHUNK": int(chunk), "MEET": MEET[d] if meet is None else int(meet), "LATE": bool(late),
-          "PIPE": bool(pipe), "num_warps": CONSUMER_WARPS}
+          "num_warps": CONSUMER_WARPS}
     if maxnreg is not None:
         kw["maxnreg"] = maxnreg
     return kw
@@ -562,19 +441,17 @@ def sparse_attention_gluon_ws(q, k, v, scale: float, block_m: int, block_n: int,
                               log_lambda: float | None = None, window: int | None = None, order: str = "forward",
                               dense: bool = False, out: torch.Tensor | None = None, nbuf: int | None = None,
                               producer: bool | None = None, chunk: int | None = None, meet: int | None = None,
-                              late: bool | None = None, pipe: bool = False):
+                              late: bool | None = None):
     """``prefill_gluon.sparse_attention_gluon`` run by the warp-specialized kernel: same arguments and
     results (q [B, H, N, D], k/v [B, Hkv, N, D] -> (out [B, H, N, D], skipped [B, H] int64));
     ``gluon_supported`` must hold. producer: a 1-warp TMA producer partition (default per head dim,
     PRODUCER), else consumer warpgroup 0 issues the copies; nbuf: ring slots (default CONFIG); chunk:
-    heads side by side in the grid (None: ``grid_chunk``); meet, late, pipe: ``ws_config``'s (late None:
+    heads side by side in the grid (None: ``grid_chunk``); meet, late: ``ws_config``'s (late None:
     ``late_for``)."""
     grid, args, consts, out, skip = launch(q, k, v, scale, block_m, block_n, block_m // 2, thresholds,
                                            log_lambda, window, order, dense, out)
     grid, chunk = chunked_grid(grid, q, chunk)
     d = q.shape[-1]
-    producer = True if pipe and producer is None else producer
-    late = late_for(d, consts["METHOD"], producer) if late is None else late
-    kw = ws_config(d, producer, nbuf, chunk, meet, late, pipe)
+    kw = ws_config(d, producer, nbuf, chunk, meet, late_for(d, consts["METHOD"], producer) if late is None else late)
     LAST_COMPILED["gluon"] = _ws_fwd_kernel[grid](*args, **consts, **kw)
     return out, skip.sum(dim=-1, dtype=torch.int64)

@@ -29,9 +29,7 @@ kernel targets, in one run on one Hopper GPU.
    mbarrier, or at one barrier with an OR (``meet`` 0 / 2; the default per head dim is
    ``prefill_gluon_ws.MEET``); ``gluon_ws_late`` / ``gluon_ws_early`` (D = 128): the copies under the wgmma in
    every call, or in none (the default: dense calls only, ``prefill_gluon_ws.late_for``); ``gluon_ws_redbar_late``
-   (D = 128): both, the barrier with an OR and the copies under the wgmma in every call; ``gluon_ws_pipe``: the
-   unmasked tiles in FA3's intra-warpgroup order with a producer warp (``prefill_gluon_ws._ws_segment_pipe``;
-   ``gluon_ws_pipe_b8``, D = 64: with 8 ring slots). Every
+   (D = 128): both, the barrier with an OR and the copies under the wgmma in every call. Every
    Gluon row records ``build_regs`` / ``build_spills`` as compiled on the GPU machine. A variant whose
    check fails is still timed (its rows say ``check_ok``: false); one whose check
    raised is left out of the timings (``check.variants[name].error``); neither stops the others.
@@ -79,12 +77,10 @@ EXTRA_VARIANTS = {"gluon_ws": sparse_attention_gluon_ws,
                   "gluon_ws_redbar": functools.partial(sparse_attention_gluon_ws, meet=2),
                   "gluon_ws_late": functools.partial(sparse_attention_gluon_ws, late=True),
                   "gluon_ws_early": functools.partial(sparse_attention_gluon_ws, late=False),
-                  "gluon_ws_redbar_late": functools.partial(sparse_attention_gluon_ws, meet=2, late=True),
-                  "gluon_ws_pipe": functools.partial(sparse_attention_gluon_ws, pipe=True),
-                  "gluon_ws_pipe_b8": functools.partial(sparse_attention_gluon_ws, pipe=True, nbuf=8)}
+                  "gluon_ws_redbar_late": functools.partial(sparse_attention_gluon_ws, meet=2, late=True)}
 VARIANT_DIMS = {"gluon_pair": (64,), "gluon_pair_b6": (64,), "gluon_pair_two": (64,),
                 "gluon_pair_two_c1": (64,), "gluon_ws_late": (128,),
-                "gluon_ws_early": (128,), "gluon_ws_redbar_late": (128,), "gluon_ws_pipe_b8": (64,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
+                "gluon_ws_early": (128,), "gluon_ws_redbar_late": (128,)}  # head dims a variant takes (others: every dim the Gluon kernels take)
 
 
 def takes(name: str, d: int) -> bool:
