@@ -4,6 +4,7 @@ stands on each must-show line, counted one way every time.
 
     python -m sparsecal.bench.decode_report --sweep data/bench/decode-sweep10-b16-h100-d64.json ...
     python -m sparsecal.bench.decode_report --targets data/bench/decode-targets-s42-b16-h100-d128.json.gz ...
+    python -m sparsecal.bench.decode_report --bandwidth data/bench/decode-targets-s53-b16-h200-d128.json.gz ...
 
 --sweep (files of ``python -m sparsecal.bench.decode --sweep``): per shape and sparsity, the
 table's sparse launch (``decode_group.sparse_launch_for``), the fastest checked sparse launch the
@@ -15,6 +16,12 @@ the dense launch (``decode_group_dense.launch_for``).
 steps (the dispatched floor), and the BSFA group decision's share of the ideal at 50 % / 75 %.
 Counted: dense shapes whose interval reaches 1.0, sparse cells at >= 0.90 of the ideal by the
 median and by the interval's upper end, dispatched floors below 0.99.
+
+--bandwidth (files of ``python -m sparsecal.bench.decode``): the rate each kernel streams the cache at
+(graph replays): the K and V bytes of a dense step over the own dense kernel's and the best SDPA's
+time, and for the BSFA group decision at 50 % / 75 % the bytes it reads (all of K, the V tiles some
+head keeps: 1 - v_skip of V) over its time, and that rate over the own dense kernel's. A sparse
+kernel that streams as fast as the dense one reaches its ideal; the ratio says how far it does.
 """
 from __future__ import annotations
 
@@ -118,6 +125,38 @@ def counts(rows: list[dict]) -> dict:
                             if r["floor"] < FLOOR]}
 
 
+KV_BYTES = 2  # bytes an element of K / V: the targets runs' cache is bfloat16 (bench.decode.decode_shape)
+
+
+def bandwidth_rows(doc: dict, path="the targets run") -> list[dict]:
+    """Per shape: d, group, length, the K + V bytes of a dense step over the own dense kernel's and the
+    best SDPA's graph time (TB/s), and per sparsity the group BSFA decision's bytes read (K, and the
+    share 1 - v_skip of V) over its graph time (TB/s) with that rate over the own dense kernel's."""
+    out = []
+    for shape in doc["shapes"]:
+        rows = {r["variant"]: r for r in shape["rows"]}
+        half = shape["batch"] * (shape["heads"] // shape["group"]) * shape["length"] * shape["d"] * KV_BYTES
+        own = 2 * half / number(rows["group_dense"], "graph_ms", path) / 1e9
+        row = {"d": shape["d"], "group": shape["group"], "length": shape["length"], "own": own,
+               "sdpa": 2 * half / number(rows[shape["best_sdpa_graph"]], "graph_ms", path) / 1e9}
+        for t in TARGETS:
+            r = rows[f"group_bsfa_group_s{t}"]
+            rate = (2 - number(r, "v_skip", path)) * half / number(r, "graph_ms", path) / 1e9
+            row[f"s{t}"] = (rate, rate / own)
+        out.append(row)
+    return out
+
+
+def bandwidth_markdown(rows: list[dict]) -> str:
+    lines = ["| D | G | cached | own dense TB/s | best SDPA TB/s | "
+             + " | ".join(f"{t}%: TB/s (of own dense)" for t in TARGETS) + " |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sparse = " | ".join("{:.2f} ({:.2f})".format(*r[f"s{t}"]) for t in TARGETS)
+        lines.append(f"| {r['d']} | {r['group']} | {r['length'] // 1024}K | {r['own']:.2f} | {r['sdpa']:.2f} | "
+                     f"{sparse} |")
+    return "\n".join(lines)
+
+
 def sweep_markdown(rows: list[dict]) -> str:
     lines = ["| D | G | cached | dense: table -> fastest (ratio) | 50%: table -> fastest | 75%: table -> fastest |",
              "|---|---|---|---|---|---|"]
@@ -148,15 +187,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsecal.bench.decode_report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", nargs="+", default=[], help="files of `python -m sparsecal.bench.decode --sweep`")
     ap.add_argument("--targets", nargs="+", default=[], help="files of `python -m sparsecal.bench.decode`")
+    ap.add_argument("--bandwidth", nargs="+", default=[], help="files of `python -m sparsecal.bench.decode`: "
+                    "the rate each kernel streams the cache at")
     args = ap.parse_args(argv)
-    if not (args.sweep or args.targets):
-        raise UserError("nothing to report: pass --sweep FILE ... and / or --targets FILE ...")
+    if not (args.sweep or args.targets or args.bandwidth):
+        raise UserError("nothing to report: pass --sweep FILE ..., --targets FILE ... and / or --bandwidth FILE ...")
     if args.sweep:
         docs = {p: read(p, "decode-sweep") for p in args.sweep}
         print(sweep_markdown([r for p, d in docs.items() for r in sweep_rows(d, p)]) + _order_notes(docs))
     if args.targets:
         docs = {p: read(p, "decode") for p in args.targets}
         print(targets_markdown([r for p, d in docs.items() for r in targets_rows(d, p)]) + _order_notes(docs))
+    if args.bandwidth:
+        docs = {p: read(p, "decode") for p in args.bandwidth}
+        print(bandwidth_markdown([r for p, d in docs.items() for r in bandwidth_rows(d, p)]))
 
 
 def _order_notes(docs: dict) -> str:
