@@ -164,10 +164,16 @@ def _shape_rows(shape: dict, names, path) -> dict:
 
 def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> list[dict]:
     """Per shape and form: d, n, group, form, ratios (BASE ms / form ms per AB_CELLS cell) and intervals ((lo, hi,
-    level) per cell, ``_interval``)."""
+    level) per cell, ``_interval``). A form that the run timed at some shapes and at none of another's cells (one
+    that takes only some head dims, bench.prefill_gluon.VARIANT_DIMS) has no row at that shape; a form it timed
+    nowhere, or at only some of a shape's cells, is one UserError line."""
     out = []
+    anywhere = {r["variant"] for shape in doc["targets"] for r in shape["rows"]}
     for shape in doc["targets"]:
+        timed = {r["variant"] for r in shape["rows"]}
         for form in forms:
+            if not any(f"{form}_{c}" in timed for c in AB_CELLS) and any(f"{form}_{c}" in anywhere for c in AB_CELLS):
+                continue
             rows = _shape_rows(shape, [f"{v}_{c}" for v in (base, form) for c in AB_CELLS], path)
             ratios = [number(rows[f"{base}_{c}"], "ms", path) / number(rows[f"{form}_{c}"], "ms", path)
                       for c in AB_CELLS]
