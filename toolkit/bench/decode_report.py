@@ -148,6 +148,8 @@ def bandwidth_rows(doc: dict, path="the targets run") -> list[dict]:
 
 
 def bandwidth_markdown(rows: list[dict]) -> str:
+    """The ``bandwidth_rows`` table: TB/s of the own dense kernel, the best SDPA and the group decision per sparsity
+    (its rate over the own dense kernel's in brackets)."""
     lines = ["| D | G | cached | own dense TB/s | best SDPA TB/s | "
              + " | ".join(f"{t}%: TB/s (of own dense)" for t in TARGETS) + " |", "|---|---|---|---|---|---|---|"]
     for r in rows:
