@@ -169,11 +169,12 @@ def ab_rows(doc: dict, base: str, forms: list[str], path="the prefill run") -> l
     nowhere, or at only some of a shape's cells, is one UserError line."""
     out = []
     anywhere = {r["variant"] for shape in doc["targets"] for r in shape["rows"]}
+    somewhere = {f for f in forms if any(f"{f}_{c}" in anywhere for c in AB_CELLS)}
     for shape in doc["targets"]:
         timed = {r["variant"] for r in shape["rows"]}
         for form in forms:
-            if not any(f"{form}_{c}" in timed for c in AB_CELLS) and any(f"{form}_{c}" in anywhere for c in AB_CELLS):
-                continue
+            if form in somewhere and not any(f"{form}_{c}" in timed for c in AB_CELLS):
+                continue  # a form of other head dims than this shape's
             rows = _shape_rows(shape, [f"{v}_{c}" for v in (base, form) for c in AB_CELLS], path)
             ratios = [number(rows[f"{base}_{c}"], "ms", path) / number(rows[f"{form}_{c}"], "ms", path)
                       for c in AB_CELLS]

@@ -511,8 +511,8 @@ def speed_line(n: int, label: str, rec: dict) -> str:
     TPOT's, host-bound, is often wide: the reader sees it), the ideal, and the timed and evaluated sparsity."""
     return (f"  {n} tokens {label}: TTFT {rec['speedup_ttft'] or 0:.3f}x {_band(rec, 'speedup_ttft')}, "
             f"TPOT {rec['speedup_tpot'] or 0:.3f}x {_band(rec, 'speedup_tpot')} "
-            f"(graph {_speed(rec, 'speedup_tpot_graph')}) of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); sparsity {_fmt(rec['sparsity'])} timed vs "
-            f"{_fmt(rec['point_sparsity'])} evaluated")
+            f"(graph {_speed(rec, 'speedup_tpot_graph')}) of best SDPA (ideal {rec['ideal_ttft'] or 0:.3f}x); "
+            f"sparsity {_fmt(rec['sparsity'])} timed vs {_fmt(rec['point_sparsity'])} evaluated")
 
 
 def _fmt(x) -> str:
