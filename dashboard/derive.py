@@ -94,7 +94,7 @@ def tile_frame(tiles: dict, n: int, bm: int, bn: int, order_index: int, threshol
     blasst = cand & (gap < log_lambda) if log_lambda is not None else np.zeros_like(cand)
     i, j = np.indices(kind.shape)
     reach = kind > 0
-    clean = lambda a: np.where(reach & np.isfinite(a), a, np.nan).ravel()  # noqa: E731
+    clean = lambda a: np.where(reach & np.isfinite(a), a, np.nan).ravel()
     return pl.DataFrame({"q_block": i.ravel(), "k_block": j.ravel(),
                          "kind": np.array(TILE_KINDS)[kind.ravel()], "bmax": clean(bmax), "gap": clean(gap),
                          "mass": clean(mass), "bsfa_skip": bsfa.ravel(), "blasst_skip": blasst.ravel()}

@@ -32,10 +32,10 @@ if "SPARSECAL_CACHE" not in os.environ:
 
     OWN_CACHE = os.environ["SPARSECAL_CACHE"] = tempfile.mkdtemp(prefix="sparsecal-test-cache-")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import settings  # noqa: E402
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
 
 SEED_ENV = "SPARSECAL_TEST_SEED"
 MODULE_SEED = pytest.StashKey[int]()

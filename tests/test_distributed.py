@@ -151,7 +151,7 @@ def test_killed_rank_loses_only_unfinished_samples_and_one_process_resumes(smoll
 
 def test_share_is_deterministic_disjoint_and_longest_first():
     items = [("a", 512), ("b", 128), ("c", 128), ("d", 256), ("e", 128), ("f", 128)]
-    length = lambda item: item[1]  # noqa: E731
+    length = lambda item: item[1]
     for world in (1, 2, 3, 7):
         parts = [share(items, world, r, length) for r in range(world)]
         assert sorted(x for p in parts for x in p) == sorted(items)

@@ -135,7 +135,7 @@ def main(argv=None) -> None:
               "shape": dict(heads=HEADS, kv_heads=KV_HEADS, dtype="bfloat16", causal=True, batch=1)}
     result["provenance"]["commit"] = args.commit or result["provenance"]["commit"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    save = lambda: args.out.write_text(json.dumps(result, indent=1, default=str))  # noqa: E731
+    save = lambda: args.out.write_text(json.dumps(result, indent=1, default=str))
     log(f"GPU: {result['provenance']['gpu']}, torch {torch.__version__}")
     if not args.no_checks:
         result["checks"] = [check_case(c) for c in CHECK_CASES]

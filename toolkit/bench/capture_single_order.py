@@ -53,7 +53,7 @@ MASS_SWEEP = [(4, 2), (4, 3), (8, 2), (8, 3)]
 
 def one_order(r: TileStats, o: int) -> TileStats:
     """The reference TileStats of all three orders cut down to order o (as a one-order run has it)."""
-    cut = lambda t: t[:, o:o + 1]  # noqa: E731
+    cut = lambda t: t[:, o:o + 1]
     return TileStats(r.bmax, cut(r.gap), r.mass, cut(r.tstar_step), cut(r.tstar_where), cut(r.tstar_norm),
                      r.qinit_err, cut(r.dec_gap), r.dec_mass, r.dec_rows, cut(r.rescales), cut(r.shortfall),
                      dec_bmax=r.dec_bmax, joint_err=r.joint_err, group=r.group)

@@ -184,7 +184,7 @@ def _decode_bsfa(rng, n: int, cfg: StatsConfig, lead: tuple, exact: bool) -> dic
             thr[..., ok, i] = (top[..., ok, k - 1] + top[..., ok, k]) / 2
     kept = np.minimum(ks[None], cand[:, None])
     skipped = (cand[:, None] - kept) / (cand[:, None] + 1.0)
-    full = lambda x: torch.from_numpy(np.broadcast_to(x, lead + x.shape).copy())  # noqa: E731
+    full = lambda x: torch.from_numpy(np.broadcast_to(x, lead + x.shape).copy())
     return {"decode_bsfa_threshold": torch.from_numpy(thr).float(), "decode_bsfa_kept": full(kept).int(),
             "decode_bsfa_skipped_mass": full(skipped).float(), "decode_bsfa_top_bmax": torch.from_numpy(top).float(),
             **_bsfa_mass(top, cand, cand + 1, "decode_")}

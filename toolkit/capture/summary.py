@@ -46,7 +46,7 @@ def run_summary(store) -> list[dict]:
         groups[(rec["task"], rec["length"])].append((rec, sample_summary(tensors, cfg)))
     rows = []
     for (task, length), items in sorted(groups.items()):
-        mean = lambda key: float(np.mean([s[key] for _, s in items]))  # noqa: E731
+        mean = lambda key: float(np.mean([s[key] for _, s in items]))
         rows.append({"task": task, "length": length, "samples": len(items),
                      "seconds": float(np.mean([r.get("seconds", float("nan")) for r, _ in items])),
                      "sparsity": mean("sparsity"), "retained_mass": mean("retained_mass"),
